@@ -1,0 +1,105 @@
+"""The Engine protocol every engine implements, and what a step reports.
+
+Fields an engine cannot observe are ``None`` (absent), never zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvbench.workloads.model import Request
+
+
+@dataclass(slots=True)
+class KVStats:
+    """A snapshot of KV-cache memory. Counters (``prefix_*``, ``block_*``) are cumulative."""
+
+    capacity_bytes: int
+    used_bytes: int | None = None
+    reserved_bytes: int | None = None
+    free_bytes: int | None = None
+    largest_free_bytes: int | None = None
+    shared_bytes: int | None = None
+    prefix_hit_tokens: int | None = None
+    prefix_query_tokens: int | None = None
+    block_allocs: int | None = None
+    block_frees: int | None = None
+    copied_bytes: int | None = None
+
+    @property
+    def frag_index(self) -> float | None:
+        """largest_free / free: 1.0 when all free memory is usable by one allocation."""
+        if self.free_bytes is None or self.largest_free_bytes is None:
+            return None
+        return 1.0 if self.free_bytes == 0 else self.largest_free_bytes / self.free_bytes
+
+
+@dataclass(slots=True)
+class BatchShape:
+    """What one step computed; the cost model and the virtual clock read it.
+
+    ``context_tokens`` sums, over scheduled sequences, the KV positions attention reads
+    (cached context plus the new tokens); ``attn_pairs`` sums query x key pairs.
+    """
+
+    num_seqs: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    context_tokens: int = 0
+    attn_pairs: int = 0
+    copied_bytes: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
+
+
+@dataclass(slots=True)
+class Finished:
+    """A request that completed (all samples) or was rejected this step."""
+
+    request_id: str
+    output_digest: str | None = None
+    cached_tokens: int = 0
+    rejected: str | None = None
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What happened in one engine step.
+
+    ``tokens`` maps request id -> tokens emitted this step (all samples together);
+    ``first_token`` holds the ids whose first output token was emitted this step;
+    ``scheduled_first`` the ids scheduled for the first time.
+    """
+
+    tokens: dict[str, int] = field(default_factory=dict)
+    first_token: set[str] = field(default_factory=set)
+    scheduled_first: set[str] = field(default_factory=set)
+    finished: list[Finished] = field(default_factory=list)
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preempted: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
+    kv: KVStats | None = None
+    batch: BatchShape = field(default_factory=BatchShape)
+    elapsed_s: float | None = None
+
+
+class Engine(Protocol):
+    """An inference engine driven step by step by the harness."""
+
+    name: str
+
+    def add(self, request: Request) -> None: ...
+
+    def step(self) -> StepReport: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+    def describe(self) -> dict[str, Any]:
+        """The engine's configuration as JSON-able data (goes into the run record)."""
+        ...

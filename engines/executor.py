@@ -1,0 +1,48 @@
+"""The executor interface: runs one scheduled batch (real compute or a cost model)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbench.engines.kv.base import KVManager, SlotCopy
+from kvbench.engines.sequence import Sequence
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """Compute KV for positions ``[start, start + num_tokens)`` of ``seq``; then, if
+    ``sample``, produce the next token from the last position's logits."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    items: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[SlotCopy] = field(default_factory=list)
+
+
+class Executor(ABC):
+    """Backs a KV manager's slots with memory and computes scheduled batches."""
+
+    device: str
+
+    @abstractmethod
+    def bind(self, kv: KVManager) -> None:
+        """Allocate the physical KV pool for ``kv`` (called once before the first step)."""
+
+    @abstractmethod
+    def execute(self, batch: ScheduledBatch, kv: KVManager) -> list[int]:
+        """Apply ``batch.copies``, compute every item, return one token id per sampling item
+        (in batch order)."""
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]: ...
+
+    def close(self) -> None:
+        """Release device memory."""

@@ -1,0 +1,87 @@
+"""The KV manager interface shared by the paged and contiguous managers.
+
+Managers only do bookkeeping: which physical token slots hold which sequence's KV. The
+physical pool is a flat array of ``capacity_tokens`` slots (paged: ``num_blocks x
+block_size``, slot = block * block_size + offset; contiguous: a linear arena). An executor
+backs the slots with real tensors; the sim executor backs them with nothing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvbench.engines.base import KVStats
+from kvbench.engines.sequence import Sequence
+from kvbench.workloads.model import Request
+
+
+@dataclass(frozen=True, slots=True)
+class SlotCopy:
+    """Copy ``num_slots`` token slots from ``src`` to ``dst`` before the step's compute.
+
+    Used for copy-on-write of a shared partial block, contiguous compaction and contiguous
+    fork. Ranges may overlap (compaction slides left); executors must copy as if through a
+    temporary.
+    """
+
+    src: int
+    dst: int
+    num_slots: int
+
+
+class KVManager(ABC):
+    kind: str
+    bytes_per_token: int
+    capacity_tokens: int
+
+    @abstractmethod
+    def never_fits(self, request: Request) -> str | None:
+        """Why ``request`` could never be admitted even into an empty cache, or None."""
+
+    @abstractmethod
+    def lookup_prefix(self, seq: Sequence) -> int:
+        """Prompt tokens already cached for ``seq`` (prefix caching); no side effects."""
+
+    @abstractmethod
+    def allocate(self, seq: Sequence, num_cached: int, num_new: int) -> bool:
+        """Admit ``seq``: attach ``num_cached`` cached tokens and room for ``num_new`` more.
+
+        Returns False, changing nothing, when it does not fit now. On success sets
+        ``seq.num_computed_tokens = seq.num_cached_tokens = num_cached``.
+        """
+
+    @abstractmethod
+    def grow(self, seq: Sequence, num_new: int) -> bool:
+        """Make room for ``num_new`` tokens after ``seq.num_computed_tokens``; False if none."""
+
+    @abstractmethod
+    def commit(self, seq: Sequence) -> None:
+        """Called after a step computed KV up to ``seq.num_computed_tokens`` (caches blocks)."""
+
+    @abstractmethod
+    def free(self, seq: Sequence) -> None:
+        """Release everything ``seq`` holds (finish or preemption)."""
+
+    @abstractmethod
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` the same KV as ``parent`` (parallel samples)."""
+
+    @abstractmethod
+    def slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        """Physical slots of token positions ``[start, end)`` of ``seq`` (int64)."""
+
+    @abstractmethod
+    def take_copies(self) -> list[SlotCopy]:
+        """Copies queued since the last call, in order."""
+
+    @abstractmethod
+    def stats(self) -> KVStats:
+        """Current memory snapshot."""
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """Configuration as JSON-able data."""

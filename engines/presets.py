@@ -1,0 +1,132 @@
+"""Model presets: real model shapes, from which KV bytes per token, weight bytes and FLOPs follow.
+
+Shapes are those of the published Hugging Face ``config.json`` files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from kvbench.errors import KvbenchError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPreset:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    dtype: str = "bfloat16"
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    hf_architecture: str = "LlamaForCausalLM"
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def layer_params(self) -> int:
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        mlp = 3 * h * self.intermediate_size
+        return attn + mlp + 2 * h
+
+    @property
+    def num_params(self) -> int:
+        emb = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_embeddings else emb
+        return emb + head + self.num_layers * self.layer_params + self.hidden_size
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters touched by matmuls per token (layers + LM head, not the embedding lookup)."""
+        return self.num_layers * self.layer_params + self.vocab_size * self.hidden_size
+
+    def with_dtype(self, dtype: str) -> ModelPreset:
+        if dtype not in DTYPE_BYTES:
+            raise KvbenchError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPE_BYTES)}")
+        return replace(self, dtype=dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["kv_bytes_per_token"] = self.kv_bytes_per_token
+        out["num_params"] = self.num_params
+        return out
+
+
+_PRESETS: dict[str, ModelPreset] = {
+    # CPU default: small enough for real compute on 2 cores, same architecture as the rest.
+    "tiny": ModelPreset(
+        name="tiny", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8,
+        num_kv_heads=2, head_dim=32, intermediate_size=688, max_position=4096, dtype="float32",
+    ),
+    "llama-2-7b": ModelPreset(
+        name="llama-2-7b", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+        num_kv_heads=32, head_dim=128, intermediate_size=11008, max_position=4096,
+        dtype="float16",
+    ),
+    "llama-2-13b": ModelPreset(
+        name="llama-2-13b", vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40,
+        num_kv_heads=40, head_dim=128, intermediate_size=13824, max_position=4096,
+        dtype="float16",
+    ),
+    "llama-3-8b": ModelPreset(
+        name="llama-3-8b", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, intermediate_size=14336, max_position=8192,
+        rope_theta=500000.0,
+    ),
+    "qwen2.5-7b": ModelPreset(
+        name="qwen2.5-7b", vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
+        num_kv_heads=4, head_dim=128, intermediate_size=18944, max_position=32768,
+        rope_theta=1000000.0, rms_eps=1e-6, qkv_bias=True, hf_architecture="Qwen2ForCausalLM",
+    ),
+    "deepseek-r1-distill-qwen-7b": ModelPreset(
+        name="deepseek-r1-distill-qwen-7b", vocab_size=152064, hidden_size=3584,
+        num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, intermediate_size=18944,
+        max_position=131072, rope_theta=10000.0, rms_eps=1e-6, qkv_bias=True,
+        hf_architecture="Qwen2ForCausalLM",
+    ),
+    "mistral-7b": ModelPreset(
+        name="mistral-7b", vocab_size=32768, hidden_size=4096, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, intermediate_size=14336, max_position=32768,
+        rope_theta=1000000.0, hf_architecture="MistralForCausalLM",
+    ),
+    "llama-3-70b": ModelPreset(
+        name="llama-3-70b", vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
+        num_kv_heads=8, head_dim=128, intermediate_size=28672, max_position=8192,
+        rope_theta=500000.0,
+    ),
+}
+
+
+def preset_names() -> list[str]:
+    return sorted(_PRESETS)
+
+
+def get_preset(name: str) -> ModelPreset:
+    try:
+        return _PRESETS[name]
+    except KeyError:
+        raise KvbenchError(
+            f"unknown model preset {name!r}; valid presets: {', '.join(preset_names())}"
+        ) from None

@@ -1,0 +1,71 @@
+"""A sequence: one sample of a request moving through the scheduler.
+
+Scheduling follows one rule for prefill, chunked prefill, decode and recompute: a step
+computes KV for tokens ``[num_computed_tokens, num_tokens)`` (possibly a chunk of them);
+when a sequence's computed tokens reach ``num_tokens`` the step samples one new token.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbench.workloads.model import Request
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    request: Request
+    prompt_ids: np.ndarray
+    sample_index: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    num_preemptions: int = 0
+    ever_scheduled: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens the sequence will hold when finished (prompt + forced output)."""
+        return len(self.prompt_ids) + self.request.output_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.output_ids) >= self.request.output_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while tokens other than the last sampled one still need KV."""
+        return self.num_tokens - self.num_computed_tokens > 1 or not self.output_ids
+
+    def token_ids(self, start: int, end: int) -> np.ndarray:
+        """Token ids at positions ``[start, end)`` (prompt then generated)."""
+        n_prompt = len(self.prompt_ids)
+        if end <= n_prompt:
+            return self.prompt_ids[start:end]
+        out = np.asarray(self.output_ids[max(start - n_prompt, 0) : end - n_prompt], np.int64)
+        if start >= n_prompt:
+            return out
+        return np.concatenate([self.prompt_ids[start:], out])
+
+    def output_digest(self) -> str:
+        return hashlib.sha256(np.asarray(self.output_ids, np.int64).tobytes()).hexdigest()[:16]

@@ -1,0 +1,133 @@
+"""The request model shared by every engine.
+
+A prompt is a list of segments. Each segment has a ``key`` naming its content: two segments
+with the same key hold the same token ids (over their common length). Token ids are derived
+from the key by a counter-based hash, so shared prefixes, Mooncake ``hash_ids`` blocks and
+multi-turn contexts really share ids (prefix caching and vLLM token-id prompts need that)
+without storing millions of ids in the workload file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+SegmentKind = Literal["text", "image", "audio"]
+SEGMENT_KINDS: tuple[str, ...] = ("text", "image", "audio")
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def key_hash(key: str) -> int:
+    """Stable 64-bit hash of a content key."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = x + _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * _MIX1
+        x = (x ^ (x >> np.uint64(27))) * _MIX2
+        return x ^ (x >> np.uint64(31))
+
+
+def segment_token_ids(key: str, n: int, vocab_size: int, start: int = 0) -> np.ndarray:
+    """Token ids ``[start, start+n)`` of the content named ``key``, each in ``[0, vocab_size)``."""
+    base = np.uint64(key_hash(key))
+    with np.errstate(over="ignore"):
+        x = base + np.arange(start, start + n, dtype=np.uint64) * _GOLDEN
+    return (_splitmix64(x) % np.uint64(vocab_size)).astype(np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A run of prompt tokens of one modality.
+
+    ``tokens`` is the number of KV positions the segment occupies. Source facts stay with it:
+    image ``height``/``width`` in pixels and the token ``rule`` that gave the count; audio
+    ``seconds``.
+    """
+
+    kind: SegmentKind
+    tokens: int
+    key: str
+    height: int | None = None
+    width: int | None = None
+    seconds: float | None = None
+    rule: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One inference request. Generation is forced to exactly ``output_tokens`` per sample."""
+
+    id: str
+    arrival_s: float
+    segments: tuple[Segment, ...]
+    output_tokens: int
+    prefix_group: str | None = None
+    session_id: str | None = None
+    n: int = 1
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(s.tokens for s in self.segments)
+
+    def tokens_of(self, kind: str) -> int:
+        return sum(s.tokens for s in self.segments if s.kind == kind)
+
+    def prompt_token_ids(self, vocab_size: int) -> np.ndarray:
+        """All prompt token ids (int64). Image/audio positions get placeholder ids from their key."""
+        parts = [segment_token_ids(s.key, s.tokens, vocab_size) for s in self.segments]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "arrival_s": self.arrival_s,
+            "segments": [s.to_json() for s in self.segments],
+            "output_tokens": self.output_tokens,
+        }
+        if self.prefix_group is not None:
+            out["prefix_group"] = self.prefix_group
+        if self.session_id is not None:
+            out["session_id"] = self.session_id
+        if self.n != 1:
+            out["n"] = self.n
+        return out
+
+
+@dataclass(slots=True)
+class Workload:
+    """An ordered list of requests plus what produced them.
+
+    ``spec`` is the JSON-able generator spec or import description, ``source`` a short
+    human label (preset name or trace path).
+    """
+
+    name: str
+    requests: list[Request]
+    seed: int
+    spec: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def digest(self) -> str:
+        """Content digest over the requests (order, arrivals, segments, lengths)."""
+        h = hashlib.sha256()
+        for r in self.requests:
+            h.update(json.dumps(r.to_json(), sort_keys=True, separators=(",", ":")).encode())
+            h.update(b"\n")
+        return h.hexdigest()[:16]
+
+    def __len__(self) -> int:
+        return len(self.requests)
