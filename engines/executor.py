@@ -44,5 +44,6 @@ class Executor(ABC):
     @abstractmethod
     def describe(self) -> dict[str, Any]: ...
 
+    @abstractmethod
     def close(self) -> None:
         """Release device memory."""

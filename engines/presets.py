@@ -40,9 +40,15 @@ class ModelPreset:
         """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
+    def kv_bytes_per_token_per_rank(self, tp: int = 1) -> int:
+        """KV bytes one tensor-parallel rank holds per token: KV heads split across ranks,
+        replicated when there are fewer KV heads than ranks."""
+        return self.kv_bytes_per_token // min(tp, self.num_kv_heads)
+
     @property
     def layer_params(self) -> int:
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h = self.hidden_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
         mlp = 3 * h * self.intermediate_size
         return attn + mlp + 2 * h

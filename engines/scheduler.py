@@ -1,0 +1,242 @@
+"""Continuous-batching scheduler shared by every built-in engine.
+
+One rule covers prefill, chunked prefill, decode and recompute (as in vLLM v1): a step
+computes KV for positions ``[num_computed_tokens, num_tokens)`` of each scheduled sequence,
+possibly a chunk of them, and samples a token once a sequence is fully computed. Running
+sequences go first, in admission order; then waiting ones are admitted FCFS while
+``max_num_seqs``, the token budget and the KV manager allow. When a running sequence cannot
+grow, the most recently admitted one is preempted (its KV freed, recomputed later). A
+manager that reserves everything at admission (contiguous) never needs to preempt: its
+requests wait for an extent instead.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvbench.engines.executor import ScheduledBatch, ScheduledSeq
+from kvbench.engines.kv.base import KVManager
+from kvbench.engines.sequence import SeqStatus, Sequence
+from kvbench.workloads.model import Request
+
+from kvbench.errors import KvbenchError
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunked_prefill: bool = True
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
+            raise KvbenchError(
+                "max_num_seqs and max_num_batched_tokens must be >= 1 and max_model_len >= 2"
+            )
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise KvbenchError(
+                f"without chunked prefill a whole prompt must fit in one step: raise "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) to at least "
+                f"max_model_len ({self.max_model_len}), or enable chunked prefill"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request: Request
+    samples: list[Sequence] = field(default_factory=list)
+    running: int = 0
+    finished: int = 0
+    emitted_first: bool = False
+    forked: bool = False
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """Bookkeeping results of one step, by request id."""
+
+    tokens: dict[str, int] = field(default_factory=dict)
+    first_token: set[str] = field(default_factory=set)
+    finished: list[_RequestState] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
+        config.validate()
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._requests: dict[str, _RequestState] = {}
+        self._next_seq_id = 0
+        self.num_running_requests = 0
+
+    def rejection(self, request: Request) -> str | None:
+        """Why ``request`` can never run here, or None."""
+        total = request.prompt_tokens + request.output_tokens
+        if total > self.config.max_model_len:
+            return (
+                f"prompt ({request.prompt_tokens}) + output ({request.output_tokens}) = {total} "
+                f"tokens exceeds max_model_len {self.config.max_model_len}; raise --max-model-len "
+                "(up to the model's context) or drop such requests"
+            )
+        if request.n > self.config.max_num_seqs:
+            return f"n={request.n} samples exceed max_num_seqs {self.config.max_num_seqs}"
+        return self.kv.never_fits(request)
+
+    def add(self, request: Request, prompt_ids: Any) -> None:
+        seq = self._new_seq(request, prompt_ids, 0)
+        self._requests[request.id] = _RequestState(request, [seq])
+        self.waiting.append(seq)
+
+    def _new_seq(self, request: Request, prompt_ids: Any, sample_index: int) -> Sequence:
+        seq = Sequence(self._next_seq_id, request, prompt_ids, sample_index=sample_index)
+        self._next_seq_id += 1
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[ScheduledBatch, list[Sequence], set[str]]:
+        """Pick this step's work. Returns the batch, the sequences preempted and the request
+        ids scheduled for the first time."""
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.chunked_prefill
+        items: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        first: set[str] = set()
+        kv = self.kv
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if num_new > budget:
+                if not chunked:
+                    i += 1
+                    continue
+                num_new = budget
+            while not kv.grow(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                start = seq.num_computed_tokens
+                items.append(ScheduledSeq(seq, start, num_new, start + num_new == seq.num_tokens))
+                budget -= num_new
+                i += 1
+
+        # Admitting while preempting would thrash: the freed memory goes to the preempted.
+        if not preempted:
+            max_seqs = self.config.max_num_seqs
+            while self.waiting and budget > 0:
+                seq = self.waiting[0]
+                n_samples = seq.request.n if not self._requests[seq.request.id].forked else 1
+                if len(self.running) + n_samples > max_seqs:
+                    break
+                cached = kv.lookup_prefix(seq)
+                num_new = seq.num_tokens - cached
+                if num_new > budget:
+                    if not chunked:
+                        break
+                    num_new = budget
+                if not kv.allocate(seq, cached, num_new):
+                    break
+                self.waiting.popleft()
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                state = self._requests[seq.request.id]
+                if state.running == 0:
+                    self.num_running_requests += 1
+                state.running += 1
+                if not seq.ever_scheduled:
+                    seq.ever_scheduled = True
+                    if seq.sample_index == 0:
+                        first.add(seq.request.id)
+                start = seq.num_computed_tokens
+                items.append(ScheduledSeq(seq, start, num_new, start + num_new == seq.num_tokens))
+                budget -= num_new
+
+        return ScheduledBatch(items, kv.take_copies()), preempted, first
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        state = self._requests[seq.request.id]
+        state.running -= 1
+        if state.running == 0:
+            self.num_running_requests -= 1
+        self.waiting.appendleft(seq)
+
+    def update(self, batch: ScheduledBatch, sampled: list[int]) -> StepOutcome:
+        """Advance sequences after the executor ran ``batch``; ``sampled`` holds one token per
+        sampling item, in order."""
+        out = StepOutcome()
+        kv = self.kv
+        tokens = out.tokens
+        it = iter(sampled)
+        done = False
+        for item in batch.items:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            kv.commit(seq)
+            if not item.sample:
+                continue
+            seq.output_ids.append(next(it))
+            rid = seq.request.id
+            tokens[rid] = tokens.get(rid, 0) + 1
+            state = self._requests[rid]
+            if not state.emitted_first:
+                state.emitted_first = True
+                out.first_token.add(rid)
+            if seq.request.n > 1 and not state.forked:
+                self._fork(state, seq, tokens)
+            if seq.is_finished:
+                done = True
+        if done:
+            self._retire(out)
+        return out
+
+    def _fork(self, state: _RequestState, parent: Sequence, tokens: dict[str, int]) -> None:
+        """Start the other samples from the parent's KV once its prefill produced a token."""
+        state.forked = True
+        for k in range(1, parent.request.n):
+            child = self._new_seq(parent.request, parent.prompt_ids, k)
+            child.output_ids = list(parent.output_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = SeqStatus.RUNNING
+            child.ever_scheduled = True
+            self.kv.fork(parent, child)
+            state.samples.append(child)
+            state.running += 1
+            self.running.append(child)
+            tokens[parent.request.id] += 1
+
+    def _retire(self, out: StepOutcome) -> None:
+        keep: list[Sequence] = []
+        for seq in self.running:
+            if not seq.is_finished:
+                keep.append(seq)
+                continue
+            self.kv.free(seq)
+            seq.status = SeqStatus.FINISHED
+            state = self._requests[seq.request.id]
+            state.running -= 1
+            state.finished += 1
+            if state.running == 0:
+                self.num_running_requests -= 1
+            if state.finished == seq.request.n:
+                out.finished.append(state)
+                del self._requests[seq.request.id]
+        self.running = keep

@@ -1,0 +1,76 @@
+"""Clocks for the harness.
+
+``wall``: real time; latencies are what the engine really took. ``virtual``: time advances
+by the cost model's predicted step time, so arrivals interleave with steps identically on
+any machine and memory/concurrency curves can be gated exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+
+from kvbench.engines.base import StepReport
+from kvbench.engines.costmodel import CostModel
+
+CLOCKS = ("wall", "virtual")
+
+
+class Clock(ABC):
+    name: str
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def now(self) -> float:
+        """Seconds since start."""
+
+    @abstractmethod
+    def wait_until(self, t: float) -> None:
+        """Idle until time ``t`` (nothing to run before the next arrival)."""
+
+    @abstractmethod
+    def after_step(self, report: StepReport) -> None:
+        """Account for a finished step (the virtual clock advances by its predicted time)."""
+
+
+class WallClock(Clock):
+    name = "wall"
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def wait_until(self, t: float) -> None:
+        delay = t - self.now()
+        if delay > 0:
+            time.sleep(delay)
+
+    def after_step(self, report: StepReport) -> None:
+        """Real time has already passed."""
+
+
+class VirtualClock(Clock):
+    name = "virtual"
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self._t = 0.0
+
+    def start(self) -> None:
+        self._t = 0.0
+
+    def now(self) -> float:
+        return self._t
+
+    def wait_until(self, t: float) -> None:
+        self._t = max(self._t, t)
+
+    def after_step(self, report: StepReport) -> None:
+        self._t += self.cost.step_time_s(report.batch)
