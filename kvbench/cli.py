@@ -58,6 +58,14 @@ def run(
 
     the_suite, base = load_suite(suite)
     r, w, m = the_suite.run, the_suite.workload, the_suite.model
+    # Suite values chosen for the suite's own workload, model or device are dropped when
+    # that is overridden, unless given again.
+    if workload is not None:
+        w.num_requests = None
+    if model is not None:
+        r.max_model_len, r.kv_memory, m.dtype = None, None, None
+    if device is not None:
+        r.clock, r.kv_memory = "auto", None
     if workload is not None:
         w.preset = w.file = w.trace = w.path = None
         kind, _, rest = workload.partition(":")

@@ -54,8 +54,8 @@ class RunSection(_Strict):
     kv_memory: str | None = None
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     block_size: int = Field(default=16, ge=1)
-    max_num_seqs: int = Field(default=64, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int = Field(default=8192, ge=1)
     max_model_len: int | None = Field(default=None, ge=2)
     chunked_prefill: bool = True
     prefix_caching: bool = True

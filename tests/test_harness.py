@@ -1,0 +1,95 @@
+"""Harness behaviour on failures and interruptions: the record is still produced."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvbench.clocks import WallClock
+from kvbench.engines.base import BatchShape, Finished, KVStats, StepReport
+from kvbench.harness import run_engine
+from kvbench.metrics import summarize
+from kvbench.records import build_record, load_record
+from helpers import make_workload, text_request
+
+
+class ScriptedEngine:
+    """Finishes one token per request per step; raises ``error`` at step ``fail_at``."""
+
+    name = "scripted"
+
+    def __init__(self, fail_at: int | None = None, error: BaseException | None = None) -> None:
+        self.pending: dict[str, int] = {}
+        self.started: set[str] = set()
+        self.steps = 0
+        self.fail_at, self.error = fail_at, error
+        self.closed = False
+
+    def add(self, request: Any) -> None:
+        self.pending[request.id] = request.output_tokens
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending)
+
+    def step(self) -> StepReport:
+        self.steps += 1
+        if self.fail_at is not None and self.steps >= self.fail_at:
+            raise self.error  # type: ignore[misc]
+        rep = StepReport(kv=KVStats(capacity_bytes=100, used_bytes=0, reserved_bytes=0,
+                                    free_bytes=100, largest_free_bytes=100))
+        for rid in list(self.pending):
+            rep.tokens[rid] = 1
+            if rid not in self.started:
+                self.started.add(rid)
+                rep.first_token.add(rid)
+            self.pending[rid] -= 1
+            if self.pending[rid] == 0:
+                del self.pending[rid]
+                rep.finished.append(Finished(rid))
+        rep.batch = BatchShape(num_seqs=len(rep.tokens), decode_tokens=len(rep.tokens))
+        rep.num_running = len(self.pending)
+        return rep
+
+    def close(self) -> None:
+        self.closed = True
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+
+def _wl():
+    return make_workload([text_request(f"r{i}", 10, 5) for i in range(3)])
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [(RuntimeError("kernel exploded"), "failed"), (KeyboardInterrupt(), "interrupted")],
+)
+def test_failed_or_interrupted_run_still_writes_record(tmp_path, error, status) -> None:
+    engine = ScriptedEngine(fail_at=3, error=error)
+    run = run_engine(engine, _wl(), WallClock())
+    assert run.status == status
+    assert engine.closed
+    rec = build_record(run, command="test", suite="t", engine_config={}, model={}, device="cpu")
+    path = rec.write(tmp_path / "x.json")
+    back = load_record(path)
+    assert back.status == status
+    assert ("kernel exploded" in back.error) if status == "failed" else "Ctrl-C" in back.error
+    assert all(r.status == "unfinished" for r in back.requests)
+
+
+def test_ok_run_metrics() -> None:
+    run = run_engine(ScriptedEngine(), _wl(), WallClock())
+    s = summarize(run)
+    assert run.status == "ok"
+    assert s["completed"] == 3 and s["total_output_tokens"] == 15
+    assert s["median_ttft_ms"] is not None and s["median_tpot_ms"] is not None
+    assert s["min_frag_index"] == 1.0
+
+
+def test_record_schema_mismatch_is_clear(tmp_path) -> None:
+    p = tmp_path / "r.json"
+    p.write_text('{"schema_version": 99}')
+    with pytest.raises(Exception, match="schema_version 99"):
+        load_record(p)
