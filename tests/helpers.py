@@ -10,8 +10,9 @@ REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO.parent / "shared" / "traces"
 
 
-def text_request(rid: str, prompt: int, output: int, arrival: float = 0.0, *, key: str | None = None,
-                 n: int = 1) -> Request:
+def text_request(
+    rid: str, prompt: int, output: int, arrival: float = 0.0, *, key: str | None = None, n: int = 1
+) -> Request:
     return Request(rid, arrival, (Segment("text", prompt, key or f"t/{rid}"),), output, n=n)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import make_workload, text_request
 from kvbench.clocks import VirtualClock
 from kvbench.devices import parse_device
 from kvbench.engines.costmodel import CostModel
@@ -13,7 +14,6 @@ from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.harness import run_engine
 from kvbench.metrics import summarize
 from kvbench.suite import BUILTIN_ENGINES, EngineSection
-from helpers import make_workload, text_request
 
 
 def _opts(kv_tokens: int, *, max_len: int = 4096, seqs: int = 64, batched: int = 2048,

@@ -6,12 +6,12 @@ from typing import Any
 
 import pytest
 
+from helpers import make_workload, text_request
 from kvbench.clocks import WallClock
 from kvbench.engines.base import BatchShape, Finished, KVStats, StepReport
 from kvbench.harness import run_engine
 from kvbench.metrics import summarize
 from kvbench.records import build_record, load_record
-from helpers import make_workload, text_request
 
 
 class ScriptedEngine:

@@ -1,5 +1,43 @@
 """Workloads: requests with arrival times, segments and output lengths; generators and traces."""
 
-from kvbench.workloads.model import Request, Segment, Workload, segment_token_ids
+from .arrivals import ArrivalProcess
+from .distributions import LengthDist
+from .io import (
+    SCHEMA_VERSION,
+    load_workload,
+    load_workload_arg,
+    save_workload,
+)
+from .modalities import IMAGE_RULES, audio_token_count, image_token_count
+from .model import Request, Segment, Workload, segment_token_ids
+from .presets import generate_preset, get_preset_spec, preset_names
+from .spec import RequestClass, WorkloadSpec, generate, parse_spec
+from .stats import describe, shareable_prefix_fraction
+from .traces import TRACE_KINDS, import_trace
 
-__all__ = ["Request", "Segment", "Workload", "segment_token_ids"]
+__all__ = [
+    "IMAGE_RULES",
+    "SCHEMA_VERSION",
+    "TRACE_KINDS",
+    "ArrivalProcess",
+    "LengthDist",
+    "Request",
+    "RequestClass",
+    "Segment",
+    "Workload",
+    "WorkloadSpec",
+    "audio_token_count",
+    "describe",
+    "generate",
+    "generate_preset",
+    "get_preset_spec",
+    "image_token_count",
+    "import_trace",
+    "load_workload",
+    "load_workload_arg",
+    "parse_spec",
+    "preset_names",
+    "save_workload",
+    "segment_token_ids",
+    "shareable_prefix_fraction",
+]

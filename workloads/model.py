@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 SegmentKind = Literal["text", "image", "audio"]
 SEGMENT_KINDS: tuple[str, ...] = ("text", "image", "audio")
+_SEGMENT_OPTIONAL = ("height", "width", "seconds", "rule")
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -63,7 +64,13 @@ class Segment:
     rule: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        # Field by field: dataclasses.asdict deep-copies and dominated digest time on traces.
+        out: dict[str, Any] = {"kind": self.kind, "tokens": self.tokens, "key": self.key}
+        for name in _SEGMENT_OPTIONAL:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +93,7 @@ class Request:
         return sum(s.tokens for s in self.segments if s.kind == kind)
 
     def prompt_token_ids(self, vocab_size: int) -> np.ndarray:
-        """All prompt token ids (int64). Image/audio positions get placeholder ids from their key."""
+        """All prompt token ids (int64); image/audio positions get placeholder ids from the key."""
         parts = [segment_token_ids(s.key, s.tokens, vocab_size) for s in self.segments]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
