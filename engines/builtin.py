@@ -61,7 +61,7 @@ class BuiltinEngine:
                 item.num_tokens + 1
             ) // 2
         shape.copied_bytes = sum(c.num_slots for c in batch.copies) * self._bytes_per_token
-        sampled = self.executor.execute(batch, self.kv) if batch.items else []
+        sampled = self.executor.execute(batch, self.kv) if batch.items or batch.copies else []
         outcome = sched.update(batch, sampled)
         finished = self._rejected
         self._rejected = []

@@ -1,0 +1,217 @@
+"""A Llama-style decoder (Llama 2/3, Mistral, Qwen2 shapes) over a flat varlen token batch.
+
+One forward serves any mix of prefill chunks and decodes: tokens of all scheduled sequences
+are concatenated, each carries its own position (so chunked prefill and recompute after
+preemption rotate exactly as a one-shot prefill would), K/V go to the slots the KV manager
+chose, and attention reads each sequence's KV through the kernel backend. Module and
+parameter names follow Hugging Face's ``LlamaForCausalLM`` so checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvbench.engines.presets import ModelPreset
+from kvbench.engines.torch_device import TORCH_DTYPES
+from kvbench.kernels.backend import KernelBackend
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """Where this step's tokens go in the KV pool and what each sequence attends to.
+
+    ``slot_mapping`` ``[T]`` int64; ``cu_seqlens_q`` ``[B + 1]`` int32; ``context_lens``
+    ``[B]`` int32 (cached + new tokens). A paged layout sets ``block_tables`` ``[B,
+    max_blocks]`` int32 and ``block_size``; a contiguous one sets ``extent_starts`` ``[B]``
+    int64. See :mod:`kvbench.kernels.reference` for the exact semantics.
+    """
+
+    slot_mapping: Tensor
+    cu_seqlens_q: Tensor
+    context_lens: Tensor
+    block_tables: Tensor | None = None
+    block_size: int = 0
+    extent_starts: Tensor | None = None
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # Uninitialised on the current device: every parameter is filled right after (seeded
+    # random or a checkpoint), so a default init would be wasted work on a large model.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(num_embeddings, dim, dtype=dtype)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32, scale in the model dtype (Hugging Face's order).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin ``[T, 1, head_dim // 2]`` float32 for explicit per-token positions."""
+    inv_freq = theta ** (
+        -torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    )
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``[T, H, D]`` by half-dimension pairs (the Hugging Face Llama convention)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, preset: ModelPreset, kernels: KernelBackend) -> None:
+        super().__init__()
+        self.num_heads = preset.num_heads
+        self.num_kv_heads = preset.num_kv_heads
+        self.head_dim = preset.head_dim
+        self.scale = preset.head_dim**-0.5
+        self.kernels = kernels
+        q_dim, kv_dim = preset.num_heads * preset.head_dim, preset.num_kv_heads * preset.head_dim
+        h, bias, dtype = preset.hidden_size, preset.qkv_bias, _dtype(preset)
+        self.q_proj = Linear(h, q_dim, bias, dtype)
+        self.k_proj = Linear(h, kv_dim, bias, dtype)
+        self.v_proj = Linear(h, kv_dim, bias, dtype)
+        self.o_proj = Linear(q_dim, h, False, dtype)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, batch: AttentionBatch
+    ) -> Tensor:
+        """``x`` ``[T, hidden]``; ``kv`` this layer's ``[2, num_slots, kv_heads, head_dim]``."""
+        t = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv[0], kv[1]
+        self.kernels.store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        if batch.block_tables is not None:
+            o = self.kernels.paged_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                batch.cu_seqlens_q, batch.block_size, self.scale,
+            )
+        else:
+            o = self.kernels.contiguous_attention(
+                q, k_cache, v_cache, batch.extent_starts, batch.context_lens,
+                batch.cu_seqlens_q, self.scale,
+            )
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, preset: ModelPreset) -> None:
+        super().__init__()
+        h, inter, dtype = preset.hidden_size, preset.intermediate_size, _dtype(preset)
+        self.gate_proj = Linear(h, inter, False, dtype)
+        self.up_proj = Linear(h, inter, False, dtype)
+        self.down_proj = Linear(inter, h, False, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, preset: ModelPreset, kernels: KernelBackend) -> None:
+        super().__init__()
+        self.self_attn = Attention(preset, kernels)
+        self.mlp = MLP(preset)
+        self.input_layernorm = RMSNorm(preset.hidden_size, preset.rms_eps, _dtype(preset))
+        self.post_attention_layernorm = RMSNorm(
+            preset.hidden_size, preset.rms_eps, _dtype(preset)
+        )
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, batch: AttentionBatch
+    ) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, preset: ModelPreset, kernels: KernelBackend) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(preset.vocab_size, preset.hidden_size, _dtype(preset))
+        self.layers = nn.ModuleList(DecoderLayer(preset, kernels) for _ in range(preset.num_layers))
+        self.norm = RMSNorm(preset.hidden_size, preset.rms_eps, _dtype(preset))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder in ``preset.dtype``, with parameters allocated uninitialised on the current
+    default device (see ``weights.build_model``). With tied embeddings the LM head is the
+    embedding matrix itself."""
+
+    def __init__(self, preset: ModelPreset, kernels: KernelBackend) -> None:
+        super().__init__()
+        self.preset = preset
+        self.model = LlamaModel(preset, kernels)
+        self.lm_head = (
+            None
+            if preset.tie_embeddings
+            else Linear(preset.hidden_size, preset.vocab_size, False, _dtype(preset))
+        )
+
+    def embed(self, token_ids: Tensor) -> Tensor:
+        """``[T]`` int64 -> ``[T, hidden]``; callers overwrite image/audio rows afterwards."""
+        return self.model.embed_tokens(token_ids)
+
+    def forward(
+        self,
+        hidden: Tensor,
+        positions: Tensor,
+        batch: AttentionBatch,
+        kv_pool: Tensor,
+        logits_rows: Tensor,
+    ) -> Tensor:
+        """Run every layer over ``hidden`` ``[T, hidden]`` at ``positions`` ``[T]``, storing
+        K/V into ``kv_pool`` ``[num_layers, 2, num_slots, kv_heads, head_dim]``; return
+        float32 logits ``[N, vocab]`` for rows ``logits_rows`` ``[N]`` only."""
+        cos, sin = rope_cos_sin(positions, self.preset.head_dim, self.preset.rope_theta)
+        for i, layer in enumerate(self.model.layers):
+            hidden = layer(hidden, cos, sin, kv_pool[i], batch)
+        last = self.model.norm(hidden[logits_rows])
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(last, head).float()
+
+
+def _dtype(preset: ModelPreset) -> torch.dtype:
+    return TORCH_DTYPES[preset.dtype]
+
+
+def greedy(logits: Tensor) -> Tensor:
+    """Greedy sampling: the first highest-scoring token of each row."""
+    return logits.argmax(dim=-1)

@@ -1,0 +1,169 @@
+"""The torch executor: real compute for the built-in engine, on CPU or CUDA.
+
+Each step is one forward over the flat batch of every scheduled prefill chunk and decode.
+KV lives in one pool tensor whose slots are exactly the KV manager's slots; the manager's
+layout (paged block tables or contiguous extents) picks the attention kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvbench.engines.encoders import Encoders
+from kvbench.engines.executor import Executor, ScheduledBatch
+from kvbench.engines.kv.base import KVManager
+from kvbench.engines.llama import AttentionBatch, greedy
+from kvbench.engines.presets import ModelPreset
+from kvbench.engines.torch_device import TORCH_DTYPES, resolve_device, zeros
+from kvbench.engines.weights import build_model
+from kvbench.errors import KvbenchError
+from kvbench.kernels.backend import get_backend
+
+LAYOUTS = ("paged", "contiguous")
+
+
+class TorchExecutor(Executor):
+    """Runs ``preset`` for real on ``device`` (``cpu``, ``cuda``, ``cuda:N``).
+
+    ``dtype`` overrides the preset's; ``weights`` is a local Hugging Face checkpoint
+    directory (else random weights from ``seed``); ``attention`` names the kernel backend.
+    """
+
+    def __init__(
+        self,
+        preset: ModelPreset,
+        device: str = "cpu",
+        dtype: str | None = None,
+        weights: str | None = None,
+        seed: int = 0,
+        attention: str = "reference",
+    ) -> None:
+        self._device = resolve_device(device)
+        self.device = str(self._device)
+        self.preset = preset.with_dtype(dtype) if dtype is not None else preset
+        self.dtype = TORCH_DTYPES[self.preset.dtype]
+        self.kernels = get_backend(attention, self._device)
+        self.weights = weights
+        self.seed = seed
+        self.model = build_model(self.preset, self.kernels, self._device, weights, seed)
+        self.encoders = Encoders(self.preset.hidden_size, self._device, self.dtype, seed)
+        self._pool: Tensor | None = None
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return 0 if self._pool is None else self._pool.nbytes
+
+    @property
+    def encoder_cache_bytes(self) -> int:
+        return self.encoders.cache_bytes
+
+    def bind(self, kv: KVManager) -> None:
+        p = self.preset
+        if kv.kind not in LAYOUTS:
+            raise KvbenchError(f"the torch executor cannot back a {kv.kind!r} KV manager")
+        if kv.bytes_per_token != p.kv_bytes_per_token:
+            raise KvbenchError(
+                f"KV manager sized for {kv.bytes_per_token} bytes/token but {p.name} in "
+                f"{p.dtype} stores {p.kv_bytes_per_token}; build both from the same preset "
+                "and dtype"
+            )
+        self._pool = None  # a rebind must not hold two pools at once
+        # One tensor for all layers: the KV budget is exactly one allocation of
+        # capacity_tokens x bytes_per_token (no per-layer allocator slack), and a slot copy
+        # moves every layer's K and V in one indexing op.
+        self._pool = zeros(
+            (p.num_layers, 2, kv.capacity_tokens, p.num_kv_heads, p.head_dim),
+            self.dtype, self._device, f"KV pool of {kv.capacity_tokens} tokens",
+        )
+
+    def execute(self, batch: ScheduledBatch, kv: KVManager) -> list[int]:
+        if self._pool is None:
+            raise KvbenchError("execute() before bind(): the KV pool is not allocated")
+        pool = self._pool
+        if batch.copies:
+            self.kernels.copy_slots(pool.view(-1, *pool.shape[2:]), batch.copies)
+        if not batch.items:
+            return []
+        items = batch.items
+        spans = [(it.seq, it.start, it.start + it.num_tokens) for it in items]
+        cu = np.cumsum([0] + [it.num_tokens for it in items])
+        ctx = np.array([end for _, _, end in spans], dtype=np.int64)
+        token_ids = np.concatenate([seq.token_ids(start, end) for seq, start, end in spans])
+        positions = np.concatenate([np.arange(start, end) for _, start, end in spans])
+        slots = np.concatenate([kv.slots(seq, start, end) for seq, start, end in spans])
+        sample_rows = np.array([cu[i + 1] - 1 for i, it in enumerate(items) if it.sample], np.int64)
+
+        def dev(a: np.ndarray, dtype: torch.dtype) -> Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self._device, dtype)
+
+        attn = AttentionBatch(
+            slot_mapping=dev(slots, torch.int64),
+            cu_seqlens_q=dev(cu, torch.int32),
+            context_lens=dev(ctx, torch.int32),
+        )
+        if kv.kind == "paged":
+            bs = kv.block_size
+            tables = np.zeros((len(items), int(-(-ctx.max() // bs))), dtype=np.int32)
+            for i, it in enumerate(items):
+                n = -(-int(ctx[i]) // bs)
+                tables[i, :n] = kv.block_table(it.seq)[:n]
+            attn.block_tables, attn.block_size = dev(tables, torch.int32), bs
+        else:
+            starts = np.array([kv.extent(it.seq)[0] for it in items], dtype=np.int64)
+            attn.extent_starts = dev(starts, torch.int64)
+
+        with torch.inference_mode():
+            hidden = self.model.embed(dev(token_ids, torch.int64))
+            self._insert_encoder_outputs(hidden, batch, cu)
+            logits = self.model(
+                hidden, dev(positions, torch.int64), attn, pool, dev(sample_rows, torch.int64)
+            )
+            return greedy(logits).tolist()
+
+    def _insert_encoder_outputs(
+        self, hidden: Tensor, batch: ScheduledBatch, cu: np.ndarray
+    ) -> None:
+        """Overwrite the rows of image/audio positions with the slice of their segment's
+        encoder output that this chunk covers."""
+        rows: list[Tensor] = []
+        embeds: list[Tensor] = []
+        for i, it in enumerate(batch.items):
+            segments = it.seq.request.segments
+            if all(s.kind == "text" for s in segments):
+                continue
+            end = it.start + it.num_tokens
+            seg_start = 0
+            for s in segments:
+                lo, hi = max(seg_start, it.start), min(seg_start + s.tokens, end)
+                if s.kind != "text" and lo < hi:
+                    embeds.append(self.encoders.embed(s)[lo - seg_start : hi - seg_start])
+                    first = int(cu[i]) + lo - it.start
+                    rows.append(torch.arange(first, first + hi - lo, device=hidden.device))
+                seg_start += s.tokens
+                if seg_start >= end:
+                    break
+        if rows:
+            hidden[torch.cat(rows)] = torch.cat(embeds)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "executor": "torch",
+            "model": self.preset.name,
+            "device": self.device,
+            "dtype": self.preset.dtype,
+            "attention": self.kernels.name,
+            "weights": self.weights if self.weights is not None else f"random(seed={self.seed})",
+            "weight_bytes": sum(p.nbytes for p in self.model.parameters()),
+            "kv_pool_bytes": self.kv_pool_bytes,
+            "encoders": self.encoders.describe(),
+        }
+
+    def close(self) -> None:
+        self._pool = None
+        self.encoders.clear()
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,95 @@
+"""Kernel backends: the four KV-cache kernels the model and executor call, by name.
+
+A backend is a set of functions with the signatures of :mod:`kvbench.kernels.reference`.
+The torch reference runs anywhere; the Triton backend (:mod:`kvbench.kernels.triton_attention`,
+:mod:`kvbench.kernels.triton_kv`) has the same signatures, is checked against the reference,
+and is imported only when asked for, so the reference path never needs triton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvbench.errors import KvbenchError
+from kvbench.kernels import reference
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelBackend:
+    name: str
+    store_kv: Callable[..., None]
+    paged_attention: Callable[..., Tensor]
+    contiguous_attention: Callable[..., Tensor]
+    copy_slots: Callable[..., None]
+
+
+def _reference(device: torch.device | None) -> KernelBackend:
+    return KernelBackend(
+        name="reference",
+        store_kv=reference.store_kv,
+        paged_attention=reference.paged_attention,
+        contiguous_attention=reference.contiguous_attention,
+        copy_slots=reference.copy_slots,
+    )
+
+
+def _triton(device: torch.device | None) -> KernelBackend:
+    if not triton_installed():
+        raise KvbenchError(
+            "the triton attention backend needs the triton package (CUDA builds of torch "
+            "bring it; else pip install triton), or use the reference backend"
+        )
+    from kvbench.kernels import triton_attention, triton_kv
+
+    if device is not None:
+        triton_attention.check_device(device)
+    return KernelBackend(
+        name="triton",
+        store_kv=triton_kv.store_kv,
+        paged_attention=triton_attention.paged_attention,
+        contiguous_attention=triton_attention.contiguous_attention,
+        copy_slots=triton_kv.copy_slots,
+    )
+
+
+_BACKENDS: dict[str, Callable[[torch.device | None], KernelBackend]] = {
+    "reference": _reference,
+    "triton": _triton,
+}
+
+
+def triton_installed() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def backend_names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def get_backend(name: str, device: torch.device | str | None = None) -> KernelBackend:
+    """The backend ``name``, checked to run on ``device`` when one is given.
+
+    ``auto`` is triton on CUDA when triton is installed, else the reference.
+    """
+    dev = torch.device(device) if device is not None else None
+    if name == AUTO:
+        cuda = dev is not None and dev.type == "cuda"
+        name = "triton" if cuda and triton_installed() else "reference"
+    try:
+        factory = _BACKENDS[name]
+    except KeyError:
+        raise KvbenchError(
+            f"unknown attention backend {name!r}; valid backends: "
+            f"{', '.join([AUTO, *backend_names()])}"
+        ) from None
+    return factory(dev)

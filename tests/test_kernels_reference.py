@@ -1,0 +1,206 @@
+"""The torch reference kernels against a dense float64 oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbench.engines.kv.base import SlotCopy
+from kvbench.kernels import reference
+
+HKV, D = 2, 16
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [Q, Hq, D] for the last Q of L positions; k/v [L, Hkv, D]; float64, explicit softmax."""
+    nq, hq, _ = q.shape
+    length, hkv = k.shape[0], k.shape[1]
+    k = k.double().repeat_interleave(hq // hkv, dim=1)
+    v = v.double().repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = torch.arange(length - nq, length)[:, None]
+    scores = scores.masked_fill(torch.arange(length)[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+class Case:
+    """A ragged batch with per-sequence dense KV placed in a paged and a contiguous cache."""
+
+    def __init__(self, q_lens, ctx_lens, group, block_size, dtype, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        rng = np.random.default_rng(seed)
+        self.q_lens, self.ctx_lens, self.block_size = q_lens, ctx_lens, block_size
+        self.hq = HKV * group
+        self.scale = D**-0.5
+        self.keys = [torch.randn(n, HKV, D, generator=gen).to(dtype) for n in ctx_lens]
+        self.values = [torch.randn(n, HKV, D, generator=gen).to(dtype) for n in ctx_lens]
+        self.query = torch.randn(sum(q_lens), self.hq, D, generator=gen).to(dtype)
+        self.cu = torch.tensor(np.cumsum([0, *q_lens]), dtype=torch.int32)
+        self.context_lens = torch.tensor(ctx_lens, dtype=torch.int32)
+
+        # Paged: blocks handed out in shuffled order, tables padded with -1.
+        need = [-(-n // block_size) for n in ctx_lens]
+        num_blocks = sum(need) + 3
+        order = rng.permutation(num_blocks)
+        self.block_tables = torch.full((len(ctx_lens), max(need)), -1, dtype=torch.int32)
+        self.paged_k = torch.randn(num_blocks * block_size, HKV, D, generator=gen).to(dtype)
+        self.paged_v = torch.randn(num_blocks * block_size, HKV, D, generator=gen).to(dtype)
+        used = 0
+        for b, n in enumerate(ctx_lens):
+            blocks = torch.tensor(order[used : used + need[b]], dtype=torch.int32)
+            used += need[b]
+            self.block_tables[b, : need[b]] = blocks
+            pos = torch.arange(n)
+            slots = blocks.long()[pos // block_size] * block_size + pos % block_size
+            self.paged_k[slots], self.paged_v[slots] = self.keys[b], self.values[b]
+
+        # Contiguous: extents in reverse order with gaps; the last sequence ends the arena.
+        starts, cursor = [], 5
+        for n in reversed(ctx_lens):
+            starts.append(cursor)
+            cursor += n + 3
+        starts.reverse()
+        self.extent_starts = torch.tensor(starts, dtype=torch.int64)
+        arena = cursor - 3
+        self.cont_k = torch.randn(arena, HKV, D, generator=gen).to(dtype)
+        self.cont_v = torch.randn(arena, HKV, D, generator=gen).to(dtype)
+        for b, n in enumerate(ctx_lens):
+            self.cont_k[starts[b] : starts[b] + n] = self.keys[b]
+            self.cont_v[starts[b] : starts[b] + n] = self.values[b]
+
+    def expected(self) -> torch.Tensor:
+        outs = []
+        for b, n in enumerate(self.q_lens):
+            q = self.query[int(self.cu[b]) : int(self.cu[b]) + n]
+            outs.append(dense_attention(q, self.keys[b], self.values[b], self.scale))
+        return torch.cat(outs)
+
+    def paged(self) -> torch.Tensor:
+        return reference.paged_attention(
+            self.query, self.paged_k, self.paged_v, self.block_tables, self.context_lens,
+            self.cu, self.block_size, self.scale,
+        )
+
+    def contiguous(self) -> torch.Tensor:
+        return reference.contiguous_attention(
+            self.query, self.cont_k, self.cont_v, self.extent_starts, self.context_lens,
+            self.cu, self.scale,
+        )
+
+
+# Decodes at ragged lengths (partial last blocks), a first prefill chunk, later chunks.
+Q_LENS = [1, 1, 7, 1, 20, 5]
+CTX_LENS = [1, 33, 7, 64, 50, 17]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("group", [1, 4])
+def test_attention_matches_dense(dtype, block_size, group):
+    case = Case(Q_LENS, CTX_LENS, group, block_size, dtype)
+    want = case.expected()
+    for got in (case.paged(), case.contiguous()):
+        assert got.dtype == dtype and got.shape == case.query.shape
+        torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_paged_and_contiguous_are_bitwise_equal():
+    case = Case(Q_LENS, CTX_LENS, 4, 16, torch.float32, seed=3)
+    assert torch.equal(case.paged(), case.contiguous())
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seqs=st.lists(
+        st.integers(1, 40).flatmap(lambda n: st.tuples(st.integers(1, n), st.just(n))),
+        min_size=1, max_size=6,
+    ),
+    block_size=st.sampled_from([1, 3, 16]),
+    group=st.sampled_from([1, 2, 4]),
+)
+def test_attention_ragged_batches(seqs, block_size, group):
+    q_lens, ctx_lens = [q for q, _ in seqs], [n for _, n in seqs]
+    case = Case(q_lens, ctx_lens, group, block_size, torch.float32)
+    want = case.expected()
+    torch.testing.assert_close(case.paged().double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(case.contiguous().double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_queries_equal_one_shot():
+    """Chunks of one prompt, each attending to all earlier positions, give the rows of one
+    full prefill."""
+    full = Case([24], [24], 4, 16, torch.float32, seed=5)
+    one_shot = full.paged()
+    rows = []
+    for start, end in [(0, 10), (10, 11), (11, 24)]:
+        out = reference.paged_attention(
+            full.query[start:end], full.paged_k, full.paged_v, full.block_tables,
+            torch.tensor([end], dtype=torch.int32),
+            torch.tensor([0, end - start], dtype=torch.int32), 16, full.scale,
+        )
+        rows.append(out)
+    torch.testing.assert_close(torch.cat(rows), one_shot, atol=1e-6, rtol=1e-6)
+
+
+def test_store_kv_writes_slots():
+    k_cache, v_cache = torch.zeros(10, HKV, D), torch.zeros(10, HKV, D)
+    key, value = torch.randn(3, HKV, D), torch.randn(3, HKV, D)
+    slots = torch.tensor([7, 2, 4])
+    reference.store_kv(k_cache, v_cache, key, value, slots)
+    assert torch.equal(k_cache[slots], key) and torch.equal(v_cache[slots], value)
+    untouched = [i for i in range(10) if i not in (7, 2, 4)]
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+def test_store_kv_into_pool_views():
+    """The executor's pool is [layers, 2, slots, H, D]; per-layer K/V are views into it."""
+    pool = torch.zeros(3, 2, 8, HKV, D)
+    key, value = torch.randn(2, HKV, D), torch.randn(2, HKV, D)
+    reference.store_kv(pool[1, 0], pool[1, 1], key, value, torch.tensor([5, 0]))
+    assert torch.equal(pool[1, 0, 5], key[0]) and torch.equal(pool[1, 1, 0], value[1])
+    assert pool[0].abs().sum() == 0 and pool[2].abs().sum() == 0
+
+
+def _copy_oracle(data: np.ndarray, copies: list[SlotCopy]) -> np.ndarray:
+    out = data.copy()
+    for c in copies:
+        out[:, c.dst : c.dst + c.num_slots] = out[:, c.src : c.src + c.num_slots].copy()
+    return out
+
+
+@pytest.mark.parametrize(
+    "copies",
+    [
+        [SlotCopy(src=4, dst=1, num_slots=6)],  # compaction slides left over itself
+        [SlotCopy(src=1, dst=4, num_slots=6)],  # overlapping slide right
+        [SlotCopy(src=0, dst=8, num_slots=3), SlotCopy(src=8, dst=12, num_slots=3)],  # chained
+    ],
+)
+def test_copy_slots_overlapping(copies):
+    caches = torch.arange(2 * 16 * 3, dtype=torch.float32).view(2, 16, 3)
+    want = _copy_oracle(caches.numpy(), copies)
+    reference.copy_slots(caches, copies)
+    assert np.array_equal(caches.numpy(), want)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 20), st.integers(0, 20), st.integers(1, 12)).filter(
+            lambda t: max(t[0], t[1]) + t[2] <= 32
+        ),
+        max_size=5,
+    )
+)
+def test_copy_slots_property(raw):
+    copies = [SlotCopy(src, dst, n) for src, dst, n in raw]
+    caches = torch.randn(4, 32, 2, 3)
+    want = _copy_oracle(caches.numpy(), copies)
+    reference.copy_slots(caches, copies)
+    assert np.array_equal(caches.numpy(), want)
