@@ -18,6 +18,9 @@ class KVStats:
     capacity_bytes: int
     used_bytes: int | None = None
     reserved_bytes: int | None = None
+    # Of reserved_bytes, the slots live sequences will still write (their remaining prompt
+    # and output tokens, up to their reservation): splits waste into reservation vs internal.
+    reserved_ahead_bytes: int | None = None
     free_bytes: int | None = None
     largest_free_bytes: int | None = None
     shared_bytes: int | None = None

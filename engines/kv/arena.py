@@ -1,0 +1,87 @@
+"""Free space of a linear arena: sorted, coalesced holes, first-fit or best-fit placement."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import Literal
+
+Fit = Literal["first", "best"]
+FITS: tuple[str, ...] = ("first", "best")
+
+
+class Arena:
+    """Holes ``[starts[i], starts[i] + lengths[i])`` in address order, never adjacent.
+
+    Scans are linear in the number of holes, which is at most one more than the number of
+    live extents (a few hundred), so no cleverer index pays off.
+    """
+
+    __slots__ = ("_lengths", "_starts", "fit", "size")
+
+    def __init__(self, size: int, fit: Fit) -> None:
+        self.size = size
+        self.fit = fit
+        self._starts = [0]
+        self._lengths = [size]
+
+    def copy(self) -> Arena:
+        out = Arena(self.size, self.fit)
+        out._starts = list(self._starts)
+        out._lengths = list(self._lengths)
+        return out
+
+    @property
+    def holes(self) -> list[tuple[int, int]]:
+        """(start, length) of each hole in address order."""
+        return list(zip(self._starts, self._lengths, strict=True))
+
+    @property
+    def total_free(self) -> int:
+        return sum(self._lengths)
+
+    @property
+    def largest(self) -> int:
+        return max(self._lengths, default=0)
+
+    def take(self, length: int) -> int | None:
+        """Start of a new extent of ``length`` carved from the front of a hole, or None."""
+        lengths = self._lengths
+        fits = [i for i, n in enumerate(lengths) if n >= length]
+        if not fits:
+            return None
+        # Best fit: smallest hole that fits, lowest address among equals.
+        i = fits[0] if self.fit == "first" else min(fits, key=lengths.__getitem__)
+        start = self._starts[i]
+        if lengths[i] == length:
+            del self._starts[i], lengths[i]
+        else:
+            self._starts[i] += length
+            lengths[i] -= length
+        return start
+
+    def give(self, start: int, length: int) -> None:
+        """Return ``[start, start + length)`` to the free space, merging with neighbours."""
+        starts, lengths = self._starts, self._lengths
+        i = bisect_left(starts, start)
+        overlaps_prev = i > 0 and starts[i - 1] + lengths[i - 1] > start
+        overlaps_next = i < len(starts) and start + length > starts[i]
+        if overlaps_prev or overlaps_next:
+            raise RuntimeError(f"range [{start}, {start + length}) is already free")
+        merge_prev = i > 0 and starts[i - 1] + lengths[i - 1] == start
+        merge_next = i < len(starts) and start + length == starts[i]
+        if merge_prev and merge_next:
+            lengths[i - 1] += length + lengths[i]
+            del starts[i], lengths[i]
+        elif merge_prev:
+            lengths[i - 1] += length
+        elif merge_next:
+            starts[i] = start
+            lengths[i] += length
+        else:
+            starts.insert(i, start)
+            lengths.insert(i, length)
+
+    def reset(self, used_end: int) -> None:
+        """Everything below ``used_end`` is taken, everything above free (after compaction)."""
+        self._starts = [used_end] if used_end < self.size else []
+        self._lengths = [self.size - used_end] if used_end < self.size else []

@@ -1,0 +1,187 @@
+"""The physical blocks of a paged KV cache: reference counts, free queue and prefix-cache index.
+
+Free blocks wait in two queues. Blocks holding no cached content are handed out first (a
+stack: bulk pops are one slice). Blocks that still hold a cached full block stay findable by
+hash in an LRU queue and are evicted, oldest first, only when no plain block is left; a cache
+hit on one of them takes it back out of the queue in O(1). Every operation is O(blocks touched)
+with a few list/dict steps per block, no per-token work.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+
+class BlockPool:
+    """Blocks ``0 .. num_blocks-1`` of ``block_size`` token slots each.
+
+    A block is *shared* while more than one table references it or while its current holder
+    got it from a prefix-cache hit (its content serves a second request). ``num_allocs`` counts
+    blocks leaving the free queues (fresh, evicted or revived by a hit), ``num_frees`` blocks
+    entering them, so ``num_allocs - num_frees`` is the number of blocks not free.
+    """
+
+    __slots__ = (
+        "_by_hash",
+        "_free_cached",
+        "_free_plain",
+        "_hash",
+        "_hit",
+        "_leaked",
+        "block_size",
+        "num_allocs",
+        "num_blocks",
+        "num_frees",
+        "num_shared",
+        "ref",
+    )
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        self._hit = [False] * num_blocks
+        self._by_hash: dict[int, int] = {}
+        # A stack whose top is block 0, so a fresh pool hands out blocks 0, 1, 2, ... in order.
+        self._free_plain = list(range(num_blocks - 1, -1, -1))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._leaked: set[int] = set()
+        self.num_shared = 0
+        self.num_allocs = 0
+        self.num_frees = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_plain) + len(self._free_cached)
+
+    def take(self, n: int) -> list[int]:
+        """Hand out ``n`` blocks (caller checked ``num_free``), each with one reference."""
+        plain = self._free_plain
+        k = min(n, len(plain))
+        out = plain[len(plain) - k :][::-1]
+        del plain[len(plain) - k :]
+        ref = self.ref
+        for b in out:
+            ref[b] = 1
+        if k < n:
+            pop_lru, hashes, by_hash = self._free_cached.popitem, self._hash, self._by_hash
+            for _ in range(n - k):
+                b = pop_lru(last=False)[0]
+                del by_hash[hashes[b]]
+                hashes[b] = None
+                ref[b] = 1
+                out.append(b)
+        self.num_allocs += n
+        return out
+
+    def lookup(self, hashes: Iterable[int]) -> list[int]:
+        """Blocks caching the longest leading run of ``hashes``."""
+        by_hash = self._by_hash
+        out = []
+        for h in hashes:
+            b = by_hash.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def count_free(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` sit in the free queue (a hit on them consumes free space)."""
+        ref = self.ref
+        return sum(1 for b in blocks if ref[b] == 0)
+
+    def touch(self, blocks: list[int]) -> int:
+        """Reference cached ``blocks`` for a prefix hit; returns how many were free before."""
+        ref, hit, cached = self.ref, self._hit, self._free_cached
+        revived = 0
+        for b in blocks:
+            r = ref[b]
+            if r == 0:
+                del cached[b]
+                revived += 1
+            if not hit[b] and r <= 1:
+                self.num_shared += 1
+            ref[b] = r + 1
+            hit[b] = True
+        self.num_allocs += revived
+        return revived
+
+    def share(self, blocks: list[int]) -> None:
+        """Add a reference to each of ``blocks`` (all in use): a forked table."""
+        ref, hit = self.ref, self._hit
+        for b in blocks:
+            if ref[b] == 1 and not hit[b]:
+                self.num_shared += 1
+            ref[b] += 1
+
+    def copy_on_write(self, block: int) -> int:
+        """A fresh block to replace the shared ``block`` in one table (caller checked room)."""
+        new = self.take(1)[0]
+        r = self.ref[block] - 1
+        self.ref[block] = r
+        if r == 1 and not self._hit[block]:
+            self.num_shared -= 1
+        return new
+
+    def cache(self, blocks: list[int], hashes: list[int], start: int, end: int) -> None:
+        """Make full ``blocks[start:end]`` findable by ``hashes[start:end]``.
+
+        A hash already cached by another block keeps that block: the duplicate stays
+        unindexed and returns to the plain queue when freed.
+        """
+        index, block_hash = self._by_hash.setdefault, self._hash
+        for h, b in zip(hashes[start:end], blocks[start:end], strict=True):
+            if index(h, b) == b:
+                block_hash[b] = h
+
+    def release(self, blocks: list[int], num_filled: int) -> int:
+        """Drop one reference to each block of a table whose first ``num_filled`` token slots
+        hold KV; returns the filled slots no table references any more.
+
+        Tail blocks are queued first so that, among one sequence's blocks, the ones least
+        likely to be shared again (the end, not the common prefix) are evicted first.
+        """
+        bs = self.block_size
+        num_full = num_filled // bs
+        ref, hit, block_hash = self.ref, self._hit, self._hash
+        plain, cached, leaked = self._free_plain, self._free_cached, self._leaked
+        dead_full = dead_tail = unshared = freed = 0
+        for i in range(len(blocks) - 1, -1, -1):
+            b = blocks[i]
+            r = ref[b] - 1
+            ref[b] = r
+            if r:
+                if r == 1 and not hit[b]:
+                    unshared += 1
+                continue
+            if hit[b]:
+                hit[b] = False
+                unshared += 1
+            if i < num_full:
+                dead_full += 1
+            elif i == num_full:
+                dead_tail = num_filled - i * bs
+            if leaked and b in leaked:
+                continue
+            freed += 1
+            if block_hash[b] is None:
+                plain.append(b)
+            else:
+                cached[b] = None
+        self.num_shared -= unshared
+        self.num_frees += freed
+        return dead_full * bs + dead_tail
+
+    def leak(self, blocks: list[int], num_filled: int) -> int:
+        """Like ``release``, but the blocks never return to a free queue (nor serve cache hits):
+        the deliberate fault behind ``leak_finished``."""
+        by_hash, block_hash = self._by_hash, self._hash
+        for b in blocks:
+            h = block_hash[b]
+            if h is not None:
+                del by_hash[h]
+                block_hash[b] = None
+        self._leaked.update(blocks)
+        return self.release(blocks, num_filled)

@@ -1,0 +1,287 @@
+"""Contiguous KV manager: one extent per sequence in a linear arena of token slots.
+
+This is the pre-paging design (HF static caches, FasterTransformer, Orca): at admission a
+sequence reserves an extent large enough for everything it may ever hold, so it never needs
+to grow but leaves the unused tail idle, and freed extents leave holes that only a request
+small enough can reuse. Position ``p`` of a sequence lives in slot ``extent start + p``.
+
+Reservation policies: ``max_model_len`` (the whole context window), ``request`` (prompt +
+output, the tightest possible: it needs the output length in advance), ``pow2`` (the next power
+of two, as size-class allocators do). With ``compaction`` a request that fits in the total free
+space but in no single hole slides every extent to the left, at a measured copy cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from kvbench.engines.base import KVStats
+from kvbench.engines.kv.arena import FITS, Arena, Fit
+from kvbench.engines.kv.base import KVManager, SlotCopy
+from kvbench.engines.sequence import Sequence
+from kvbench.errors import KvbenchError
+from kvbench.units import format_bytes
+from kvbench.workloads.model import Request
+
+Reservation = Literal["max_model_len", "request", "pow2"]
+RESERVATIONS: tuple[str, ...] = ("max_model_len", "request", "pow2")
+
+
+@dataclass(slots=True)
+class _Extent:
+    start: int
+    length: int
+    final_len: int  # tokens whose KV its sequence writes by the end (not the last sampled)
+    num_committed: int = 0  # leading slots whose KV is written (as of the last commit)
+
+
+class ContiguousKVManager(KVManager):
+    """Contiguous KV bookkeeping over an arena of ``capacity_tokens`` slots.
+
+    A request with ``n > 1`` samples reserves all ``n`` extents when its first sample is
+    admitted before its prefill (all or nothing, so forking can never fail); ``fork`` then
+    hands each child one of them plus a copy of the parent's KV.
+    """
+
+    kind = "contiguous"
+
+    def __init__(
+        self,
+        capacity_tokens: int,
+        bytes_per_token: int,
+        max_model_len: int,
+        reservation: Reservation = "max_model_len",
+        fit: Fit = "first",
+        compaction: bool = False,
+    ) -> None:
+        for name, value in (
+            ("capacity_tokens", capacity_tokens),
+            ("bytes_per_token", bytes_per_token),
+            ("max_model_len", max_model_len),
+        ):
+            if value <= 0:
+                raise KvbenchError(f"contiguous KV cache: {name} must be positive, got {value}")
+        if reservation not in RESERVATIONS:
+            raise KvbenchError(
+                f"unknown reservation {reservation!r}: use one of {', '.join(RESERVATIONS)}"
+            )
+        if fit not in FITS:
+            raise KvbenchError(f"unknown fit {fit!r}: use one of {', '.join(FITS)}")
+        self.capacity_tokens = capacity_tokens
+        self.bytes_per_token = bytes_per_token
+        self.max_model_len = max_model_len
+        self.reservation = reservation
+        self.fit = fit
+        self.compaction = compaction
+        self.arena = Arena(capacity_tokens, fit)
+        self._extents: dict[int, _Extent] = {}
+        self._spare: dict[int, list[_Extent]] = {}  # parent seq_id -> extents for its forks
+        self._copies: list[SlotCopy] = []
+        self._reserved_tokens = 0
+        self._used_tokens = 0
+        self._allocs = 0
+        self._frees = 0
+        self._copied_bytes = 0
+
+    def reserve_len(self, num_tokens: int) -> int:
+        """Extent length reserved for a sample that will hold ``num_tokens`` tokens."""
+        if self.reservation == "max_model_len":
+            return self.max_model_len
+        if self.reservation == "request":
+            return num_tokens
+        return min(1 << (num_tokens - 1).bit_length(), self.max_model_len)
+
+    def never_fits(self, request: Request) -> str | None:
+        need = request.prompt_tokens + request.output_tokens
+        if need > self.max_model_len:
+            return (
+                f"request {request.id} needs {need} tokens (prompt {request.prompt_tokens} + "
+                f"output {request.output_tokens}) but max_model_len is {self.max_model_len}; "
+                f"raise --max-model-len to at least {need} or shorten the request"
+            )
+        # All samples' extents are reserved together, so all must fit together.
+        total = request.n * self.reserve_len(need)
+        if total > self.capacity_tokens:
+            bpt = self.bytes_per_token
+            samples = f"{request.n} samples x " if request.n > 1 else ""
+            return (
+                f"request {request.id} reserves {samples}{self.reserve_len(need)} tokens "
+                f"({format_bytes(total * bpt)}, reservation={self.reservation}) but the KV "
+                f"arena holds {self.capacity_tokens} tokens "
+                f"({format_bytes(self.capacity_tokens * bpt)}); raise --kv-memory to at least "
+                f"{format_bytes(total * bpt)}"
+                + (" or use a tighter reservation policy" if self.reservation != "request" else "")
+            )
+        return None
+
+    def lookup_prefix(self, seq: Sequence) -> int:
+        return 0  # no prefix caching: extents are private
+
+    def allocate(self, seq: Sequence, num_cached: int, num_new: int) -> bool:
+        if seq.seq_id in self._extents:
+            raise RuntimeError(f"sequence {seq.seq_id} is already allocated")
+        if num_cached:
+            raise RuntimeError("the contiguous KV manager has no prefix cache")
+        length = self.reserve_len(seq.max_tokens)
+        if num_new > length:
+            raise RuntimeError(f"sequence {seq.seq_id}: {num_new} tokens exceed its extent")
+        # Sample 0 before its prefill will fork the other samples right after it.
+        forks_ahead = seq.sample_index == 0 and not seq.output_ids
+        count = seq.request.n if forks_ahead else 1
+        starts = self._place(length, count)
+        if starts is None:
+            return False
+        extents = [_Extent(start, length, seq.max_tokens - 1) for start in starts]
+        self._extents[seq.seq_id] = extents[0]
+        if count > 1:
+            self._spare[seq.seq_id] = extents[1:]
+        self._allocs += count
+        self._reserved_tokens += count * length
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        return True
+
+    def grow(self, seq: Sequence, num_new: int) -> bool:
+        ext = self._extents[seq.seq_id]
+        if seq.num_computed_tokens + num_new > ext.length:
+            raise RuntimeError(
+                f"sequence {seq.seq_id} outgrew its extent of {ext.length} tokens: the "
+                "reservation should cover prompt + output"
+            )
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        ext = self._extents[seq.seq_id]
+        n = seq.num_computed_tokens
+        if not ext.num_committed <= n <= ext.length:
+            raise RuntimeError(
+                f"sequence {seq.seq_id}: {n} computed tokens outside its extent "
+                f"(committed {ext.num_committed}, length {ext.length})"
+            )
+        self._used_tokens += n - ext.num_committed
+        ext.num_committed = n
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s extent (and unforked spares). A sequence holding none is a no-op."""
+        ext = self._extents.pop(seq.seq_id, None)
+        if ext is None:
+            return
+        for e in [ext, *self._spare.pop(seq.seq_id, [])]:
+            self.arena.give(e.start, e.length)
+            self._reserved_tokens -= e.length
+            self._used_tokens -= e.num_committed
+            self._frees += 1
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        if child.seq_id in self._extents:
+            raise RuntimeError(f"sequence {child.seq_id} is already allocated")
+        spare = self._spare.get(parent.seq_id)
+        if not spare:
+            raise RuntimeError(f"sequence {parent.seq_id} has no extent reserved for a fork")
+        ext = spare.pop()
+        if not spare:
+            del self._spare[parent.seq_id]
+        src = self._extents[parent.seq_id]
+        n = src.num_committed
+        if n:
+            self._queue_copy(src.start, ext.start, n)
+        ext.num_committed = n
+        self._used_tokens += n
+        self._extents[child.seq_id] = ext
+
+    def slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        ext = self._extents[seq.seq_id]
+        if not 0 <= start <= end <= ext.length:
+            raise RuntimeError(
+                f"sequence {seq.seq_id}: positions [{start}, {end}) outside its extent "
+                f"of {ext.length}"
+            )
+        return np.arange(ext.start + start, ext.start + end, dtype=np.int64)
+
+    def extent(self, seq: Sequence) -> tuple[int, int]:
+        """(start slot, reserved length) of ``seq``'s extent."""
+        ext = self._extents[seq.seq_id]
+        return ext.start, ext.length
+
+    def take_copies(self) -> list[SlotCopy]:
+        copies, self._copies = self._copies, []
+        return copies
+
+    def stats(self) -> KVStats:
+        """``used_bytes`` counts written token slots (committed KV, fork copies included);
+        ``reserved_bytes`` whole extents, spares for unforked samples included;
+        ``reserved_ahead_bytes`` the slots of those extents still to be written."""
+        bpt = self.bytes_per_token
+        ahead = sum(min(e.length, e.final_len) - e.num_committed for e in self._all_extents())
+        return KVStats(
+            capacity_bytes=self.capacity_tokens * bpt,
+            used_bytes=self._used_tokens * bpt,
+            reserved_bytes=self._reserved_tokens * bpt,
+            reserved_ahead_bytes=ahead * bpt,
+            free_bytes=(self.capacity_tokens - self._reserved_tokens) * bpt,
+            largest_free_bytes=self.arena.largest * bpt,
+            shared_bytes=0,
+            block_allocs=self._allocs,
+            block_frees=self._frees,
+            copied_bytes=self._copied_bytes,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "capacity_tokens": self.capacity_tokens,
+            "bytes_per_token": self.bytes_per_token,
+            "max_model_len": self.max_model_len,
+            "reservation": self.reservation,
+            "fit": self.fit,
+            "compaction": self.compaction,
+        }
+
+    def _place(self, length: int, count: int) -> list[int] | None:
+        """Starts of ``count`` new extents of ``length``, all or none (compacting if allowed)."""
+        trial = self.arena.copy()
+        starts = []
+        for _ in range(count):
+            start = trial.take(length)
+            if start is None:
+                break
+            starts.append(start)
+        else:
+            self.arena = trial
+            return starts
+        if not self.compaction or self.arena.total_free < count * length:
+            return None
+        self._compact()
+        return [self._take(length) for _ in range(count)]
+
+    def _take(self, length: int) -> int:
+        start = self.arena.take(length)
+        if start is None:
+            raise AssertionError("compaction left no hole large enough")
+        return start
+
+    def _compact(self) -> None:
+        """Slide every extent left, in address order, into one block at the arena's start.
+
+        Each move's destination lies below its source and above every extent already moved,
+        so executing the queued copies one after another (each as if through a temporary)
+        never overwrites data still to be moved. Only written slots are copied.
+        """
+        cursor = 0
+        for ext in sorted(self._all_extents(), key=lambda e: e.start):
+            if ext.start != cursor:
+                if ext.num_committed:
+                    self._queue_copy(ext.start, cursor, ext.num_committed)
+                ext.start = cursor
+            cursor += ext.length
+        self.arena.reset(cursor)
+
+    def _all_extents(self) -> list[_Extent]:
+        """Live sequences' extents and the spares reserved for their forks."""
+        return [*self._extents.values(), *(e for s in self._spare.values() for e in s)]
+
+    def _queue_copy(self, src: int, dst: int, num_slots: int) -> None:
+        self._copies.append(SlotCopy(src=src, dst=dst, num_slots=num_slots))
+        self._copied_bytes += num_slots * self.bytes_per_token

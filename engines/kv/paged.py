@@ -1,0 +1,282 @@
+"""Paged KV manager: fixed-size blocks, per-sequence block tables, prefix caching, fork + CoW.
+
+Token position ``p`` of a sequence lives in slot ``table[p // block_size] * block_size +
+p % block_size``. Tables only grow at the end, except that copy-on-write swaps a shared,
+partially filled last block for a private copy before the sequence writes into it.
+
+Prefix caching indexes every full block, once its KV is written (``commit``), by the chained
+hash of all tokens up to its end, so a later sequence with the same leading tokens reuses the
+blocks instead of recomputing them. A cached block nobody references stays free but findable
+until the pool needs it for something else (LRU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any
+
+import numpy as np
+
+from kvbench.engines.base import KVStats
+from kvbench.engines.kv.base import KVManager, SlotCopy
+from kvbench.engines.kv.block_pool import BlockPool
+from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
+from kvbench.engines.sequence import Sequence
+from kvbench.errors import KvbenchError
+from kvbench.units import format_bytes
+from kvbench.workloads.model import Request
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class _SeqBlocks:
+    """A live sequence's blocks: ``table[i]`` holds token positions ``[i*bs, (i+1)*bs)``."""
+
+    table: list[int]
+    num_committed: int  # leading tokens whose KV is written (as of the last commit)
+    num_indexed: int  # leading blocks already offered to the prefix cache
+    final_len: int  # tokens whose KV it writes by the end (the last sampled one gets none)
+
+
+class PagedKVManager(KVManager):
+    """Paged KV bookkeeping over ``num_blocks`` blocks of ``block_size`` token slots.
+
+    ``leak_finished`` is a deliberate fault for testing leak detection: finished sequences'
+    blocks are never returned (preempted ones still are).
+    """
+
+    kind = "paged"
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        bytes_per_token: int,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+        leak_finished: bool = False,
+    ) -> None:
+        for name, value in (
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("bytes_per_token", bytes_per_token),
+            ("max_model_len", max_model_len),
+        ):
+            if value <= 0:
+                raise KvbenchError(f"paged KV cache: {name} must be positive, got {value}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.bytes_per_token = bytes_per_token
+        self.max_model_len = max_model_len
+        self.capacity_tokens = num_blocks * block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.leak_finished = leak_finished
+        self.pool = BlockPool(num_blocks, block_size)
+        self._hasher = BlockHasher(block_size)
+        self._seqs: dict[int, _SeqBlocks] = {}
+        # Kept across preemption (the tokens do not change), dropped when a sequence finishes.
+        self._hashes: dict[int, list[int]] = {}
+        self._copies: list[SlotCopy] = []
+        self._used_tokens = 0
+        self._copied_bytes = 0
+        self._hit_tokens = 0
+        self._query_tokens = 0
+
+    def never_fits(self, request: Request) -> str | None:
+        need = request.prompt_tokens + request.output_tokens
+        if need > self.max_model_len:
+            return (
+                f"request {request.id} needs {need} tokens (prompt {request.prompt_tokens} + "
+                f"output {request.output_tokens}) but max_model_len is {self.max_model_len}; "
+                f"raise --max-model-len to at least {need} or shorten the request"
+            )
+        blocks = _cdiv(need, self.block_size)
+        if blocks > self.num_blocks:
+            block_bytes = self.block_size * self.bytes_per_token
+            return (
+                f"request {request.id} needs {blocks} blocks of {self.block_size} tokens "
+                f"({format_bytes(blocks * block_bytes)}) for one sample but the KV cache "
+                f"holds {self.num_blocks} blocks ({format_bytes(self.num_blocks * block_bytes)}); "
+                f"raise --kv-memory to at least {format_bytes(blocks * block_bytes)}"
+            )
+        return None
+
+    def lookup_prefix(self, seq: Sequence) -> int:
+        if not self.enable_prefix_caching:
+            return 0
+        hashes = self._hashes_upto(seq, seq.num_tokens // self.block_size)
+        # At least one token must be left to compute: its logits give the next token.
+        limit = (seq.num_tokens - 1) // self.block_size
+        return len(self.pool.lookup(islice(hashes, limit))) * self.block_size
+
+    def allocate(self, seq: Sequence, num_cached: int, num_new: int) -> bool:
+        if seq.seq_id in self._seqs:
+            raise RuntimeError(f"sequence {seq.seq_id} is already allocated")
+        bs = self.block_size
+        hits: list[int] = []
+        if num_cached:
+            if not self.enable_prefix_caching or num_cached % bs:
+                raise RuntimeError(f"cannot attach {num_cached} cached tokens (block size {bs})")
+            hashes = self._hashes_upto(seq, num_cached // bs)
+            hits = self.pool.lookup(islice(hashes, num_cached // bs))
+            if len(hits) * bs != num_cached:
+                raise RuntimeError("prefix lookup is stale: cached blocks were evicted since")
+        num_fresh = _cdiv(num_cached + num_new, bs) - len(hits)
+        if num_fresh + self.pool.count_free(hits) > self.pool.num_free:
+            return False
+        self._used_tokens += self.pool.touch(hits) * bs
+        table = hits + self.pool.take(num_fresh)
+        self._seqs[seq.seq_id] = _SeqBlocks(table, num_cached, len(hits), seq.max_tokens - 1)
+        if self.enable_prefix_caching:
+            self._hit_tokens += num_cached
+            self._query_tokens += seq.num_tokens
+        seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+        return True
+
+    def grow(self, seq: Sequence, num_new: int) -> bool:
+        table, bs = self._seqs[seq.seq_id].table, self.block_size
+        pos = seq.num_computed_tokens
+        # Only the block holding `pos` can be both shared and written to: shared blocks hold
+        # already-computed tokens, so they all end at or before it.
+        last = pos // bs
+        cow = num_new > 0 and last < len(table) and self.pool.ref[table[last]] > 1
+        num_fresh = _cdiv(pos + num_new, bs) - len(table)
+        if num_fresh <= 0 and not cow:
+            return True  # the common decode step: room left in the last block
+        num_fresh = max(num_fresh, 0)
+        if num_fresh + cow > self.pool.num_free:
+            return False
+        if cow:
+            old = table[last]
+            new = self.pool.copy_on_write(old)
+            table[last] = new
+            self._used_tokens += pos - last * bs
+            self._copies.append(SlotCopy(src=old * bs, dst=new * bs, num_slots=bs))
+            self._copied_bytes += bs * self.bytes_per_token
+        if num_fresh:
+            table += self.pool.take(num_fresh)
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        state = self._seqs[seq.seq_id]
+        n = seq.num_computed_tokens
+        if not state.num_committed <= n <= len(state.table) * self.block_size:
+            raise RuntimeError(
+                f"sequence {seq.seq_id}: {n} computed tokens outside its blocks "
+                f"(committed {state.num_committed}, room {len(state.table) * self.block_size})"
+            )
+        self._used_tokens += n - state.num_committed
+        state.num_committed = n
+        full = n // self.block_size
+        if self.enable_prefix_caching and full > state.num_indexed:
+            hashes = self._hashes_upto(seq, full)
+            self.pool.cache(state.table, hashes, state.num_indexed, full)
+            state.num_indexed = full
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks. A sequence holding none (never admitted) is a no-op."""
+        finished = seq.is_finished
+        if finished:
+            self._hashes.pop(seq.seq_id, None)
+        state = self._seqs.pop(seq.seq_id, None)
+        if state is None:
+            return
+        if finished and self.leak_finished:
+            self._used_tokens -= self.pool.leak(state.table, state.num_committed)
+        else:
+            self._used_tokens -= self.pool.release(state.table, state.num_committed)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        if child.seq_id in self._seqs:
+            raise RuntimeError(f"sequence {child.seq_id} is already allocated")
+        state = self._seqs[parent.seq_id]
+        # Share only blocks holding computed KV; any room reserved beyond stays the parent's.
+        shared = state.table[: _cdiv(state.num_committed, self.block_size)]
+        self.pool.share(shared)
+        self._seqs[child.seq_id] = _SeqBlocks(
+            shared, state.num_committed, min(state.num_indexed, len(shared)), state.final_len
+        )
+        hashes = self._hashes.get(parent.seq_id)
+        if hashes is not None:
+            self._hashes[child.seq_id] = list(hashes)
+
+    def slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        table, bs = self._seqs[seq.seq_id].table, self.block_size
+        if not 0 <= start <= end <= len(table) * bs:
+            raise RuntimeError(
+                f"sequence {seq.seq_id}: positions [{start}, {end}) outside its {len(table)} blocks"
+            )
+        first = start // bs
+        blocks = np.array(table[first : _cdiv(end, bs)], dtype=np.int64)
+        slots = (blocks[:, None] * bs + np.arange(bs, dtype=np.int64)).ravel()
+        return slots[start - first * bs : end - first * bs]
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """A copy of ``seq``'s block table."""
+        return list(self._seqs[seq.seq_id].table)
+
+    def take_copies(self) -> list[SlotCopy]:
+        copies, self._copies = self._copies, []
+        return copies
+
+    def stats(self) -> KVStats:
+        """Bytes count whole blocks except ``used_bytes``, the token slots holding written KV
+        in blocks some live sequence references (each block once), and
+        ``reserved_ahead_bytes``, the slots of their blocks live sequences will still write."""
+        pool, bpt = self.pool, self.bytes_per_token
+        block_bytes = self.block_size * bpt
+        free = pool.num_free * block_bytes
+        caching = self.enable_prefix_caching
+        return KVStats(
+            capacity_bytes=self.num_blocks * block_bytes,
+            used_bytes=self._used_tokens * bpt,
+            reserved_bytes=(self.num_blocks - pool.num_free) * block_bytes,
+            reserved_ahead_bytes=self._ahead_tokens() * bpt,
+            free_bytes=free,
+            # Any free block serves any request: paged memory has no external fragmentation.
+            largest_free_bytes=free,
+            shared_bytes=pool.num_shared * block_bytes,
+            prefix_hit_tokens=self._hit_tokens if caching else None,
+            prefix_query_tokens=self._query_tokens if caching else None,
+            block_allocs=pool.num_allocs,
+            block_frees=pool.num_frees,
+            copied_bytes=self._copied_bytes,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "bytes_per_token": self.bytes_per_token,
+            "max_model_len": self.max_model_len,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "leak_finished": self.leak_finished,
+        }
+
+    def _ahead_tokens(self) -> int:
+        bs, ref = self.block_size, self.pool.ref
+        total = 0
+        for state in self._seqs.values():
+            start = state.num_committed
+            # A shared partial block is never written in place by a sharer that copies it
+            # first; counting it for each sharer would count its free slots twice.
+            if start % bs and ref[state.table[start // bs]] > 1:
+                start += bs - start % bs
+            total += max(min(len(state.table) * bs, state.final_len) - start, 0)
+        return total
+
+    def _hashes_upto(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """``seq``'s chained block hashes, computed (once) at least for its first
+        ``num_blocks`` full blocks."""
+        hashes = self._hashes.setdefault(seq.seq_id, [])
+        have = len(hashes)
+        if have < num_blocks:
+            bs = self.block_size
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes += self._hasher.chain(parent, seq.token_ids(have * bs, num_blocks * bs))
+        return hashes

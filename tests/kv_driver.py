@@ -1,0 +1,111 @@
+"""A scheduler stand-in for KV manager tests, with a fake KV memory.
+
+Computing a token writes ``position * VOCAB + token id`` into its slot, and queued copies are
+applied like an executor would, so reading a sequence's slots back shows any slot handed to
+two sequences, any wrong copy-on-write or compaction move, and any bad prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvbench.engines.kv.base import KVManager
+from kvbench.engines.sequence import Sequence
+from kvbench.workloads.model import Request, Segment
+
+VOCAB = 7  # small, so that forked samples sometimes pick the same token
+
+
+def make_seq(
+    seq_id: int, prompt: int, output: int, *, prefix: tuple[str, int] | None = None, n: int = 1
+) -> Sequence:
+    """A sequence whose prompt starts with ``prefix`` = (key, tokens) shared by others."""
+    segments = []
+    if prefix is not None:
+        segments.append(Segment("text", prefix[1], prefix[0]))
+    if prompt:
+        segments.append(Segment("text", prompt, f"own/{seq_id}"))
+    request = Request(f"r{seq_id}", 0.0, tuple(segments), output, n=n)
+    return Sequence(seq_id, request, request.prompt_token_ids(VOCAB))
+
+
+class KVDriver:
+    def __init__(self, kv: KVManager, seed: int = 0) -> None:
+        self.kv = kv
+        self.mem = np.full(kv.capacity_tokens, -1, dtype=np.int64)
+        self.rng = np.random.default_rng(seed)
+        self.running: list[Sequence] = []
+        self.next_id = 1000  # above the ids tests give to their own sequences
+
+    def admit(self, seq: Sequence, chunk: int) -> bool:
+        cached = self.kv.lookup_prefix(seq)
+        assert 0 <= cached <= seq.num_tokens - 1
+        num_new = min(chunk, seq.num_tokens - cached)
+        if not self.kv.allocate(seq, cached, num_new):
+            return False
+        assert seq.num_computed_tokens == seq.num_cached_tokens == cached
+        self.running.append(seq)
+        self._compute(seq, num_new)
+        return True
+
+    def step(self, seq: Sequence, chunk: int) -> bool:
+        num_new = min(chunk, seq.num_tokens - seq.num_computed_tokens)
+        if not self.kv.grow(seq, num_new):
+            return False
+        self._compute(seq, num_new)
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        self.running.remove(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+
+    def free(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        self.running.remove(seq)
+
+    def apply_copies(self) -> None:
+        for c in self.kv.take_copies():
+            self.mem[c.dst : c.dst + c.num_slots] = self.mem[c.src : c.src + c.num_slots].copy()
+
+    def _compute(self, seq: Sequence, num_new: int) -> None:
+        self.apply_copies()
+        start = seq.num_computed_tokens
+        end = start + num_new
+        slots = self.kv.slots(seq, start, end)
+        self.mem[slots] = np.arange(start, end) * VOCAB + seq.token_ids(start, end)
+        seq.num_computed_tokens = end
+        self.kv.commit(seq)
+        if end < seq.num_tokens:
+            return
+        seq.output_ids.append(int(self.rng.integers(VOCAB)))
+        if len(seq.output_ids) == 1 and seq.sample_index == 0:
+            for j in range(1, seq.request.n):
+                self._fork(seq, j)
+        if seq.is_finished:
+            self.free(seq)
+
+    def _fork(self, parent: Sequence, index: int) -> None:
+        child = Sequence(
+            self.next_id,
+            parent.request,
+            parent.prompt_ids,
+            sample_index=index,
+            output_ids=list(parent.output_ids),
+            num_computed_tokens=parent.num_computed_tokens,
+        )
+        self.next_id += 1
+        self.kv.fork(parent, child)
+        self.running.append(child)
+        if child.is_finished:
+            self.free(child)
+
+    def check_contents(self) -> None:
+        """Every live sequence reads back exactly its own tokens."""
+        self.apply_copies()
+        for seq in self.running:
+            n = seq.num_computed_tokens
+            want = np.arange(n) * VOCAB + seq.token_ids(0, n)
+            got = self.mem[self.kv.slots(seq, 0, n)]
+            assert np.array_equal(got, want), f"sequence {seq.seq_id} reads foreign KV"
