@@ -1,0 +1,362 @@
+"""The Triton kernels against the torch reference.
+
+Kernel tests run on CUDA when there is a device. On a CPU they run in the Triton interpreter,
+which is chosen when triton's decorators run (TRITON_INTERPRET=1 must be set before the
+kernels are imported), so ``test_interpreter`` runs this file again in a child pytest with
+the variable set; this process never turns the interpreter on for other tests. Shapes are
+tiny: the interpreter runs every program of a grid one after another in Python.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvbench.engines.kv.base import SlotCopy
+from kvbench.errors import KvbenchError
+from kvbench.kernels import reference
+from kvbench.kernels.backend import get_backend
+
+HAS_TRITON = find_spec("triton") is not None
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETING else "cuda" if torch.cuda.is_available() else None
+TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+# Tests of backend selection run once, in the parent process.
+parent_only = pytest.mark.skipif(INTERPRETING, reason="runs in the parent process")
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+kernel_test = pytest.mark.skipif(
+    not HAS_TRITON or DEVICE is None,
+    reason="needs triton and CUDA; on a CPU these run in test_interpreter's child process",
+)
+
+
+def triton_backend():
+    return get_backend("triton", DEVICE)
+
+
+@dataclass
+class Batch:
+    """A ragged batch whose KV sits in a paged and a contiguous cache (the same values),
+    with random data in every slot no sequence owns, so a wrong address shows."""
+
+    query: torch.Tensor
+    cu: torch.Tensor
+    context_lens: torch.Tensor
+    block_size: int
+    block_tables: torch.Tensor
+    paged_k: torch.Tensor
+    paged_v: torch.Tensor
+    extent_starts: torch.Tensor
+    cont_k: torch.Tensor
+    cont_v: torch.Tensor
+    scale: float
+
+    def paged(self, fn, **kw) -> torch.Tensor:
+        return fn(
+            self.query, self.paged_k, self.paged_v, self.block_tables, self.context_lens,
+            self.cu, self.block_size, self.scale, **kw,
+        )
+
+    def contiguous(self, fn, **kw) -> torch.Tensor:
+        return fn(
+            self.query, self.cont_k, self.cont_v, self.extent_starts, self.context_lens,
+            self.cu, self.scale, **kw,
+        )
+
+
+def make_batch(
+    q_lens: list[int],
+    ctx_lens: list[int],
+    *,
+    block_size: int = 16,
+    group: int = 1,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+    num_seqs = len(ctx_lens)
+    keys = [randn(n, num_kv_heads, head_dim) for n in ctx_lens]
+    values = [randn(n, num_kv_heads, head_dim) for n in ctx_lens]
+    # Paged: blocks in shuffled order, table rows padded with -1 past each sequence's blocks.
+    need = [-(-n // block_size) for n in ctx_lens]
+    num_blocks = sum(need) + 2
+    order = rng.permutation(num_blocks)
+    tables = torch.full((num_seqs, max(need, default=1)), -1, dtype=torch.int32)
+    paged_k = randn(num_blocks * block_size, num_kv_heads, head_dim)
+    paged_v = randn(num_blocks * block_size, num_kv_heads, head_dim)
+    # Contiguous: extents in reverse order with gaps between them.
+    starts, cursor = [0] * num_seqs, 3
+    for b in reversed(range(num_seqs)):
+        starts[b], cursor = cursor, cursor + ctx_lens[b] + 2
+    cont_k = randn(cursor, num_kv_heads, head_dim)
+    cont_v = randn(cursor, num_kv_heads, head_dim)
+    used = 0
+    for b, n in enumerate(ctx_lens):
+        blocks = torch.tensor(order[used : used + need[b]], dtype=torch.int32)
+        used += need[b]
+        tables[b, : need[b]] = blocks
+        pos = torch.arange(n)
+        slots = (blocks.long()[pos // block_size] * block_size + pos % block_size).to(DEVICE)
+        paged_k[slots], paged_v[slots] = keys[b], values[b]
+        cont_k[starts[b] : starts[b] + n], cont_v[starts[b] : starts[b] + n] = keys[b], values[b]
+    return Batch(
+        query=randn(sum(q_lens), num_kv_heads * group, head_dim),
+        cu=torch.tensor(np.cumsum([0, *q_lens]), dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE),
+        block_size=block_size,
+        block_tables=tables.to(DEVICE),
+        paged_k=paged_k, paged_v=paged_v,
+        extent_starts=torch.tensor(starts, dtype=torch.int64, device=DEVICE),
+        cont_k=cont_k, cont_v=cont_v,
+        scale=head_dim**-0.5,
+    )
+
+
+def check_attention(batch: Batch, **kw) -> None:
+    """Both layouts' Triton output against the reference, in the query's dtype."""
+    tr = triton_backend()
+    want = batch.paged(reference.paged_attention)
+    tol = TOL[batch.query.dtype]
+    for got in (batch.paged(tr.paged_attention, **kw),
+                batch.contiguous(tr.contiguous_attention, **kw)):
+        assert got.dtype == batch.query.dtype and got.shape == batch.query.shape
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@kernel_test
+@pytest.mark.parametrize(
+    ("block_size", "group"), [(8, 1), (8, 4), (8, 8), (16, 1), (16, 8), (256, 4)]
+)
+def test_decode_at_block_edges(block_size, group):
+    """Context 1, exactly full blocks, one token past a boundary, ragged in one batch."""
+    ctx = [1, block_size, block_size + 1, 2 * block_size, 3]
+    check_attention(
+        make_batch([1] * len(ctx), ctx, block_size=block_size, group=group, num_kv_heads=1)
+    )
+
+
+@kernel_test
+@pytest.mark.parametrize(("block_size", "group"), [(8, 1), (16, 4), (8, 7)])
+def test_mixed_prefill_and_decode(block_size, group):
+    """A later prefill chunk on cached KV, decodes, a first chunk, a chunk ending on a block
+    boundary; group 7 is a non-power-of-two GQA group (Qwen2.5-7B)."""
+    q_lens, ctx = [5, 1, 20, 1, 9], [21, 33, 20, 2, 2 * block_size]
+    kv_heads = 2 if group == 4 else 1  # one case covers KV-head addressing
+    check_attention(
+        make_batch(q_lens, ctx, block_size=block_size, group=group, num_kv_heads=kv_heads)
+    )
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(dtype):
+    check_attention(make_batch([1, 7, 1], [9, 7, 40], group=4, dtype=dtype))
+
+
+@pytest.fixture
+def short_splits(monkeypatch):
+    """Let splits engage on contexts the interpreter runs quickly."""
+    from kvbench.kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "MIN_SPLIT_TOKENS", 16)
+
+
+@kernel_test
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_k_decode(short_splits, num_splits):
+    """Long contexts shared by several programs and combined; a short context whose later
+    splits have nothing to read; a head size that is not a power of two."""
+    batch = make_batch([1, 1, 1], [150, 3, 65], block_size=16, group=4, num_kv_heads=1,
+                       head_dim=24)
+    check_attention(batch, num_splits=num_splits)
+
+
+@kernel_test
+def test_split_k_prefill(short_splits):
+    """Splitting is only chosen for decodes, but stays exact for prefill chunks."""
+    check_attention(make_batch([3, 1], [100, 40], block_size=8, num_kv_heads=1), num_splits=2)
+
+
+@kernel_test
+def test_chunked_prefill_equals_one_shot():
+    """Chunks of one prompt, each attending to all earlier positions, give the rows of one
+    full prefill."""
+    full = make_batch([24], [24], block_size=8, group=4)
+    tr = triton_backend()
+    one_shot = full.paged(tr.paged_attention)
+    rows = []
+    for start, end in [(0, 10), (10, 11), (11, 24)]:
+        rows.append(tr.paged_attention(
+            full.query[start:end], full.paged_k, full.paged_v, full.block_tables,
+            torch.tensor([end], dtype=torch.int32, device=DEVICE),
+            torch.tensor([0, end - start], dtype=torch.int32, device=DEVICE), 8, full.scale,
+        ))
+    torch.testing.assert_close(torch.cat(rows), one_shot, atol=1e-6, rtol=1e-6)
+
+
+@kernel_test
+def test_empty_batch():
+    tr = triton_backend()
+    batch = make_batch([], [])
+    assert batch.paged(tr.paged_attention).shape == (0, 2, 16)
+    assert batch.contiguous(tr.contiguous_attention).shape == (0, 2, 16)
+    k_cache = torch.zeros(4, 2, 16, device=DEVICE)
+    empty = torch.zeros(0, 2, 16, device=DEVICE)
+    tr.store_kv(k_cache, k_cache.clone(), empty, empty, torch.zeros(0, dtype=torch.int64,
+                                                                     device=DEVICE))
+    tr.copy_slots(k_cache[None], [])
+    assert not k_cache.any()
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_into_pool_views(dtype):
+    """The executor's pool is [layers, 2, slots, H, D]; per-layer K/V are views into it."""
+    pool = torch.zeros(3, 2, 12, 2, 16, dtype=dtype, device=DEVICE)
+    want = pool.clone()
+    key = torch.randn(4, 2, 16, device=DEVICE).to(dtype)
+    value = torch.randn(4, 2, 16, device=DEVICE).to(dtype)
+    slots = torch.tensor([7, 2, 11, 0], device=DEVICE)
+    reference.store_kv(want[1, 0], want[1, 1], key, value, slots)
+    triton_backend().store_kv(pool[1, 0], pool[1, 1], key, value, slots)
+    assert torch.equal(pool, want)
+
+
+COPY_CASES = {
+    "slide-left": [SlotCopy(src=4, dst=1, num_slots=6)],
+    "slide-right": [SlotCopy(src=1, dst=4, num_slots=6)],
+    "chained": [SlotCopy(src=0, dst=8, num_slots=3), SlotCopy(src=8, dst=12, num_slots=3)],
+    "copy-on-write": [SlotCopy(src=0, dst=16, num_slots=4), SlotCopy(src=4, dst=20, num_slots=4),
+                      SlotCopy(src=8, dst=24, num_slots=4)],
+    "swap-through-third": [SlotCopy(src=0, dst=20, num_slots=5), SlotCopy(src=10, dst=0,
+                                                                          num_slots=5),
+                           SlotCopy(src=20, dst=10, num_slots=5)],
+    "compaction": [SlotCopy(src=5, dst=0, num_slots=7), SlotCopy(src=14, dst=7, num_slots=9),
+                   SlotCopy(src=26, dst=16, num_slots=3)],
+}
+
+
+@kernel_test
+@pytest.mark.parametrize("copies", COPY_CASES.values(), ids=COPY_CASES.keys())
+def test_copy_slots(copies):
+    caches = torch.randn(4, 32, 2, 3, device=DEVICE)
+    want = caches.clone()
+    reference.copy_slots(want, copies)
+    triton_backend().copy_slots(caches, copies)
+    assert torch.equal(caches, want)
+
+
+@kernel_test
+@pytest.mark.parametrize("copy", [SlotCopy(src=9, dst=2, num_slots=20),
+                                  SlotCopy(src=2, dst=9, num_slots=20)])
+def test_copy_slots_staged_in_pieces(monkeypatch, copy):
+    """A long overlapping slide moves through a staging buffer smaller than itself, each
+    piece by one program looping over it."""
+    from kvbench.kernels import triton_kv
+
+    caches = torch.randn(2, 32, 2, 3, device=DEVICE)
+    row_bytes = 2 * 2 * 3 * caches.element_size()
+    monkeypatch.setattr(triton_kv, "STAGING_BYTES", 6 * row_bytes)  # pieces of 6 slots
+    monkeypatch.setattr(triton_kv, "COPY_SLOTS", 2)
+    monkeypatch.setattr(triton_kv, "MAX_COPY_PROGRAMS", 1)
+    want = caches.clone()
+    reference.copy_slots(want, [copy])
+    triton_kv.copy_slots(caches, [copy])
+    assert torch.equal(caches, want)
+
+
+@kernel_test
+@pytest.mark.skipif(DEVICE != "cpu", reason="the model driver builds its batches on the CPU")
+def test_model_generates_the_reference_tokens():
+    """The decoder on the Triton backend, paged: chunked prefill, then batched decodes."""
+    from model_driver import SMALL, Runner, prompts
+
+    from kvbench.engines.weights import build_model
+
+    tokens = [
+        Runner(build_model(SMALL, kernels, torch.device("cpu"), seed=0), "paged", num_seqs=2)
+        .generate(prompts([5, 12]), steps=3, chunk=8)
+        for kernels in (get_backend("reference"), triton_backend())
+    ]
+    assert tokens[0] == tokens[1]
+
+
+@kernel_test
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE != "cuda", reason="real shapes are too slow for the interpreter")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_real_shapes_on_cuda(dtype, block_size):
+    """Llama-3-8B attention shapes: 32 query heads over 8 KV heads of 128, long ragged
+    decodes with the default split, and a batch with prefill chunks."""
+    ctx = [4096, 1, 17, 1000, 5000, 2048, 256, 257] * 2
+    decode = make_batch([1] * len(ctx), ctx, block_size=block_size, group=4, num_kv_heads=8,
+                        head_dim=128, dtype=dtype)
+    check_attention(decode)
+    mixed = make_batch([512, 1, 300, 1], [3000, 4000, 300, 77], block_size=block_size,
+                       group=4, num_kv_heads=8, head_dim=128, dtype=dtype)
+    check_attention(mixed)
+
+
+@needs_triton
+@parent_only
+def test_interpreter():
+    """Every kernel test in this file, on CPU, in a child pytest under the Triton
+    interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+@needs_triton
+@parent_only
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU message")
+def test_triton_on_cpu_without_interpreter_is_a_clear_error():
+    with pytest.raises(KvbenchError, match="TRITON_INTERPRET=1"):
+        get_backend("triton", "cpu")
+
+
+@parent_only
+def test_missing_triton_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` fail
+    with pytest.raises(KvbenchError, match="needs the triton package"):
+        get_backend("triton")
+    assert get_backend("auto", "cuda").name == "reference"
+
+
+@parent_only
+def test_auto_and_unknown_backends():
+    assert get_backend("auto", "cpu").name == "reference"
+    assert get_backend("auto").name == "reference"
+    with pytest.raises(KvbenchError, match="valid backends: auto, reference, triton"):
+        get_backend("flash")
+
+
+@parent_only
+def test_reference_path_never_imports_triton():
+    code = (
+        "import sys; from kvbench.kernels import get_backend; "
+        "get_backend('reference', 'cpu'); get_backend('auto', 'cpu'); "
+        "sys.exit('triton' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
