@@ -14,8 +14,10 @@ from kvbench.curves import build_curves
 from kvbench.errors import InputFileError
 from kvbench.fileio import write_text_atomic
 from kvbench.harness import EngineRun
+from kvbench.leaks import SoakResult
 from kvbench.machine import git_commit, machine_info
-from kvbench.metrics import summarize
+from kvbench.metrics import device_series, summarize
+from kvbench.slo import SLO
 
 SCHEMA_VERSION = 1
 
@@ -49,6 +51,17 @@ class RequestRow(BaseModel):
     reason: str | None = None
 
 
+class TelemetryInfo(BaseModel):
+    """Which probes measured (``probes``: name -> "ok" or "unavailable: why"), facts they
+    report once (e.g. device total memory), and which reading ``peak_device_bytes`` and
+    ``device_growth_pct`` use."""
+
+    model_config = ConfigDict(extra="forbid")
+    probes: dict[str, str]
+    facts: dict[str, Any] = {}
+    device_memory: str | None = None
+
+
 class RunRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
     schema_version: int = SCHEMA_VERSION
@@ -66,6 +79,9 @@ class RunRecord(BaseModel):
     clock: str
     status: Literal["ok", "interrupted", "failed"]
     error: str | None = None
+    slo: SLO | None = None
+    telemetry: TelemetryInfo | None = None
+    soak: SoakResult | None = None
     summary: dict[str, Any]
     curves: dict[str, list[float]]
     requests: list[RequestRow]
@@ -116,8 +132,17 @@ def build_record(
     engine_config: dict[str, Any],
     model: dict[str, Any],
     device: str,
+    slo: SLO | None = None,
+    soak: SoakResult | None = None,
 ) -> RunRecord:
     wl = run.workload
+    tel = run.telemetry
+    telemetry = None
+    if tel is not None:
+        dev = device_series(run)
+        telemetry = TelemetryInfo(
+            probes=tel.status, facts=tel.info(), device_memory=dev[0] if dev else None
+        )
     return RunRecord(
         kvbench_version=__version__,
         git_commit=git_commit(),
@@ -141,8 +166,11 @@ def build_record(
         clock=run.clock,
         status=run.status,
         error=run.error,
-        summary=summarize(run),
-        curves=build_curves(run.steps),
+        slo=slo,
+        telemetry=telemetry,
+        soak=soak,
+        summary=summarize(run, slo) | (soak.summary() if soak is not None else {}),
+        curves=build_curves(run.steps, tel),
         requests=request_rows(run),
     )
 

@@ -1,0 +1,161 @@
+"""Metric definitions on hand-made runs, and curves that agree with the summary."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import make_workload, text_request
+from kvbench.clocks import VirtualClock
+from kvbench.curves import build_curves
+from kvbench.devices import parse_device
+from kvbench.engines.costmodel import CostModel
+from kvbench.engines.factory import EngineOptions, build_engine
+from kvbench.engines.presets import get_preset
+from kvbench.engines.scheduler import SchedulerConfig
+from kvbench.errors import KvbenchError
+from kvbench.harness import EngineRun, RequestTiming, StepLog, run_engine
+from kvbench.metrics import latency_samples, memory_metrics, summarize
+from kvbench.slo import SLO, parse_slo
+from kvbench.suite import BUILTIN_ENGINES
+from kvbench.telemetry import ProbeSamples, Telemetry
+
+
+def _timed_run() -> EngineRun:
+    """Two completed requests with known token times, one rejected (clock: seconds)."""
+    a, b, c = text_request("a", 10, 3, 0.0), text_request("b", 10, 1, 1.0), text_request("c", 9, 2)
+    timings = {
+        "a": RequestTiming(a, first_scheduled_s=0.1, first_token_s=0.5,
+                           token_times_s=[0.5, 0.7, 1.1], finish_s=1.1),
+        "b": RequestTiming(b, first_scheduled_s=1.0, first_token_s=1.2, token_times_s=[1.2],
+                           finish_s=1.2),
+        "c": RequestTiming(c, rejected="too long"),
+    }
+    run = EngineRun("x", make_workload([a, b, c]), "virtual", timings, StepLog())
+    run.duration_s = 2.0
+    return run
+
+
+def test_latency_definitions() -> None:
+    run = _timed_run()
+    lat = latency_samples(run)
+    assert lat["ttft"] == pytest.approx([0.5, 0.2])
+    assert lat["e2el"] == pytest.approx([1.1, 0.2])
+    assert lat["tpot"] == pytest.approx([(1.1 - 0.5) / 2])  # b has one output token: no TPOT
+    assert lat["itl"] == pytest.approx([0.2, 0.4])  # pooled gaps of a
+    s = summarize(run)
+    assert s["completed"] == 2 and s["rejected"] == 1
+    assert s["mean_ttft_ms"] == pytest.approx(350.0)
+    assert s["median_tpot_ms"] == pytest.approx(300.0)
+    assert s["p99_itl_ms"] == pytest.approx(200 + 0.99 * 200)
+    assert s["request_throughput"] == pytest.approx(1.0)
+    assert s["output_throughput"] == pytest.approx(2.0)
+    assert s["request_goodput"] is None and s["slo_attainment_pct"] is None
+
+
+def test_goodput_counts_requests_within_every_limit() -> None:
+    run = _timed_run()
+    s = summarize(run, SLO(ttft_ms=300))
+    assert s["request_goodput"] == pytest.approx(0.5)  # only b; a's TTFT is 500 ms
+    assert s["slo_attainment_pct"] == pytest.approx(100 / 3)  # the rejected request misses
+    s = summarize(run, SLO(ttft_ms=600, tpot_ms=250))
+    assert s["request_goodput"] == pytest.approx(0.5)  # a's TPOT is 300 ms
+    s = summarize(run, SLO(ttft_ms=600, tpot_ms=300, e2el_ms=2000))
+    assert s["request_goodput"] == pytest.approx(1.0)
+
+
+def test_parse_slo() -> None:
+    assert parse_slo("ttft:500, tpot:50") == SLO(ttft_ms=500, tpot_ms=50)
+    assert parse_slo("e2el:1e4").e2el_ms == 10_000
+    for bad in ("ttft=5", "itl:5", "ttft:x", "tpot:0"):
+        with pytest.raises(KvbenchError):
+            parse_slo(bad)
+
+
+def test_memory_growth_from_end_of_warmup() -> None:
+    run = _timed_run()
+    run.steps.t_s.extend([0.1 * i for i in range(10)])
+    tel = Telemetry([], {"rss": "ok"})
+    tel.samples["rss"] = ProbeSamples(("rss_bytes",), [0, 2, 5, 9], [(50,), (100,), (110,), (125,)])
+    run.telemetry, run.warmup_step = tel, 3
+    m = memory_metrics(run)
+    assert m["peak_rss_bytes"] == 125
+    # Warm-up ended at step 3: the reading then is the one taken at step 2 (100).
+    assert m["rss_growth_pct"] == pytest.approx(25.0)
+    assert m["memory_growth_pct"] == pytest.approx(25.0)
+    assert m["device_growth_pct"] is None and m["peak_device_bytes"] is None
+
+
+def test_device_memory_prefers_nvml_process_reading() -> None:
+    run = _timed_run()
+    run.steps.t_s.extend([0.0, 1.0, 2.0])
+    tel = Telemetry([], {})
+    cols = ("cuda_allocated_bytes", "cuda_reserved_bytes", "cuda_inactive_split_bytes",
+            "cuda_alloc_retries", "cuda_peak_allocated_bytes", "cuda_peak_reserved_bytes")
+    rows = [(10, 20, 1, 0, 15, 30), (10, 40, 3, 1, 25, 45)]
+    tel.samples["cuda"] = ProbeSamples(cols, [0, 2], rows)
+    run.telemetry, run.warmup_step = tel, 0
+    m = memory_metrics(run)
+    assert m["peak_device_bytes"] == 45  # the allocator's own peak, exact between readings
+    assert m["device_growth_pct"] == pytest.approx(100.0)
+    assert m["peak_cuda_inactive_split_bytes"] == 3 and m["cuda_alloc_retries"] == 1
+    tel.samples["nvml"] = ProbeSamples(
+        ("nvml_device_used_bytes", "nvml_process_used_bytes"), [0, 2], [(500, 100), (600, 120)]
+    )
+    m = memory_metrics(run)
+    assert m["peak_device_bytes"] == 120
+    assert m["device_growth_pct"] == pytest.approx(20.0)
+    assert m["memory_growth_pct"] == pytest.approx(20.0)
+
+
+def _sim_run(engine: str, kv_tokens: int = 6144):
+    preset = get_preset("llama-3-8b")
+    opts = EngineOptions(
+        preset=preset, device=parse_device("sim:a100-80gb"),
+        kv_bytes=kv_tokens * preset.kv_bytes_per_token, block_size=16, prefix_caching=True,
+        scheduler=SchedulerConfig(2048, 64, 1024, True),
+    )
+    wl = make_workload(
+        [text_request(f"r{i}", 100 + 53 * (i % 7), 10 + 9 * (i % 4), arrival=0.02 * i,
+                      key="shared/system" if i % 3 == 0 else None)
+         for i in range(40)]
+    )
+    clock = VirtualClock(CostModel(preset, opts.device.hardware, opts.device.tp))
+    return run_engine(build_engine(engine, BUILTIN_ENGINES[engine], opts), wl, clock)
+
+
+@pytest.mark.parametrize("engine", ["paged", "contiguous"])
+def test_curves_agree_with_summary(engine: str) -> None:
+    run = _sim_run(engine)
+    assert run.status == "ok", run.error
+    s = summarize(run)
+    for max_points in (1000, 37):  # exact and downsampled
+        c = build_curves(run.steps, run.telemetry, max_points=max_points)
+        assert max(c["kv_reserved_bytes"]) == s["peak_kv_reserved_bytes"]
+        assert max(c["kv_used_bytes"]) == s["peak_kv_used_bytes"]
+        assert max(c["running"]) == s["max_concurrent_requests"]
+        assert sum(c["preempted"]) == s["preemptions"]
+        assert min(c["frag_index"]) == pytest.approx(s["min_frag_index"])
+        assert max(c["rss_bytes"]) == s["peak_rss_bytes"]
+        for used, res, cap in zip(
+            c["kv_used_bytes"], c["kv_reserved_bytes"], c["kv_capacity_bytes"], strict=True
+        ):
+            assert 0 <= used <= res <= cap == s["kv_capacity_bytes"]
+        assert c["t_s"][-1] == pytest.approx(s["duration_s"])
+        turnover = (c["block_allocs"][-1] + c["block_frees"][-1]) / s["duration_s"]
+        assert turnover == pytest.approx(s["page_turnover_per_s"])
+    assert s["kv_waste_pct"] == pytest.approx(100 * (1 - s["mean_kv_utilization"]))
+    if s["kv_reservation_waste_pct"] is not None:
+        assert s["kv_reservation_waste_pct"] + s["kv_internal_waste_pct"] == pytest.approx(
+            s["kv_waste_pct"]
+        )
+        assert s["kv_reservation_waste_pct"] >= 0 and s["kv_internal_waste_pct"] >= -1e-9
+    assert s["kv_retained_bytes"] == 0
+
+
+def test_paged_wastes_less_and_shares_prefixes() -> None:
+    paged, contig = summarize(_sim_run("paged")), summarize(_sim_run("contiguous"))
+    assert paged["kv_waste_pct"] < 5 < 50 < contig["kv_waste_pct"]
+    assert paged["min_frag_index"] == 1.0 and contig["min_frag_index"] < 1.0
+    assert paged["prefix_hit_rate"] > 0 and paged["shared_block_ratio"] > 0
+    assert contig["prefix_hit_rate"] is None and contig["shared_block_ratio"] == 0
+    assert paged["max_concurrent_requests"] > contig["max_concurrent_requests"]

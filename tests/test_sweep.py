@@ -1,0 +1,46 @@
+"""KV-budget sweeps: one run folder per budget, a table and a figure across budgets."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from kvbench.cli import app
+from kvbench.errors import KvbenchError
+from kvbench.records import load_record
+from kvbench.sweep import parse_budgets
+
+
+def test_parse_budgets_sorts_and_rejects_duplicates() -> None:
+    assert parse_budgets("16MiB, 4MiB,8MiB") == ["4MiB", "8MiB", "16MiB"]
+    with pytest.raises(KvbenchError, match="twice"):
+        parse_budgets("1GiB,1024MiB")
+    with pytest.raises(KvbenchError):
+        parse_budgets(" , ")
+
+
+def test_sweep_runs_each_budget_and_skips_what_cannot_fit(tmp_path, monkeypatch) -> None:
+    # Per-run figures are tested in test_plots; the sweep's own figure is drawn here.
+    monkeypatch.setattr("kvbench.runner.write_plots", lambda records, out_dir: ([], []))
+    out = tmp_path / "sweep"
+    result = CliRunner().invoke(app, [
+        "sweep", "--kv-memory", "256MiB,1GiB,2GiB", "--device", "sim:a100-80gb",
+        "--model", "llama-3-8b", "--workload", "mixed-text", "--num-requests", "16",
+        "--max-model-len", "4096", "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    # 256 MiB holds no 4096-token contiguous extent (512 MiB): skipped there, not fatal.
+    assert not (out / "kv-256MiB" / "contiguous.json").exists()
+    assert "kv-256MiB" in str(sorted(out.glob("kv-*/paged.json")))
+    md = (out / "sweep.md").read_text()
+    assert "256MiB contiguous" in md
+    assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    conc = {
+        (rec.engine, rec.summary["kv_capacity_bytes"]): rec.summary["max_concurrent_requests"]
+        for rec in map(load_record, sorted(out.glob("kv-*/*.json")))
+    }
+    paged = [conc[k] for k in sorted(k for k in conc if k[0] == "paged")]
+    contig = [conc[k] for k in sorted(k for k in conc if k[0] == "contiguous")]
+    assert len(paged) == 3 and len(contig) == 2
+    assert paged == sorted(paged) and contig == sorted(contig)
+    assert contig == [2, 4]  # 1 GiB and 2 GiB hold 2 and 4 extents of 512 MiB
