@@ -5,10 +5,22 @@ Fields an engine cannot observe are ``None`` (absent), never zero.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from kvbench.workloads.model import Request
+
+
+def output_digest(samples: Sequence[Sequence[int]]) -> str:
+    """Digest of a request's generated token ids, samples in order, so that any two runs
+    (any engines) can be compared request by request."""
+    return "+".join(
+        hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:16] for ids in samples
+    )
 
 
 @dataclass(slots=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvbench.engines.base import BatchShape, Finished, StepReport
-from kvbench.engines.executor import Executor
+from kvbench.engines.base import BatchShape, Finished, StepReport, output_digest
+from kvbench.engines.executor import Executor, ScheduledBatch
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.presets import ModelPreset
 from kvbench.engines.scheduler import Scheduler, SchedulerConfig
@@ -48,19 +48,7 @@ class BuiltinEngine:
         t0 = time.perf_counter()
         sched = self.scheduler
         batch, preempted, first = sched.schedule()
-        shape = BatchShape(num_seqs=len(batch.items))
-        for item in batch.items:
-            end = item.start + item.num_tokens
-            if item.num_tokens == 1 and item.seq.output_ids:
-                shape.decode_tokens += 1
-            else:
-                shape.prefill_tokens += item.num_tokens
-            shape.context_tokens += end
-            # Causal: query i of the chunk sees start + i + 1 keys.
-            shape.attn_pairs += item.num_tokens * item.start + item.num_tokens * (
-                item.num_tokens + 1
-            ) // 2
-        shape.copied_bytes = sum(c.num_slots for c in batch.copies) * self._bytes_per_token
+        shape = batch_shape(batch, self._bytes_per_token)
         sampled = self.executor.execute(batch, self.kv) if batch.items or batch.copies else []
         outcome = sched.update(batch, sampled)
         finished = self._rejected
@@ -68,7 +56,7 @@ class BuiltinEngine:
         for state in outcome.finished:
             digest = None
             if self.executor.device != "sim":
-                digest = _digest([s.output_digest() for s in state.samples])
+                digest = output_digest([s.output_ids for s in state.samples])
             finished.append(
                 Finished(
                     state.request.id,
@@ -102,5 +90,20 @@ class BuiltinEngine:
         }
 
 
-def _digest(parts: list[str]) -> str:
-    return parts[0] if len(parts) == 1 else "+".join(parts)
+def batch_shape(batch: ScheduledBatch, bytes_per_token: int) -> BatchShape:
+    """What the cost model needs to know about ``batch``."""
+    decode = prefill = context = pairs = 0
+    for item in batch.items:
+        n, start = item.num_tokens, item.start
+        if n == 1 and item.seq.output_ids:
+            decode += 1
+        else:
+            prefill += n
+        context += start + n
+        # Causal: query i of the chunk sees start + i + 1 keys.
+        pairs += n * start + n * (n + 1) // 2
+    copied = sum(c.num_slots for c in batch.copies) * bytes_per_token if batch.copies else 0
+    return BatchShape(
+        num_seqs=len(batch.items), prefill_tokens=prefill, decode_tokens=decode,
+        context_tokens=context, attn_pairs=pairs, copied_bytes=copied,
+    )

@@ -1,69 +1,133 @@
 """Roofline cost model: predicted step time from the batch shape, model shape and device.
 
-step = overhead + max(FLOPs / (peak FLOPs x flops_eff), bytes / (HBM bw x bw_eff))
+step = overhead + per_seq x seqs
+       + max(FLOPs / (peak FLOPs x flops_eff), bytes / (HBM bw x bw_eff))
        + tensor-parallel all-reduce time
+
+or, where attention runs as its own, unfused operator (``CostCoefficients.split_attention``),
+the max is taken separately for the linear layers (their FLOPs; weights and copies) and for
+attention (its FLOPs; the KV it reads and writes), and the two are added. Unfused attention
+also computes the masked half of each prefill chunk's query x key square; the batch shape
+does not keep chunk sizes, so that is estimated as if the step's prefill chunks were equal.
 
 FLOPs: 2 x params x tokens for the layer matmuls, LM head for sampled positions only, and
 4 x heads x head_dim x (query, key) pairs per layer for attention. Bytes: weights once per
 step, KV read for every context position, KV written for every new token, plus copies.
-All per tensor-parallel rank. The efficiencies and overhead are the coefficients
-``kvbench calibrate`` fits; the defaults are typical of well-tuned engines, not measured.
+All per tensor-parallel rank: each rank holds 1/TP of the weights and of the KV heads
+(replicated when there are fewer KV heads than ranks) and does 1/TP of the FLOPs; two ring
+all-reduces of the hidden states per layer join the ranks. The coefficients come with the
+device (``Hardware.coef``): defaults typical of well-tuned engines for the GPU table, fitted
+ones from ``kvbench calibrate`` for a profiled device.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvbench.engines.base import BatchShape
 from kvbench.engines.presets import ModelPreset
+from kvbench.hardware import CostCoefficients, Hardware
 
-from kvbench.hardware import Hardware
+__all__ = ["CostCoefficients", "CostModel", "RooflineTerms"]
 
 # Per all-reduce launch latency on NVLink-class links (NCCL small-message latency).
 _ALLREDUCE_LATENCY_S = 10e-6
 
 
 @dataclass(frozen=True, slots=True)
-class CostCoefficients:
-    flops_efficiency: float = 0.6
-    bandwidth_efficiency: float = 0.8
-    overhead_s: float = 3e-3
+class RooflineTerms:
+    """A step's work on one rank, before any coefficient is applied."""
+
+    flops: float
+    attention_flops: float  # of which attention's (causal query x key pairs)
+    masked_attention_flops: float  # what unfused attention adds for masked pairs
+    nbytes: float
+    kv_bytes: float  # of which KV read and written
+    allreduce_s: float  # tensor-parallel all-reduces (0 on one rank)
 
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
+    """``coef`` overrides the device's own coefficients; left out, it is ``hardware.coef``."""
+
     preset: ModelPreset
     hardware: Hardware
     tp: int = 1
-    coef: CostCoefficients = CostCoefficients()
+    coef: CostCoefficients | None = None
+    # Per-rank constants of the model shape, fixed at construction: the virtual clock asks
+    # for every step's time, and the preset's shape properties are not free to recompute.
+    _flops_per_token: int = field(init=False, repr=False, compare=False, default=0)
+    _flops_per_seq: int = field(init=False, repr=False, compare=False, default=0)
+    _flops_per_pair: int = field(init=False, repr=False, compare=False, default=0)
+    _weight_bytes: float = field(init=False, repr=False, compare=False, default=0.0)
+    _kv_bytes_per_token: int = field(init=False, repr=False, compare=False, default=0)
+    _allreduce_bytes_per_token: int = field(init=False, repr=False, compare=False, default=0)
 
-    def step_time_s(self, batch: BatchShape) -> float:
-        if batch.num_tokens == 0 and batch.copied_bytes == 0:
-            return 0.0
+    def __post_init__(self) -> None:
         p, tp = self.preset, self.tp
-        tokens = batch.num_tokens
+        for name, value in (
+            ("coef", self.hardware.coef if self.coef is None else self.coef),
+            ("_flops_per_token", 2 * p.num_layers * p.layer_params),
+            ("_flops_per_seq", 2 * p.vocab_size * p.hidden_size),
+            ("_flops_per_pair", 4 * p.num_layers * p.num_heads * p.head_dim),
+            ("_weight_bytes", p.weight_bytes / tp),
+            ("_kv_bytes_per_token", p.kv_bytes_per_token_per_rank(tp)),
+            ("_allreduce_bytes_per_token", p.hidden_size * p.dtype_bytes),
+        ):
+            object.__setattr__(self, name, value)
+
+    def terms(self, batch: BatchShape) -> RooflineTerms:
+        return RooflineTerms(*self._work(batch))
+
+    def _work(self, batch: BatchShape) -> tuple[float, float, float, float, float, float]:
+        """The fields of :class:`RooflineTerms`, as a plain tuple."""
+        tp = self.tp
+        tokens = batch.prefill_tokens + batch.decode_tokens
+        attention = self._flops_per_pair * batch.attn_pairs
         flops = (
-            2 * p.num_layers * p.layer_params * tokens
-            + 2 * p.vocab_size * p.hidden_size * batch.num_seqs
-            + 4 * p.num_layers * p.num_heads * p.head_dim * batch.attn_pairs
+            self._flops_per_token * tokens + self._flops_per_seq * batch.num_seqs + attention
         ) / tp
-        kv_rank = p.kv_bytes_per_token_per_rank(tp)
-        nbytes = (
-            p.weight_bytes / tp
-            + (batch.context_tokens + tokens) * kv_rank
-            + batch.copied_bytes / tp
-        )
-        t = self.coef.overhead_s + max(
-            flops / (self.hardware.flops_per_s * self.coef.flops_efficiency),
-            nbytes / (self.hardware.hbm_bytes_per_s * self.coef.bandwidth_efficiency),
-        )
+        kv_bytes = (batch.context_tokens + tokens) * self._kv_bytes_per_token
+        nbytes = self._weight_bytes + kv_bytes + batch.copied_bytes / tp
+        # Decodes are the sequences with one token each; the rest share the prefill tokens.
+        prefills = batch.num_seqs - batch.decode_tokens
+        masked_pairs = 0.0
+        if prefills > 0:
+            chunk = batch.prefill_tokens / prefills
+            masked_pairs = prefills * chunk * (chunk - 1) / 2
+        allreduce = 0.0
         if tp > 1:
             # Two ring all-reduces of the hidden states per layer (attention out, MLP out).
-            msg = tokens * p.hidden_size * p.dtype_bytes
+            msg = tokens * self._allreduce_bytes_per_token
             ring = 2 * (tp - 1) / tp * msg / self.hardware.link_bytes_per_s
-            t += 2 * p.num_layers * (ring + _ALLREDUCE_LATENCY_S)
-        return t
+            allreduce = 2 * self.preset.num_layers * (ring + _ALLREDUCE_LATENCY_S)
+        masked = self._flops_per_pair * masked_pairs / tp
+        return flops, attention / tp, masked, nbytes, kv_bytes, allreduce
+
+    def step_time_s(self, batch: BatchShape) -> float:
+        if batch.prefill_tokens + batch.decode_tokens == 0 and batch.copied_bytes == 0:
+            return 0.0
+        c, hw = self.coef, self.hardware
+        assert c is not None  # resolved at construction
+        flops, attention, masked, nbytes, kv_bytes, allreduce = self._work(batch)
+        peak_flops, peak_bw = hw.flops_per_s, hw.hbm_bytes_per_s
+        if c.split_attention:
+            assert c.attention_flops_efficiency and c.attention_bandwidth_efficiency
+            roofline = max(
+                (flops - attention) / (peak_flops * c.flops_efficiency),
+                (nbytes - kv_bytes) / (peak_bw * c.bandwidth_efficiency),
+            ) + max(
+                (attention + masked) / (peak_flops * c.attention_flops_efficiency),
+                kv_bytes / (peak_bw * c.attention_bandwidth_efficiency),
+            )
+        else:
+            roofline = max(
+                flops / (peak_flops * c.flops_efficiency),
+                nbytes / (peak_bw * c.bandwidth_efficiency),
+            )
+        return c.overhead_s + c.per_seq_s * batch.num_seqs + roofline + allreduce
 
     def describe(self) -> dict[str, Any]:
+        assert self.coef is not None
         return {"hardware": self.hardware.to_json(), "tp": self.tp, **asdict(self.coef)}

@@ -10,7 +10,6 @@ from kvbench.engines.builtin import BuiltinEngine
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.presets import ModelPreset
 from kvbench.engines.scheduler import SchedulerConfig
-
 from kvbench.errors import KvbenchError
 
 if TYPE_CHECKING:

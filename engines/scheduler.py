@@ -19,9 +19,8 @@ from typing import Any
 from kvbench.engines.executor import ScheduledBatch, ScheduledSeq
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.sequence import SeqStatus, Sequence
-from kvbench.workloads.model import Request
-
 from kvbench.errors import KvbenchError
+from kvbench.workloads.model import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +52,6 @@ class _RequestState:
     samples: list[Sequence] = field(default_factory=list)
     running: int = 0
     finished: int = 0
-    emitted_first: bool = False
     forked: bool = False
 
 
@@ -113,24 +111,26 @@ class Scheduler:
         first: set[str] = set()
         kv = self.kv
 
+        running, grow = self.running, kv.grow
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = seq.num_tokens - seq.num_computed_tokens
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            start = seq.num_computed_tokens
+            total = seq.num_prompt_tokens + len(seq.output_ids)
+            num_new = total - start
             if num_new > budget:
                 if not chunked:
                     i += 1
                     continue
                 num_new = budget
-            while not kv.grow(seq, num_new):
-                victim = self.running.pop()
+            while not grow(seq, num_new):
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                start = seq.num_computed_tokens
-                items.append(ScheduledSeq(seq, start, num_new, start + num_new == seq.num_tokens))
+                items.append(ScheduledSeq(seq, start, num_new, start + num_new == total))
                 budget -= num_new
                 i += 1
 
@@ -183,26 +183,30 @@ class Scheduler:
         """Advance sequences after the executor ran ``batch``; ``sampled`` holds one token per
         sampling item, in order."""
         out = StepOutcome()
-        kv = self.kv
+        commit = self.kv.commit
         tokens = out.tokens
         it = iter(sampled)
         done = False
         for item in batch.items:
             seq = item.seq
             seq.num_computed_tokens += item.num_tokens
-            kv.commit(seq)
+            commit(seq)
             if not item.sample:
                 continue
-            seq.output_ids.append(next(it))
-            rid = seq.request.id
+            output = seq.output_ids
+            output.append(next(it))
+            request = seq.request
+            rid = request.id
             tokens[rid] = tokens.get(rid, 0) + 1
-            state = self._requests[rid]
-            if not state.emitted_first:
-                state.emitted_first = True
+            # Only sample 0 ever holds a single output token (forks copy the parent's): this
+            # is the request's first token.
+            if len(output) == 1:
                 out.first_token.add(rid)
-            if seq.request.n > 1 and not state.forked:
-                self._fork(state, seq, tokens)
-            if seq.is_finished:
+            if request.n > 1:
+                state = self._requests[rid]
+                if not state.forked:
+                    self._fork(state, seq, tokens)
+            if len(output) >= request.output_tokens:
                 done = True
         if done:
             self._retire(out)

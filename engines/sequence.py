@@ -8,7 +8,6 @@ when a sequence's computed tokens reach ``num_tokens`` the step samples one new 
 from __future__ import annotations
 
 import enum
-import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,19 +33,20 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
     ever_scheduled: bool = False
+    # The prompt never changes: its length is read for every sequence on every step.
+    num_prompt_tokens: int = field(init=False, default=0)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return self.num_prompt_tokens + len(self.output_ids)
 
     @property
     def max_tokens(self) -> int:
         """Tokens the sequence will hold when finished (prompt + forced output)."""
-        return len(self.prompt_ids) + self.request.output_tokens
+        return self.num_prompt_tokens + self.request.output_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -59,13 +59,10 @@ class Sequence:
 
     def token_ids(self, start: int, end: int) -> np.ndarray:
         """Token ids at positions ``[start, end)`` (prompt then generated)."""
-        n_prompt = len(self.prompt_ids)
+        n_prompt = self.num_prompt_tokens
         if end <= n_prompt:
             return self.prompt_ids[start:end]
         out = np.asarray(self.output_ids[max(start - n_prompt, 0) : end - n_prompt], np.int64)
         if start >= n_prompt:
             return out
         return np.concatenate([self.prompt_ids[start:], out])
-
-    def output_digest(self) -> str:
-        return hashlib.sha256(np.asarray(self.output_ids, np.int64).tobytes()).hexdigest()[:16]

@@ -31,7 +31,8 @@ class SimExecutor(Executor):
         for item in batch.items:
             if item.sample:
                 seq = item.seq
-                h = (key_hash(seq.request.id) + (seq.num_tokens + 1) * _GOLDEN) & _MASK
+                position = seq.num_prompt_tokens + len(seq.output_ids) + 1
+                h = (key_hash(seq.request.id) + position * _GOLDEN) & _MASK
                 out.append((h ^ (h >> 29)) % vocab)
         return out
 

@@ -46,11 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from kvbench.engines.base import BatchShape, Finished, KVStats, StepReport
+from kvbench.engines.base import BatchShape, Finished, KVStats, StepReport, output_digest
 from kvbench.engines.factory import EngineOptions, kv_bytes_per_token
-from kvbench.engines.sequence import Sequence
 from kvbench.engines.vllm_config import hf_config, write_model_dir
 from kvbench.errors import KvbenchError
 from kvbench.workloads.model import Request
@@ -154,13 +151,6 @@ def build_vllm_engine(name: str, section: EngineSection, opts: EngineOptions) ->
     return VllmEngine(name, section, opts)
 
 
-def _output_digest(token_ids: list[int]) -> str:
-    """The built-in engine's digest of one sample's output ids."""
-    seq = Sequence(0, _DIGEST_REQUEST, np.zeros(0, np.int64), output_ids=token_ids)
-    return seq.output_digest()
-
-
-_DIGEST_REQUEST = Request("digest", 0.0, (), 0)
 
 
 class VllmEngine:
@@ -353,11 +343,10 @@ class VllmEngine:
             if samples and not had_tokens:
                 report.first_token.add(rid)
             if out.finished:
-                digests = [_output_digest(samples[i]) for i in sorted(samples)]
                 report.finished.append(
                     Finished(
                         rid,
-                        output_digest="+".join(digests),
+                        output_digest=output_digest([samples[i] for i in sorted(samples)]),
                         cached_tokens=out.num_cached_tokens or 0,
                     )
                 )

@@ -1,4 +1,5 @@
-"""Device specs: ``auto | cpu | cuda[:N] | sim:GPU[xTP]`` and the KV budget they give."""
+"""Device specs: ``auto | cpu | cuda[:N] | sim:GPU[xTP] | sim:PROFILE.json`` and the KV budget
+they give. A profile written by ``kvbench calibrate`` simulates the device it measured."""
 
 from __future__ import annotations
 
@@ -21,9 +22,13 @@ class DeviceSpec:
     torch_device: str | None = None
     gpu: Hardware | None = None
     tp: int = 1
+    profile: str | None = None  # calibration profile path (sim of a profiled device)
+    profiled_kind: str | None = None  # "cpu" | "cuda": what that profile measured
 
     @property
     def label(self) -> str:
+        if self.profile is not None:
+            return f"sim:{self.profile}"
         if self.kind == "sim":
             assert self.gpu is not None
             return f"sim:{self.gpu.name}" + (f"x{self.tp}" if self.tp > 1 else "")
@@ -35,7 +40,10 @@ class DeviceSpec:
 
 
 def parse_device(text: str) -> DeviceSpec:
-    text = text.strip().lower()
+    text = text.strip()
+    if text.lower().startswith("sim:") and text.lower().endswith(".json"):
+        return _profile_device(text[4:])
+    text = text.lower()
     if text == "auto":
         text = "cuda" if _cuda_available() else "cpu"
     if text == "cpu":
@@ -62,7 +70,16 @@ def parse_device(text: str) -> DeviceSpec:
         return DeviceSpec("sim", None, get_gpu(name), tp)
     raise KvbenchError(
         f"unknown device {text!r}; use auto, cpu, cuda, cuda:N or sim:GPU[xTP] "
-        "(e.g. sim:a100-80gbx8)"
+        "(e.g. sim:a100-80gbx8), or sim:PROFILE.json from kvbench calibrate"
+    )
+
+
+def _profile_device(path: str) -> DeviceSpec:
+    from kvbench.calibrate import load_profile
+
+    profile = load_profile(path)
+    return DeviceSpec(
+        "sim", None, profile.hardware_spec(), 1, profile=path, profiled_kind=profile.device_kind
     )
 
 
@@ -106,7 +123,8 @@ def kv_budget_bytes(
     activation reserve (per rank, times TP)."""
     if kv_memory is not None:
         return kv_memory
-    if device.kind == "cpu":
+    if device.kind == "cpu" or device.profiled_kind == "cpu":
+        # The simulated CPU keeps the real one's budget, so a replay matches a real run.
         return 256 * 2**20
     if device.kind == "cuda":
         import torch

@@ -3,16 +3,61 @@
 Memory is what ``nvidia-smi`` reports as total; bandwidth and dense BF16/FP16 tensor FLOPs
 are the vendors' datasheet peaks (no sparsity); ``link_bytes_per_s`` is the per-GPU
 interconnect bandwidth for tensor-parallel all-reduce (NVLink, or PCIe for L40S).
+
+A device also carries the cost-model coefficients saying how close software gets to those
+peaks on it: typical values of well-tuned engines for the table's GPUs, fitted ones for a
+device profiled by ``kvbench calibrate``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvbench.errors import KvbenchError
 
 MiB = 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class CostCoefficients:
+    """Achieved fractions of the peak figures, and fixed costs the roofline does not see.
+
+    ``overhead_s`` is paid once per step (launches, scheduling, sampling set-up) and
+    ``per_seq_s`` per scheduled sequence (batch metadata, per-sequence attention calls):
+    GPU engines hide the latter behind the roofline, so it defaults to zero.
+
+    With the ``attention_*`` efficiencies unset, one roofline covers the whole step, as with
+    fused attention kernels that run near GEMM efficiency. Set, attention becomes an operator
+    with its own roofline (its FLOPs against ``attention_flops_efficiency``, the KV it reads
+    and writes against ``attention_bandwidth_efficiency``) added to that of the linear layers
+    (their FLOPs, the weights and KV copies): what an unfused attention, as on a CPU, costs.
+    """
+
+    flops_efficiency: float = 0.6
+    bandwidth_efficiency: float = 0.8
+    overhead_s: float = 3e-3
+    per_seq_s: float = 0.0
+    attention_flops_efficiency: float | None = None
+    attention_bandwidth_efficiency: float | None = None
+
+    @property
+    def split_attention(self) -> bool:
+        return self.attention_flops_efficiency is not None
+
+    def validate(self) -> None:
+        if (self.attention_flops_efficiency is None) != (
+            self.attention_bandwidth_efficiency is None
+        ):
+            raise KvbenchError("set both attention efficiencies, or neither")
+        for name in ("flops_efficiency", "bandwidth_efficiency", "attention_flops_efficiency",
+                     "attention_bandwidth_efficiency"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise KvbenchError(f"cost coefficient {name} must be positive")
+        for name in ("overhead_s", "per_seq_s"):
+            if getattr(self, name) < 0:
+                raise KvbenchError(f"cost coefficient {name} must not be negative")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,9 +68,16 @@ class Hardware:
     flops_per_s: float
     link_bytes_per_s: float
     link: str
+    coef: CostCoefficients = field(default_factory=CostCoefficients)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Hardware:
+        coef = CostCoefficients(**data.get("coef", {}))
+        coef.validate()
+        return cls(**{**data, "coef": coef})
 
 
 _GPUS: dict[str, Hardware] = {

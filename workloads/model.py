@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Literal
 
 import numpy as np
@@ -25,25 +26,47 @@ _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
+@lru_cache(maxsize=1 << 16)
 def key_hash(key: str) -> int:
-    """Stable 64-bit hash of a content key."""
+    """Stable 64-bit hash of a content key (cached: shared prefixes repeat their keys)."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 of every element, in place (a prompt of 100k tokens makes no copies)."""
     with np.errstate(over="ignore"):
-        x = x + _GOLDEN
-        x = (x ^ (x >> np.uint64(30))) * _MIX1
-        x = (x ^ (x >> np.uint64(27))) * _MIX2
-        return x ^ (x >> np.uint64(31))
+        x += _GOLDEN
+        x ^= x >> np.uint64(30)
+        x *= _MIX1
+        x ^= x >> np.uint64(27)
+        x *= _MIX2
+        x ^= x >> np.uint64(31)
+        return x
 
 
 def segment_token_ids(key: str, n: int, vocab_size: int, start: int = 0) -> np.ndarray:
     """Token ids ``[start, start+n)`` of the content named ``key``, each in ``[0, vocab_size)``."""
-    base = np.uint64(key_hash(key))
+    return _token_ids([key_hash(key)], [n], vocab_size, start)
+
+
+def _token_ids(bases: list[int], counts: list[int], vocab_size: int,
+               start: int = 0) -> np.ndarray:
+    """Token ids of consecutive runs: run ``i`` holds positions ``[start, start+counts[i])``
+    of the content whose key hashes to ``bases[i]``, all in one pass over the whole prompt."""
+    total = sum(counts)
+    x = np.arange(total, dtype=np.uint64)
+    if len(counts) > 1:
+        # Position within its own run: subtract each run's offset in the flat array.
+        ends = np.cumsum(counts)
+        x -= np.repeat((ends - counts).astype(np.uint64), counts)
     with np.errstate(over="ignore"):
-        x = base + np.arange(start, start + n, dtype=np.uint64) * _GOLDEN
-    return (_splitmix64(x) % np.uint64(vocab_size)).astype(np.int64)
+        if start:
+            x += np.uint64(start)
+        x *= _GOLDEN
+        x += np.repeat(np.array(bases, dtype=np.uint64), counts)
+    x = _splitmix64(x)
+    x %= np.uint64(vocab_size)
+    return x.astype(np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +117,9 @@ class Request:
 
     def prompt_token_ids(self, vocab_size: int) -> np.ndarray:
         """All prompt token ids (int64); image/audio positions get placeholder ids from the key."""
-        parts = [segment_token_ids(s.key, s.tokens, vocab_size) for s in self.segments]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        segments = self.segments
+        return _token_ids([key_hash(s.key) for s in segments], [s.tokens for s in segments],
+                          vocab_size)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {

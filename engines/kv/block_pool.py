@@ -4,13 +4,34 @@ Free blocks wait in two queues. Blocks holding no cached content are handed out 
 stack: bulk pops are one slice). Blocks that still hold a cached full block stay findable by
 hash in an LRU queue and are evicted, oldest first, only when no plain block is left; a cache
 hit on one of them takes it back out of the queue in O(1). Every operation is O(blocks touched)
-with a few list/dict steps per block, no per-token work.
+with a few list/dict steps per block, no per-token work; the bulk steps (a long prompt's
+blocks) run as C-level ``map`` loops rather than Python ones.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator
+from functools import partial
+from itertools import compress, islice, repeat, takewhile
+from operator import is_, is_not
+
+_IS_BLOCK = partial(is_not, None)
+
+
+def _consume(it: Iterator[object]) -> None:
+    """Run an iterator of side effects to its end without keeping its values."""
+    deque(it, maxlen=0)
+
+
+def _fill(values: list, indices: list[int], value: object) -> None:
+    """``values[i] = value`` for each of ``indices``; a plain loop for the few blocks of a
+    decode step, where building a C-level loop would cost more than it saves."""
+    if len(indices) < 8:
+        for i in indices:
+            values[i] = value
+    else:
+        _consume(map(values.__setitem__, indices, repeat(value)))
 
 
 class BlockPool:
@@ -62,35 +83,30 @@ class BlockPool:
         k = min(n, len(plain))
         out = plain[len(plain) - k :][::-1]
         del plain[len(plain) - k :]
-        ref = self.ref
-        for b in out:
-            ref[b] = 1
         if k < n:
-            pop_lru, hashes, by_hash = self._free_cached.popitem, self._hash, self._by_hash
-            for _ in range(n - k):
-                b = pop_lru(last=False)[0]
-                del by_hash[hashes[b]]
-                hashes[b] = None
-                ref[b] = 1
-                out.append(b)
+            # Evict the least recently freed cached blocks, oldest first.
+            cached, hashes, by_hash = self._free_cached, self._hash, self._by_hash
+            evicted = list(islice(cached, n - k))
+            if len(evicted) < 8:
+                for b in evicted:
+                    del cached[b], by_hash[hashes[b]]
+            else:
+                _consume(map(cached.__delitem__, evicted))
+                _consume(map(by_hash.__delitem__, map(hashes.__getitem__, evicted)))
+            _fill(hashes, evicted, None)
+            out += evicted
+        _fill(self.ref, out, 1)
         self.num_allocs += n
         return out
 
     def lookup(self, hashes: Iterable[int]) -> list[int]:
         """Blocks caching the longest leading run of ``hashes``."""
-        by_hash = self._by_hash
-        out = []
-        for h in hashes:
-            b = by_hash.get(h)
-            if b is None:
-                break
-            out.append(b)
-        return out
+        # Asked again every step a long prompt waits for room: kept to C-level loops.
+        return list(takewhile(_IS_BLOCK, map(self._by_hash.get, hashes)))
 
     def count_free(self, blocks: list[int]) -> int:
         """How many of ``blocks`` sit in the free queue (a hit on them consumes free space)."""
-        ref = self.ref
-        return sum(1 for b in blocks if ref[b] == 0)
+        return list(map(self.ref.__getitem__, blocks)).count(0)
 
     def touch(self, blocks: list[int]) -> int:
         """Reference cached ``blocks`` for a prefix hit; returns how many were free before."""
@@ -131,9 +147,16 @@ class BlockPool:
         A hash already cached by another block keeps that block: the duplicate stays
         unindexed and returns to the plain queue when freed.
         """
-        index, block_hash = self._by_hash.setdefault, self._hash
-        for h, b in zip(hashes[start:end], blocks[start:end], strict=True):
-            if index(h, b) == b:
+        new_hashes, new_blocks = hashes[start:end], blocks[start:end]
+        if len(new_hashes) != len(new_blocks):
+            raise ValueError("cache() needs one hash per block")
+        held = list(map(self._by_hash.setdefault, new_hashes, new_blocks))
+        block_hash = self._hash
+        if held == new_blocks:  # the common case: every hash was new
+            _consume(map(block_hash.__setitem__, new_blocks, new_hashes))
+            return
+        for h, b, owner in zip(new_hashes, new_blocks, held, strict=True):
+            if owner == b:
                 block_hash[b] = h
 
     def release(self, blocks: list[int], num_filled: int) -> int:
@@ -143,10 +166,13 @@ class BlockPool:
         Tail blocks are queued first so that, among one sequence's blocks, the ones least
         likely to be shared again (the end, not the common prefix) are evicted first.
         """
+        ref, leaked = self.ref, self._leaked
+        if not leaked and max(map(ref.__getitem__, blocks), default=0) == 1:
+            return self._release_unshared(blocks, num_filled)
         bs = self.block_size
         num_full = num_filled // bs
-        ref, hit, block_hash = self.ref, self._hit, self._hash
-        plain, cached, leaked = self._free_plain, self._free_cached, self._leaked
+        hit, block_hash = self._hit, self._hash
+        plain, cached = self._free_plain, self._free_cached
         dead_full = dead_tail = unshared = freed = 0
         for i in range(len(blocks) - 1, -1, -1):
             b = blocks[i]
@@ -173,6 +199,25 @@ class BlockPool:
         self.num_shared -= unshared
         self.num_frees += freed
         return dead_full * bs + dead_tail
+
+    def _release_unshared(self, blocks: list[int], num_filled: int) -> int:
+        """``release`` of a table no other holds (every reference count 1, nothing leaked),
+        the common case: every block goes free, each filled slot dies, and the blocks queue
+        in the same order as ``release`` queues them."""
+        hit, block_hash = self._hit, self._hash
+        num_hit = sum(map(hit.__getitem__, blocks))
+        if num_hit:
+            _fill(hit, blocks, False)
+            self.num_shared -= num_hit
+        _fill(self.ref, blocks, 0)
+        tail_first = blocks[::-1]
+        hashes = list(map(block_hash.__getitem__, tail_first))
+        self._free_plain += compress(tail_first, map(is_, hashes, repeat(None)))
+        self._free_cached.update(
+            zip(compress(tail_first, map(is_not, hashes, repeat(None))), repeat(None))
+        )
+        self.num_frees += len(blocks)
+        return num_filled
 
     def leak(self, blocks: list[int], num_filled: int) -> int:
         """Like ``release``, but the blocks never return to a free queue (nor serve cache hits):

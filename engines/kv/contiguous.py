@@ -81,6 +81,9 @@ class ContiguousKVManager(KVManager):
         self._spare: dict[int, list[_Extent]] = {}  # parent seq_id -> extents for its forks
         self._copies: list[SlotCopy] = []
         self._reserved_tokens = 0
+        # Slots all extents (spares included) will hold written KV in by their ends; minus
+        # _used_tokens, the slots still to be written (stats() reads it every step).
+        self._limit_tokens = 0
         self._used_tokens = 0
         self._allocs = 0
         self._frees = 0
@@ -140,6 +143,7 @@ class ContiguousKVManager(KVManager):
             self._spare[seq.seq_id] = extents[1:]
         self._allocs += count
         self._reserved_tokens += count * length
+        self._limit_tokens += count * min(length, seq.max_tokens - 1)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         return True
 
@@ -171,6 +175,7 @@ class ContiguousKVManager(KVManager):
         for e in [ext, *self._spare.pop(seq.seq_id, [])]:
             self.arena.give(e.start, e.length)
             self._reserved_tokens -= e.length
+            self._limit_tokens -= min(e.length, e.final_len)
             self._used_tokens -= e.num_committed
             self._frees += 1
 
@@ -214,7 +219,7 @@ class ContiguousKVManager(KVManager):
         ``reserved_bytes`` whole extents, spares for unforked samples included;
         ``reserved_ahead_bytes`` the slots of those extents still to be written."""
         bpt = self.bytes_per_token
-        ahead = sum(min(e.length, e.final_len) - e.num_committed for e in self._all_extents())
+        ahead = self._limit_tokens - self._used_tokens
         return KVStats(
             capacity_bytes=self.capacity_tokens * bpt,
             used_bytes=self._used_tokens * bpt,

@@ -61,13 +61,14 @@ class BlockHasher:
         self._p_pows = np.ones(1, dtype=np.uint64)
         self._q_pows = np.ones(1, dtype=np.uint64)
 
-    def chain(self, parent: int, token_ids: np.ndarray) -> list[int]:
+    def chain(self, parent: int, token_ids: np.ndarray | list[int]) -> list[int]:
         """Hashes of the consecutive full blocks in ``token_ids`` that follow a block hashed
         ``parent`` (``ROOT_HASH`` at the start of a sequence). A partial tail is ignored."""
         bs = self.block_size
         n = len(token_ids) // bs
         if n < _NUMPY_MIN_BLOCKS:
-            return self._chain_py(parent, token_ids[: n * bs].tolist())
+            head = token_ids[: n * bs]
+            return self._chain_py(parent, head if isinstance(head, list) else head.tolist())
         blocks = np.ascontiguousarray(token_ids[: n * bs], dtype=np.uint64).reshape(n, bs)
         digests = _splitmix_np(blocks @ self._weights + np.uint64(_GOLDEN))
         p_pows, q_pows = self._powers(n)

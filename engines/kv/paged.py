@@ -81,6 +81,13 @@ class PagedKVManager(KVManager):
         # Kept across preemption (the tokens do not change), dropped when a sequence finishes.
         self._hashes: dict[int, list[int]] = {}
         self._copies: list[SlotCopy] = []
+        # Running sums over live sequences for reserved_ahead_bytes (stats() reads it every
+        # step): slots each will write by its end (table room, capped at its final length)
+        # and slots written. Sequences that took part in a fork may share a partial block
+        # and are corrected one by one.
+        self._sum_limit = 0
+        self._sum_committed = 0
+        self._forked: set[int] = set()
         self._used_tokens = 0
         self._copied_bytes = 0
         self._hit_tokens = 0
@@ -130,7 +137,10 @@ class PagedKVManager(KVManager):
             return False
         self._used_tokens += self.pool.touch(hits) * bs
         table = hits + self.pool.take(num_fresh)
-        self._seqs[seq.seq_id] = _SeqBlocks(table, num_cached, len(hits), seq.max_tokens - 1)
+        state = _SeqBlocks(table, num_cached, len(hits), seq.max_tokens - 1)
+        self._seqs[seq.seq_id] = state
+        self._sum_limit += self._limit(state)
+        self._sum_committed += num_cached
         if self.enable_prefix_caching:
             self._hit_tokens += num_cached
             self._query_tokens += seq.num_tokens
@@ -138,13 +148,15 @@ class PagedKVManager(KVManager):
         return True
 
     def grow(self, seq: Sequence, num_new: int) -> bool:
-        table, bs = self._seqs[seq.seq_id].table, self.block_size
+        state = self._seqs[seq.seq_id]
+        table, bs = state.table, self.block_size
         pos = seq.num_computed_tokens
         # Only the block holding `pos` can be both shared and written to: shared blocks hold
         # already-computed tokens, so they all end at or before it.
         last = pos // bs
-        cow = num_new > 0 and last < len(table) and self.pool.ref[table[last]] > 1
-        num_fresh = _cdiv(pos + num_new, bs) - len(table)
+        num_blocks = len(table)
+        cow = num_new > 0 and last < num_blocks and self.pool.ref[table[last]] > 1
+        num_fresh = (pos + num_new + bs - 1) // bs - num_blocks
         if num_fresh <= 0 and not cow:
             return True  # the common decode step: room left in the last block
         num_fresh = max(num_fresh, 0)
@@ -158,24 +170,29 @@ class PagedKVManager(KVManager):
             self._copies.append(SlotCopy(src=old * bs, dst=new * bs, num_slots=bs))
             self._copied_bytes += bs * self.bytes_per_token
         if num_fresh:
+            limit = self._limit(state)
             table += self.pool.take(num_fresh)
+            self._sum_limit += self._limit(state) - limit
         return True
 
     def commit(self, seq: Sequence) -> None:
         state = self._seqs[seq.seq_id]
         n = seq.num_computed_tokens
-        if not state.num_committed <= n <= len(state.table) * self.block_size:
+        committed = state.num_committed
+        if not committed <= n <= len(state.table) * self.block_size:
             raise RuntimeError(
                 f"sequence {seq.seq_id}: {n} computed tokens outside its blocks "
-                f"(committed {state.num_committed}, room {len(state.table) * self.block_size})"
+                f"(committed {committed}, room {len(state.table) * self.block_size})"
             )
-        self._used_tokens += n - state.num_committed
+        self._used_tokens += n - committed
+        self._sum_committed += n - committed
         state.num_committed = n
-        full = n // self.block_size
-        if self.enable_prefix_caching and full > state.num_indexed:
-            hashes = self._hashes_upto(seq, full)
-            self.pool.cache(state.table, hashes, state.num_indexed, full)
-            state.num_indexed = full
+        if self.enable_prefix_caching:
+            full = n // self.block_size
+            if full > state.num_indexed:
+                hashes = self._hashes_upto(seq, full)
+                self.pool.cache(state.table, hashes, state.num_indexed, full)
+                state.num_indexed = full
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks. A sequence holding none (never admitted) is a no-op."""
@@ -185,6 +202,9 @@ class PagedKVManager(KVManager):
         state = self._seqs.pop(seq.seq_id, None)
         if state is None:
             return
+        self._sum_limit -= self._limit(state)
+        self._sum_committed -= state.num_committed
+        self._forked.discard(seq.seq_id)
         if finished and self.leak_finished:
             self._used_tokens -= self.pool.leak(state.table, state.num_committed)
         else:
@@ -197,9 +217,13 @@ class PagedKVManager(KVManager):
         # Share only blocks holding computed KV; any room reserved beyond stays the parent's.
         shared = state.table[: _cdiv(state.num_committed, self.block_size)]
         self.pool.share(shared)
-        self._seqs[child.seq_id] = _SeqBlocks(
+        child_state = _SeqBlocks(
             shared, state.num_committed, min(state.num_indexed, len(shared)), state.final_len
         )
+        self._seqs[child.seq_id] = child_state
+        self._sum_limit += self._limit(child_state)
+        self._sum_committed += child_state.num_committed
+        self._forked.update((parent.seq_id, child.seq_id))
         hashes = self._hashes.get(parent.seq_id)
         if hashes is not None:
             self._hashes[child.seq_id] = list(hashes)
@@ -258,25 +282,41 @@ class PagedKVManager(KVManager):
             "leak_finished": self.leak_finished,
         }
 
+    def _limit(self, state: _SeqBlocks) -> int:
+        """Slots of ``state``'s blocks its sequence writes by its end."""
+        return min(len(state.table) * self.block_size, state.final_len)
+
     def _ahead_tokens(self) -> int:
-        bs, ref = self.block_size, self.pool.ref
-        total = 0
-        for state in self._seqs.values():
+        """Slots live sequences' blocks hold for tokens still to be written: each one's
+        limit minus what it has written (never negative: both stay within its table and
+        final length)."""
+        total = self._sum_limit - self._sum_committed
+        bs, ref, seqs = self.block_size, self.pool.ref, self._seqs
+        for seq_id in self._forked:
+            state = seqs[seq_id]
             start = state.num_committed
             # A shared partial block is never written in place by a sharer that copies it
             # first; counting it for each sharer would count its free slots twice.
             if start % bs and ref[state.table[start // bs]] > 1:
-                start += bs - start % bs
-            total += max(min(len(state.table) * bs, state.final_len) - start, 0)
+                total -= min(bs - start % bs, self._limit(state) - start)
         return total
 
     def _hashes_upto(self, seq: Sequence, num_blocks: int) -> list[int]:
         """``seq``'s chained block hashes, computed (once) at least for its first
         ``num_blocks`` full blocks."""
-        hashes = self._hashes.setdefault(seq.seq_id, [])
+        hashes = self._hashes.get(seq.seq_id)
+        if hashes is None:
+            hashes = self._hashes[seq.seq_id] = []
         have = len(hashes)
         if have < num_blocks:
             bs = self.block_size
             parent = hashes[-1] if hashes else ROOT_HASH
-            hashes += self._hasher.chain(parent, seq.token_ids(have * bs, num_blocks * bs))
+            start, end, n_prompt = have * bs, num_blocks * bs, seq.num_prompt_tokens
+            # Generated blocks (a decode's newly full block) hash from the list as it is.
+            ids = (
+                seq.output_ids[start - n_prompt : end - n_prompt]
+                if start >= n_prompt
+                else seq.token_ids(start, end)
+            )
+            hashes += self._hasher.chain(parent, ids)
         return hashes

@@ -1,0 +1,120 @@
+"""Calibration: the fit recovers known coefficients, a tiny real grid writes a profile the
+sim loads and runs with, and bad profiles get clear errors."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvbench.calibrate import (
+    CPU_GRID,
+    Grid,
+    GridPoint,
+    _batch,
+    _bounded_lstsq,
+    calibrate,
+    features,
+    fit_coefficients,
+    holdout_mask,
+    load_profile,
+    save_profile,
+)
+from kvbench.devices import CPU_HARDWARE, kv_budget_bytes, parse_device
+from kvbench.engines.costmodel import CostModel
+from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.presets import get_preset
+from kvbench.errors import KvbenchError
+from kvbench.hardware import CostCoefficients
+from kvbench.runner import execute_plan, plan_run
+from kvbench.suite import Suite
+
+
+def _shapes(points: list[GridPoint]):
+    preset = get_preset("tiny")
+    kv = PagedKVManager(10_000, 16, preset.kv_bytes_per_token, 8192, enable_prefix_caching=False)
+    return [_batch(kv, preset, p, i)[1] for i, p in enumerate(points)]
+
+
+def test_fit_recovers_coefficients_of_noise_free_steps() -> None:
+    true = CostCoefficients(flops_efficiency=0.4, bandwidth_efficiency=0.7, overhead_s=5e-3,
+                            per_seq_s=2e-4, attention_flops_efficiency=0.12,
+                            attention_bandwidth_efficiency=0.15)
+    preset = get_preset("tiny")
+    cost = CostModel(preset, replace(CPU_HARDWARE, coef=true))
+    shapes = _shapes(CPU_GRID.points())
+    x = np.array([features(cost, s) for s in shapes])
+    t = np.array([cost.step_time_s(s) for s in shapes])
+    fitted = CostModel(preset, replace(CPU_HARDWARE, coef=fit_coefficients(x, t)))
+    pred = np.array([fitted.step_time_s(s) for s in shapes])
+    np.testing.assert_allclose(pred, t, rtol=1e-6)
+    assert fitted.coef.overhead_s == pytest.approx(5e-3, rel=1e-3)
+    assert fitted.coef.attention_flops_efficiency == pytest.approx(0.12, rel=1e-3)
+
+
+def test_bounded_least_squares_keeps_bounds() -> None:
+    a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    p = _bounded_lstsq(a, np.array([-1.0, 2.0, 1.0]), np.array([0.0, 1.0]))
+    assert p[0] == 0.0 and p[1] >= 1.0
+    np.testing.assert_allclose(p, [0.0, 1.5])
+
+
+def test_holdout_is_fixed_and_not_aligned_with_a_grid_axis() -> None:
+    held = holdout_mask(len(CPU_GRID.points()), 4)
+    assert held.sum() == len(held) // 4
+    assert (holdout_mask(len(held), 4) == held).all()
+    chunks = {p.chunk for p, h in zip(CPU_GRID.points(), held, strict=True) if h}
+    assert len(chunks) > 1
+
+
+def test_tiny_calibration_writes_a_profile_the_sim_runs(tmp_path: Path) -> None:
+    grid = Grid(batch_sizes=(1, 3), contexts=(0, 48), chunks=(1, 16), max_tokens=48, repeats=1)
+    profile = calibrate(get_preset("tiny"), "cpu", grid, command="test")
+    path = save_profile(profile, tmp_path / "cpu.json")
+    loaded = load_profile(path)
+    assert loaded.model_dump_json() == profile.model_dump_json()
+    assert loaded.device_kind == "cpu" and loaded.model == "tiny" and loaded.torch_threads >= 1
+    assert len(loaded.points) == 8 and loaded.fit.heldout_points == 2
+    assert all(p.measured_s > 0 and len(p.samples_s) == 1 for p in loaded.points)
+    coef = loaded.coefficients()
+    coef.validate()
+    assert coef.split_attention and 0 < coef.flops_efficiency <= 1
+    hw = loaded.hardware_spec()
+    assert hw.hbm_bytes_per_s > 1e8 and hw.flops_per_s > 1e8
+    # Sane fit: a bigger step is predicted slower, and the fitted points are close.
+    points = {(p.batch, p.context, p.chunk): p for p in loaded.points}
+    assert points[(3, 48, 16)].predicted_s > points[(1, 0, 1)].predicted_s
+    assert loaded.fit.train_median_err_pct < 100
+
+    device = parse_device(f"sim:{path}")
+    assert device.kind == "sim" and device.label == f"sim:{path}"
+    assert device.hardware.coef == coef
+    preset = get_preset("tiny")
+    assert kv_budget_bytes(device, preset, kv_memory=None, gpu_memory_utilization=0.9,
+                           max_num_batched_tokens=256, max_num_seqs=8) == 256 * 2**20
+    suite = Suite.model_validate({
+        "name": "replay", "workload": {"preset": "mixed-text", "num_requests": 6},
+        "model": {"preset": "tiny"},
+        "run": {"device": f"sim:{path}", "kv_memory": "4MiB", "max_model_len": 2048,
+                "engines": ["paged"]},
+    })
+    plan = plan_run(suite, None, tmp_path / "out", "test")
+    assert plan.clock == "virtual"
+    (record,) = execute_plan(plan)
+    assert record.status == "ok" and record.device == f"sim:{path}"
+    assert record.summary["completed"] == 6 and record.summary["median_ttft_ms"] > 0
+
+
+def test_bad_profiles_say_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(KvbenchError, match="kvbench calibrate"):
+        parse_device(f"sim:{tmp_path / 'missing.json'}")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(KvbenchError, match="not a readable JSON"):
+        load_profile(bad)
+    bad.write_text(json.dumps({"kvbench_profile": 1, "device": "cpu"}))
+    with pytest.raises(KvbenchError, match="invalid calibration profile"):
+        load_profile(bad)

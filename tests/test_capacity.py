@@ -1,0 +1,116 @@
+"""Capacity planning: figures by hand, against the real KV managers, TP scaling, the CLI."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+from typer.testing import CliRunner
+
+from helpers import text_request
+from kvbench.capacity import Demand, Deployment, concurrency_curve, plan, policies
+from kvbench.cli import app
+from kvbench.devices import activation_reserve_bytes
+from kvbench.engines.factory import build_kv_manager
+from kvbench.engines.presets import get_preset
+from kvbench.engines.sequence import Sequence
+from kvbench.errors import KvbenchError
+from kvbench.hardware import MiB, get_gpu
+
+
+def _by_policy(rows):
+    return {r.policy: r for r in rows}
+
+
+def test_llama2_7b_on_a100_by_hand() -> None:
+    p = get_preset("llama-2-7b")
+    dep = Deployment(p, get_gpu("a100-80gb"), max_model_len=4096)
+    rows = _by_policy(plan(dep, policies([16, 32]), [Demand(2048)]))
+    bpt = 2 * 32 * 32 * 128 * 2  # layers x KV heads x head dim x K,V x fp16 bytes
+    assert bpt == 512 * 1024
+    budget = int(81920 * MiB * 0.9) - p.weight_bytes - activation_reserve_bytes(p, 8192, 256)
+    for r in rows.values():
+        assert r.kv_bytes_per_token == bpt and r.kv_budget_bytes == budget
+    expected = {
+        "contiguous/max_model_len": budget // bpt // 4096,
+        "contiguous/request": budget // bpt // 2048,
+        "contiguous/pow2": budget // bpt // 2048,
+        "paged/bs16": budget // (16 * bpt) // 128,
+        "paged/bs32": budget // (32 * bpt) // 64,
+    }
+    assert {k: r.max_concurrent for k, r in rows.items()} == expected
+    assert expected["paged/bs16"] == 58 and expected["contiguous/max_model_len"] == 29
+    for r in rows.values():
+        # bytes per token x tokens reserved fits the budget, one more request does not
+        assert r.max_concurrent * r.reserved_tokens * bpt <= budget
+        assert (r.max_concurrent + 1) * r.reserved_tokens * bpt > budget
+    assert rows["contiguous/max_model_len"].held_fraction == 0.5
+    assert rows["paged/bs16"].decode_step_s > rows["contiguous/max_model_len"].decode_step_s
+
+
+@pytest.mark.parametrize("section", policies([16, 48]), ids=lambda s: s.kind + str(s.block_size))
+def test_plan_matches_admitting_into_the_real_managers(section) -> None:
+    # About 18 MiB of KV: some 9000 tokens of the tiny model, a few dozen requests.
+    dep = Deployment(get_preset("tiny"), get_gpu("a100-40gb"), max_model_len=1024,
+                     gpu_memory_utilization=0.001, max_num_batched_tokens=256, max_num_seqs=8)
+    length = 300
+    fits = _by_policy(plan(dep, [section], [Demand(200, 100)]))
+    kv = build_kv_manager(section, dep.options(section.block_size or 16))
+    admitted = 0
+    while True:
+        req = text_request(f"r{admitted}", 200, 100)
+        seq = Sequence(admitted, req, req.prompt_token_ids(4096))
+        if not kv.allocate(seq, 0, length):
+            break
+        admitted += 1
+    assert [r.max_concurrent for r in fits.values()] == [admitted]
+    assert concurrency_curve(dep, section, [length]) == [admitted]
+
+
+def test_capacity_scales_with_tp_and_replicas() -> None:
+    p, gpu = get_preset("llama-3-70b"), get_gpu("a100-80gb")
+    with pytest.raises(KvbenchError, match="tensor parallelism"):
+        plan(Deployment(p, gpu, 4096, tp=1), policies([16]), [Demand(2048)])
+    tp4 = _by_policy(plan(Deployment(p, gpu, 4096, tp=4), policies([16]), [Demand(2048)]))
+    tp8 = _by_policy(plan(Deployment(p, gpu, 4096, tp=8), policies([16]), [Demand(2048)]))
+    # Half the KV heads per rank and less weight per rank: more than twice the requests.
+    assert tp8["paged/bs16"].max_concurrent > 2 * tp4["paged/bs16"].max_concurrent
+    assert tp8["paged/bs16"].kv_bytes_per_token_per_rank * 8 == p.kv_bytes_per_token
+    assert tp8["paged/bs16"].kv_budget_bytes == 8 * tp8["paged/bs16"].kv_budget_bytes_per_rank
+    two = _by_policy(plan(Deployment(p, gpu, 4096, tp=4, num_gpus=8), policies([16]),
+                          [Demand(2048)]))
+    assert two["paged/bs16"].total_concurrent == 2 * tp4["paged/bs16"].max_concurrent
+    with pytest.raises(KvbenchError, match="groups of 3"):
+        Deployment(p, gpu, 4096, tp=3, num_gpus=8)
+
+
+def test_parallel_samples_share_the_prompt_only_when_paged() -> None:
+    dep = Deployment(get_preset("llama-3-8b"), get_gpu("h200"), max_model_len=8192)
+    rows = _by_policy(plan(dep, policies([16]), [Demand(1024, 512, n=4)]))
+    assert rows["paged/bs16"].reserved_tokens == 1024 + 4 * 512
+    assert rows["contiguous/request"].reserved_tokens == 4 * 1536
+    assert rows["contiguous/pow2"].reserved_tokens == 4 * 2048
+
+
+def test_cli_prints_writes_csv_and_plot(tmp_path) -> None:
+    out, png = tmp_path / "cap.csv", tmp_path / "cap.png"
+    runner = CliRunner(env={"COLUMNS": "200"})
+    result = runner.invoke(app, [
+        "capacity", "--model", "llama-2-7b,mistral-7b", "--gpu", "a100-80gb", "--num-gpus", "8",
+        "--seq-len", "2048", "--max-model-len", "4096", "--csv", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    assert "paged/bs16" in result.output and "llama-2-7b" in result.output
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 10
+    first = rows[0]
+    assert first["policy"] == "contiguous/max_model_len" and first["max_concurrent_total"] == "232"
+    assert first["paged_over_this"] == "2.0" and first["command"].startswith("kvbench ")
+    result = runner.invoke(app, [
+        "capacity", "--model", "qwen2.5-7b", "--gpu", "h200", "--workload", "mixed-text",
+        "--plot", str(png),
+    ])
+    assert result.exit_code == 0, result.output
+    assert png.stat().st_size > 10_000
+    bad = runner.invoke(app, ["capacity", "--model", "tiny", "--gpu", "h200"])
+    assert bad.exit_code != 0
