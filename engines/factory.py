@@ -29,6 +29,7 @@ class EngineOptions:
     scheduler: SchedulerConfig
     weights: str | None = None
     seed: int = 0
+    attention: str = "auto"
 
 
 def kv_bytes_per_token(opts: EngineOptions) -> int:
@@ -79,6 +80,6 @@ def build_engine(name: str, section: EngineSection, opts: EngineOptions) -> Engi
 
         executor = TorchExecutor(
             opts.preset, device=opts.device.torch_device or "cpu", weights=opts.weights,
-            seed=opts.seed,
+            seed=opts.seed, attention=opts.attention,
         )
     return BuiltinEngine(name, opts.preset, kv, opts.scheduler, executor)

@@ -156,6 +156,7 @@ class TorchExecutor(Executor):
             "device": self.device,
             "dtype": self.preset.dtype,
             "attention": self.kernels.name,
+            "threads": torch.get_num_threads() if self._device.type == "cpu" else None,
             "weights": self.weights if self.weights is not None else f"random(seed={self.seed})",
             "weight_bytes": sum(p.nbytes for p in self.model.parameters()),
             "kv_pool_bytes": self.kv_pool_bytes,

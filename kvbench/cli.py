@@ -12,7 +12,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvbench import commands_regress, commands_scale, commands_telemetry
 from kvbench.errors import KvbenchError
+from kvbench.overrides import TRACE_KINDS
 
 app = typer.Typer(
     add_completion=False,
@@ -22,14 +24,12 @@ app = typer.Typer(
 )
 workload_app = typer.Typer(no_args_is_help=True, help="Generate, import and inspect workloads.")
 app.add_typer(workload_app, name="workload")
+commands_regress.register(app)
+commands_scale.register(app)
+commands_telemetry.register(app)
 console = Console()
 err_console = Console(stderr=True)
 
-TRACE_KINDS = ("azure", "mooncake", "sharegpt")
-
-
-def _csv(text: str | None) -> list[str] | None:
-    return None if text is None else [x.strip() for x in text.split(",") if x.strip()]
 
 
 @app.command()
@@ -50,50 +50,32 @@ def run(
     chunked_prefill: Annotated[bool | None, typer.Option("--chunked-prefill/--no-chunked-prefill")] = None,
     prefix_caching: Annotated[bool | None, typer.Option("--prefix-caching/--no-prefix-caching")] = None,
     out: Annotated[Path | None, typer.Option(help="Output folder (default: runs/<suite>-<time>).")] = None,
+    repeat: Annotated[int, typer.Option(help="Run every engine N times; records hold medians and each repeat's values.")] = 1,
+    shard: Annotated[str | None, typer.Option(help="Run only share I/N of the suite's engines (for CI matrices).")] = None,
+    slo: Annotated[str | None, typer.Option(help="Goodput SLO in ms, e.g. ttft:500,tpot:50[,e2el:MS].")] = None,
+    cpu_threads: Annotated[int | None, typer.Option(help="Intra-op threads of real compute on a CPU (default: torch's).")] = None,
+    attention: Annotated[str | None, typer.Option(help="Attention kernels of real compute: auto (triton on CUDA when installed, else reference) | triton | reference.")] = None,
 ) -> None:
     """Run a suite: every engine on the same workload; print and write a comparison."""
+    from kvbench.overrides import RunFlags, resolve_suite
     from kvbench.report import table_rows
     from kvbench.runner import execute_plan, plan_run
-    from kvbench.suite import load_suite
+    from kvbench.sharding import Shard
 
-    the_suite, base = load_suite(suite)
-    r, w, m = the_suite.run, the_suite.workload, the_suite.model
-    # Suite values chosen for the suite's own workload, model or device are dropped when
-    # that is overridden, unless given again.
-    if workload is not None:
-        w.num_requests = None
-    if model is not None:
-        r.max_model_len, r.kv_memory, m.dtype = None, None, None
-    if device is not None:
-        r.clock, r.kv_memory = "auto", None
-    if workload is not None:
-        w.preset = w.file = w.trace = w.path = None
-        kind, _, rest = workload.partition(":")
-        if kind in TRACE_KINDS and rest:
-            w.trace, w.path = kind, rest  # type: ignore[assignment]
-        elif workload.endswith(".jsonl") or Path(workload).exists():
-            w.file = workload
-        else:
-            w.preset = workload
-        base = None
-    for obj, key, value in (
-        (w, "num_requests", num_requests), (w, "seed", seed), (m, "preset", model),
-        (r, "device", device), (r, "clock", clock), (r, "kv_memory", kv_memory),
-        (r, "block_size", block_size), (r, "max_num_seqs", max_num_seqs),
-        (r, "max_num_batched_tokens", max_num_batched_tokens), (r, "max_model_len", max_model_len),
-        (r, "chunked_prefill", chunked_prefill), (r, "prefix_caching", prefix_caching),
-        (r, "engines", _csv(engines)),
-    ):
-        if value is not None:
-            setattr(obj, key, value)
-    if clock is not None and clock not in ("wall", "virtual", "auto"):
-        raise KvbenchError(f"unknown clock {clock!r}; use wall or virtual")
-    # Re-validate after overrides (typos in flags get the same checks as suite files).
-    the_suite = type(the_suite).model_validate(the_suite.model_dump())
+    the_suite, base = resolve_suite(suite, RunFlags(
+        engines, workload, num_requests, seed, model, device, clock, kv_memory, block_size,
+        max_num_seqs, max_num_batched_tokens, max_model_len, chunked_prefill, prefix_caching,
+        slo, cpu_threads, attention,
+    ))
     command = "kvbench " + shlex.join(sys.argv[1:])
-    plan = plan_run(the_suite, base, out, command)
+    the_shard = Shard.parse(shard) if shard is not None else None
+    plan = plan_run(the_suite, base, out, command, repeats=repeat, shard=the_shard)
+    if not plan.engines:
+        console.print(f"shard {the_shard} of {the_suite.name} has no engines to run")
+        return
     for warning in plan.warnings:
         err_console.print(f"[yellow]warning:[/] {warning}")
+    n_warnings = len(plan.warnings)
     console.print(
         f"[bold]{the_suite.name}[/]: {len(plan.workload)} requests ({plan.workload.name}, "
         f"digest {plan.workload.digest}), model {plan.preset.name}, device {plan.device.label}, "
@@ -119,7 +101,9 @@ def run(
     for rec in records:
         if rec.error:
             err_console.print(f"[red]{rec.engine} {rec.status}:[/] {rec.error.splitlines()[0]}")
-    console.print(f"records and summary.md written to {plan.out_dir}")
+    for warning in plan.warnings[n_warnings:]:
+        err_console.print(f"[yellow]warning:[/] {warning}")
+    console.print(f"records, summary.md and figures written to {plan.out_dir}")
     if any(rec.status == "interrupted" for rec in records):
         raise typer.Exit(130)
     if any(rec.status != "ok" for rec in records):

@@ -31,6 +31,8 @@ class RunFlags:
     chunked_prefill: bool | None = None
     prefix_caching: bool | None = None
     slo: str | None = None
+    cpu_threads: int | None = None
+    attention: str | None = None
 
 
 def _csv(text: str | None) -> list[str] | None:
@@ -69,6 +71,7 @@ def resolve_suite(ref: str | None, flags: RunFlags) -> tuple[Suite, Path | None]
         (r, "max_model_len", flags.max_model_len), (r, "chunked_prefill", flags.chunked_prefill),
         (r, "prefix_caching", flags.prefix_caching), (r, "engines", _csv(flags.engines)),
         (r, "slo", parse_slo(flags.slo) if flags.slo is not None else None),
+        (r, "cpu_threads", flags.cpu_threads), (r, "attention", flags.attention),
     ):
         if value is not None:
             setattr(obj, key, value)

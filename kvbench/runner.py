@@ -4,6 +4,7 @@ everything before any work starts; run each engine through the harness; write re
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +18,14 @@ from kvbench.engines.scheduler import Scheduler, SchedulerConfig
 from kvbench.errors import KvbenchError
 from kvbench.fileio import write_text_atomic
 from kvbench.harness import EngineRun, RequestTiming, StepLog, run_engine
+from kvbench.machine import machine_info
+from kvbench.plots import write_plots
 from kvbench.records import RunRecord, build_record
+from kvbench.repeats import fold_repeats
 from kvbench.report import summary_markdown
+from kvbench.sharding import Shard
 from kvbench.suite import EngineSection, Suite
+from kvbench.telemetry import Telemetry
 from kvbench.units import parse_bytes
 from kvbench.workloads.model import Workload
 
@@ -36,6 +42,7 @@ class RunPlan:
     out_dir: Path
     command: str
     warnings: list[str] = field(default_factory=list)
+    repeats: int = 1
 
 
 def load_workload(suite: Suite, base: Path | None) -> Workload:
@@ -56,7 +63,13 @@ def load_workload(suite: Suite, base: Path | None) -> Workload:
     return generate_preset(w.preset or "mixed-text", num_requests=w.num_requests, seed=w.seed)
 
 
-def plan_run(suite: Suite, base: Path | None, out_dir: Path | None, command: str) -> RunPlan:
+def plan_run(
+    suite: Suite, base: Path | None, out_dir: Path | None, command: str,
+    *, repeats: int = 1, shard: Shard | None = None,
+) -> RunPlan:
+    """``shard`` keeps its share of the suite's engines (possibly none)."""
+    if repeats < 1:
+        raise KvbenchError(f"--repeat must be at least 1, not {repeats}")
     run = suite.run
     preset = get_preset(suite.model.preset)
     if suite.model.dtype:
@@ -95,17 +108,22 @@ def plan_run(suite: Suite, base: Path | None, out_dir: Path | None, command: str
         scheduler=sched,
         weights=suite.model.weights,
         seed=suite.workload.seed,
+        attention=run.attention,
     )
     if not run.engines:
         raise KvbenchError("no engines selected: pass --engines, e.g. --engines paged,contiguous")
     engines = [(name, suite.engine(name)) for name in run.engines]
+    if shard is not None:
+        engines = shard.select(engines)
     workload = load_workload(suite, base)
     if not workload.requests:
         raise KvbenchError("the workload has no requests")
     if out_dir is None:
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         out_dir = Path("runs") / f"{suite.name}-{stamp}"
-    plan = RunPlan(suite, workload, preset, device, clock, opts, engines, out_dir, command)
+    plan = RunPlan(
+        suite, workload, preset, device, clock, opts, engines, out_dir, command, repeats=repeats
+    )
     for name, section in engines:
         _precheck(plan, name, section)
     return plan
@@ -132,6 +150,13 @@ def _precheck(plan: RunPlan, name: str, section: EngineSection) -> None:
         )
 
 
+def make_telemetry(plan: RunPlan) -> Telemetry:
+    # The record's machine identity imports torch; do it before the first engine runs, so
+    # that every engine's RSS includes the same libraries.
+    machine_info()
+    return Telemetry.for_device(plan.device.kind, plan.device.torch_device)
+
+
 def make_clock(plan: RunPlan) -> Clock:
     if plan.clock == "wall":
         return WallClock()
@@ -142,11 +167,20 @@ def execute_plan(
     plan: RunPlan,
     on_engine: Callable[[str], Callable[[int], None] | None] | None = None,
 ) -> list[RunRecord]:
-    """Run every engine in turn; each record is written as soon as its engine ends. A failed
-    engine does not stop the others; Ctrl-C writes the current engine's record and stops."""
-    records = []
-    for name, section in plan.engines:
-        progress = on_engine(name) if on_engine else None
+    """Run every engine in turn, ``plan.repeats`` rounds of all engines (so that slow drift
+    hits every engine alike); each record is written as soon as its engine ends, folded over
+    its repeats so far. A failed engine does not stop the others and is not repeated; Ctrl-C
+    writes the current engine's record and stops."""
+    if plan.suite.run.cpu_threads is not None and plan.device.kind == "cpu":
+        import torch
+
+        torch.set_num_threads(plan.suite.run.cpu_threads)
+    runs: dict[str, list[RunRecord]] = {}
+    for repeat, (name, section) in itertools.product(range(plan.repeats), plan.engines):
+        if any(r.status != "ok" for r in runs.get(name, [])):
+            continue
+        label = name if plan.repeats == 1 else f"{name} ({repeat + 1}/{plan.repeats})"
+        progress = on_engine(label) if on_engine else None
         try:
             engine = build_engine(name, section, plan.opts)
         except KvbenchError:
@@ -158,15 +192,22 @@ def execute_plan(
             config = {"kind": section.kind, **section.model_dump()}
         else:
             config = {"kind": section.kind, **section.model_dump(), **engine.describe()}
-            run = run_engine(engine, plan.workload, make_clock(plan), progress)
+            run = run_engine(
+                engine, plan.workload, make_clock(plan), progress, telemetry=make_telemetry(plan)
+            )
+            # Facts learned while running (vLLM's kv-equivalent multimodal inputs) complete it.
+            config.update((k, v) for k, v in engine.describe().items() if k not in config)
         record = build_record(
             run, command=plan.command, suite=plan.suite.name, engine_config=config,
-            model=plan.preset.to_json(), device=plan.device.label,
+            model=plan.preset.to_json(), device=plan.device.label, slo=plan.suite.run.slo,
         )
-        record.write(plan.out_dir / f"{name}.json")
-        records.append(record)
+        runs.setdefault(name, []).append(record)
+        fold_repeats(runs[name]).write(plan.out_dir / f"{name}.json")
         if run.status == "interrupted":
             break
+    records = [fold_repeats(rs) for rs in runs.values()]
     write_text_atomic(plan.out_dir / "summary.md", summary_markdown(records))
+    # After the records: a figure that fails to draw costs only itself.
+    plan.warnings += write_plots(records, plan.out_dir)[1]
     return records
 

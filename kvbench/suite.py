@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvbench.errors import InputFileError, KvbenchError
+from kvbench.slo import SLO
 
 DEFAULT_SUITE = "default"
 
@@ -60,6 +61,12 @@ class RunSection(_Strict):
     chunked_prefill: bool = True
     prefix_caching: bool = True
     engines: list[str] = Field(default_factory=lambda: ["paged", "contiguous"])
+    slo: SLO | None = None
+    # Intra-op threads of real compute on a CPU (None: torch's default). Small models gain
+    # little from threads, and spinning OpenMP threads on a busy machine slow them ~10x.
+    cpu_threads: int | None = Field(default=None, ge=1)
+    # Kernels of real compute: auto = Triton on CUDA when installed, else the torch reference.
+    attention: Literal["auto", "reference", "triton"] = "auto"
 
 
 class EngineSection(_Strict):
@@ -76,6 +83,8 @@ class EngineSection(_Strict):
 
 BUILTIN_ENGINES: dict[str, EngineSection] = {
     "paged": EngineSection(kind="paged"),
+    # Finished sequences' blocks are never recycled: the fault soak runs must catch.
+    "paged-leaky": EngineSection(kind="paged", leak_finished=True),
     "contiguous": EngineSection(kind="contiguous", reservation="max_model_len"),
     "contiguous-request": EngineSection(kind="contiguous", reservation="request"),
     "contiguous-pow2": EngineSection(kind="contiguous", reservation="pow2"),
@@ -109,7 +118,7 @@ def suite_names() -> list[str]:
 def load_suite(ref: str | None) -> tuple[Suite, Path | None]:
     """A suite by file path or by name (``benchmarks/suites/<name>.toml``); None = default.
 
-    Returns the suite and the folder relative paths in it resolve against.
+    Returns the suite and the folder relative paths in it resolve against: the suite file's.
     """
     ref = ref or DEFAULT_SUITE
     path = Path(ref)
@@ -121,7 +130,8 @@ def load_suite(ref: str | None) -> tuple[Suite, Path | None]:
             raise KvbenchError(
                 f"no suite {ref!r}: give a .toml file path or one of: {', '.join(suite_names())}"
             )
-        text, base, path = res.read_text(encoding="utf-8"), None, Path(str(res))
+        path = Path(str(res))
+        text, base = res.read_text(encoding="utf-8"), path.parent
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -1,0 +1,189 @@
+"""asv benchmarks (``nox -s asv``; history dashboard with ``asv publish``).
+
+- ``KVMetrics.track_*``: the deterministic KV and concurrency numbers of the ``quick-sim``
+  suite (simulated A100, virtual clock: identical on every machine, so a step in the graph
+  is a code change, never noise), per engine and paged block size.
+- ``EngineStep.time_*``: one engine step on a steady batch: the simulated engine (scheduler,
+  KV manager and cost model: the host-side overhead) and real compute with the tiny model on
+  the CPU.
+- ``Attention.time_*``: the torch reference attention kernels on small shapes.
+- ``peakmem_*``: peak process memory of a short real-compute run.
+
+asv treats smaller as better. Every metric here is lower-is-better except
+``track_max_concurrent_requests`` (its unit says so): a drop in that graph is the regression.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbench.clocks import VirtualClock
+from kvbench.engines.costmodel import CostModel
+from kvbench.engines.factory import build_engine
+from kvbench.harness import run_engine
+from kvbench.metrics import summarize
+from kvbench.runner import RunPlan, plan_run
+from kvbench.suite import load_suite
+from kvbench.workloads.model import Request, Segment
+
+ENGINES = ["paged", "contiguous"]
+BLOCK_SIZES = [16, 32]
+GIB, MIB = float(1 << 30), float(1 << 20)
+
+
+def _plan(suite_name: str, block_size: int, **run: Any) -> RunPlan:
+    suite, base = load_suite(suite_name)
+    suite.run.block_size = block_size
+    for key, value in run.items():
+        setattr(suite.run, key, value)
+    return plan_run(suite, base, None, f"asv {suite_name}")
+
+
+def _engine(plan: RunPlan, name: str):
+    return build_engine(name, plan.suite.engine(name), plan.opts)
+
+
+def _skip_unused_block_size(engine: str, block_size: int) -> None:
+    # A contiguous arena has no blocks: one block size stands for all.
+    if engine == "contiguous" and block_size != BLOCK_SIZES[0]:
+        raise NotImplementedError("contiguous KV has no block size")
+
+
+class KVMetrics:
+    params = (ENGINES, BLOCK_SIZES)
+    param_names = ("engine", "block_size")
+    timeout = 600
+
+    def setup_cache(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for block_size in BLOCK_SIZES:
+            plan = _plan("quick-sim", block_size)
+            clock = VirtualClock(CostModel(plan.preset, plan.device.hardware, plan.device.tp))
+            for engine in ENGINES:
+                run = run_engine(_engine(plan, engine), plan.workload, clock)
+                out[f"{engine}/{block_size}"] = summarize(run)
+                clock = VirtualClock(CostModel(plan.preset, plan.device.hardware, plan.device.tp))
+        return out
+
+    def setup(self, cache, engine: str, block_size: int) -> None:
+        _skip_unused_block_size(engine, block_size)
+
+    @staticmethod
+    def _get(cache, engine: str, block_size: int, key: str) -> float:
+        return float(cache[f"{engine}/{block_size}"][key] or 0.0)
+
+    def track_kv_waste_pct(self, cache, engine, block_size):
+        return self._get(cache, engine, block_size, "kv_waste_pct")
+
+    track_kv_waste_pct.unit = "%"  # type: ignore[attr-defined]
+
+    def track_peak_kv_reserved(self, cache, engine, block_size):
+        return self._get(cache, engine, block_size, "peak_kv_reserved_bytes") / GIB
+
+    track_peak_kv_reserved.unit = "GiB"  # type: ignore[attr-defined]
+
+    def track_kv_reserved_per_request(self, cache, engine, block_size):
+        peak = self._get(cache, engine, block_size, "peak_kv_reserved_bytes")
+        return peak / max(self._get(cache, engine, block_size, "max_concurrent_requests"), 1) / MIB
+
+    track_kv_reserved_per_request.unit = "MiB per concurrent request"  # type: ignore[attr-defined]
+
+    def track_max_concurrent_requests(self, cache, engine, block_size):
+        return self._get(cache, engine, block_size, "max_concurrent_requests")
+
+    track_max_concurrent_requests.unit = "requests (higher is better)"  # type: ignore[attr-defined]
+
+    def track_p99_ttft_ms(self, cache, engine, block_size):
+        return self._get(cache, engine, block_size, "p99_ttft_ms")
+
+    track_p99_ttft_ms.unit = "ms (simulated)"  # type: ignore[attr-defined]
+
+    def track_preemptions(self, cache, engine, block_size):
+        return self._get(cache, engine, block_size, "preemptions")
+
+    track_preemptions.unit = "preemptions"  # type: ignore[attr-defined]
+
+
+class EngineStep:
+    params = (ENGINES, BLOCK_SIZES)
+    param_names = ("engine", "block_size")
+    timeout = 300
+    # Building a real-compute engine dominates; one process per case and a few samples
+    # keep the suite to minutes on a small CPU.
+    rounds = 1
+    repeat = (2, 5, 5.0)
+
+    def setup(self, engine: str, block_size: int) -> None:
+        _skip_unused_block_size(engine, block_size)
+        sim = _plan("quick-sim", block_size, kv_memory=None)
+        self.sim = _engine(sim, engine)
+        cpu = _plan("quick-cpu", block_size, kv_memory="16MiB")
+        self.cpu = _engine(cpu, engine)
+        for eng, seqs, prompt, output in ((self.sim, 16, 512, 3000), (self.cpu, 2, 64, 1800)):
+            for i in range(seqs):
+                eng.add(Request(f"asv-{i}", 0.0, (Segment("text", prompt, f"asv/{i}"),), output))
+            # Prefill (chunked or not) ends within a few steps; after it every step decodes
+            # the same batch.
+            for _ in range(8):
+                eng.step()
+
+    def teardown(self, engine: str, block_size: int) -> None:
+        self.sim.close()
+        self.cpu.close()
+
+    def time_sim_step(self, engine, block_size):
+        self.sim.step()
+
+    def time_cpu_decode_step(self, engine, block_size):
+        self.cpu.step()
+
+
+class Attention:
+    params = (["paged", "contiguous"], [256, 1024])
+    param_names = ("layout", "context")
+
+    def setup(self, layout: str, context: int) -> None:
+        import numpy as np
+        import torch
+
+        from kvbench.engines.presets import get_preset
+        from kvbench.kernels import reference
+
+        tiny, block, seqs = get_preset("tiny"), 16, 8
+        gen = torch.Generator().manual_seed(0)
+        blocks = -(-context // block)
+        slots = seqs * blocks * block
+        k = torch.randn(slots, tiny.num_kv_heads, tiny.head_dim, generator=gen)
+        v = torch.randn(slots, tiny.num_kv_heads, tiny.head_dim, generator=gen)
+        q = torch.randn(seqs, tiny.num_heads, tiny.head_dim, generator=gen)
+        cu = torch.arange(0, seqs + 1, dtype=torch.int32)
+        lens = torch.full((seqs,), context, dtype=torch.int32)
+        scale = tiny.head_dim**-0.5
+        if layout == "paged":
+            order = np.random.default_rng(0).permutation(seqs * blocks)
+            tables = torch.tensor(order.reshape(seqs, blocks), dtype=torch.int32)
+            self.fn = reference.paged_attention
+            self.args = (q, k, v, tables, lens, cu, block, scale)
+        else:
+            starts = torch.arange(seqs, dtype=torch.int64) * blocks * block
+            self.fn = reference.contiguous_attention
+            self.args = (q, k, v, starts, lens, cu, scale)
+
+    def time_reference_decode(self, layout, context):
+        self.fn(*self.args)
+
+
+def peakmem_cpu_run(engine: str) -> None:
+    """Two short requests through the tiny model on the CPU: weights, KV tensors and
+    activations of a real-compute engine."""
+    eng = _engine(_plan("quick-cpu", BLOCK_SIZES[0]), engine)
+    for i in range(2):
+        eng.add(Request(f"asv-{i}", 0.0, (Segment("text", 128, f"asv/{i}"),), 8))
+    while eng.has_unfinished():
+        eng.step()
+    eng.close()
+
+
+peakmem_cpu_run.params = ENGINES  # type: ignore[attr-defined]
+peakmem_cpu_run.param_names = ("engine",)  # type: ignore[attr-defined]
+peakmem_cpu_run.timeout = 300  # type: ignore[attr-defined]
