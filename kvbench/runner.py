@@ -163,6 +163,34 @@ def make_clock(plan: RunPlan) -> Clock:
     return VirtualClock(CostModel(plan.preset, plan.device.hardware, plan.device.tp))
 
 
+def start_and_run(
+    plan: RunPlan,
+    name: str,
+    section: EngineSection,
+    progress: Callable[[int], None] | None,
+    waves: int = 1,
+) -> tuple[EngineRun, dict]:
+    """Build one engine and drive it through the workload. An engine that fails to start
+    yields a failed run (its record is still written); a configuration error propagates."""
+    try:
+        engine = build_engine(name, section, plan.opts)
+    except KvbenchError:
+        raise
+    except Exception as exc:
+        timings = {r.id: RequestTiming(r) for r in plan.workload.requests}
+        run = EngineRun(name, plan.workload, plan.clock, timings, StepLog(), waves=waves)
+        run.status, run.error = "failed", f"engine failed to start: {type(exc).__name__}: {exc}"
+        return run, {"kind": section.kind, **section.model_dump()}
+    config = {"kind": section.kind, **section.model_dump(), **engine.describe()}
+    run = run_engine(
+        engine, plan.workload, make_clock(plan), progress,
+        telemetry=make_telemetry(plan), waves=waves,
+    )
+    # Facts learned while running (vLLM's kv-equivalent multimodal inputs) complete it.
+    config.update((k, v) for k, v in engine.describe().items() if k not in config)
+    return run, config
+
+
 def execute_plan(
     plan: RunPlan,
     on_engine: Callable[[str], Callable[[int], None] | None] | None = None,
@@ -181,22 +209,7 @@ def execute_plan(
             continue
         label = name if plan.repeats == 1 else f"{name} ({repeat + 1}/{plan.repeats})"
         progress = on_engine(label) if on_engine else None
-        try:
-            engine = build_engine(name, section, plan.opts)
-        except KvbenchError:
-            raise
-        except Exception as exc:
-            timings = {r.id: RequestTiming(r) for r in plan.workload.requests}
-            run = EngineRun(name, plan.workload, plan.clock, timings, StepLog())
-            run.status, run.error = "failed", f"engine failed to start: {type(exc).__name__}: {exc}"
-            config = {"kind": section.kind, **section.model_dump()}
-        else:
-            config = {"kind": section.kind, **section.model_dump(), **engine.describe()}
-            run = run_engine(
-                engine, plan.workload, make_clock(plan), progress, telemetry=make_telemetry(plan)
-            )
-            # Facts learned while running (vLLM's kv-equivalent multimodal inputs) complete it.
-            config.update((k, v) for k, v in engine.describe().items() if k not in config)
+        run, config = start_and_run(plan, name, section, progress)
         record = build_record(
             run, command=plan.command, suite=plan.suite.name, engine_config=config,
             model=plan.preset.to_json(), device=plan.device.label, slo=plan.suite.run.slo,

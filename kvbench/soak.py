@@ -6,15 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvbench.engines.factory import build_engine
 from kvbench.errors import KvbenchError
 from kvbench.fileio import write_text_atomic
-from kvbench.harness import EngineRun, RequestTiming, StepLog, run_engine
 from kvbench.leaks import KV_KIND, analyze_soak
 from kvbench.plots import plot_soak, write_plots
 from kvbench.records import RunRecord, build_record
 from kvbench.report import summary_markdown
-from kvbench.runner import RunPlan, make_clock, make_telemetry
+from kvbench.runner import RunPlan, start_and_run
 from kvbench.units import format_bytes
 
 
@@ -31,21 +29,7 @@ def run_soak(
     records = []
     for name, section in plan.engines:
         progress = on_engine(name) if on_engine else None
-        try:
-            engine = build_engine(name, section, plan.opts)
-        except KvbenchError:
-            raise
-        except Exception as exc:
-            timings = {r.id: RequestTiming(r) for r in plan.workload.requests}
-            run = EngineRun(name, plan.workload, plan.clock, timings, StepLog(), waves=waves)
-            run.status, run.error = "failed", f"engine failed to start: {type(exc).__name__}: {exc}"
-            config = {"kind": section.kind, **section.model_dump()}
-        else:
-            config = {"kind": section.kind, **section.model_dump(), **engine.describe()}
-            run = run_engine(
-                engine, plan.workload, make_clock(plan), progress,
-                telemetry=make_telemetry(plan), waves=waves,
-            )
+        run, config = start_and_run(plan, name, section, progress, waves=waves)
         record = build_record(
             run, command=plan.command, suite=plan.suite.name, engine_config=config,
             model=plan.preset.to_json(), device=plan.device.label, slo=plan.suite.run.slo,
