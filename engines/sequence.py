@@ -52,11 +52,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return len(self.output_ids) >= self.request.output_tokens
 
-    @property
-    def in_prefill(self) -> bool:
-        """True while tokens other than the last sampled one still need KV."""
-        return self.num_tokens - self.num_computed_tokens > 1 or not self.output_ids
-
     def token_ids(self, start: int, end: int) -> np.ndarray:
         """Token ids at positions ``[start, end)`` (prompt then generated)."""
         n_prompt = self.num_prompt_tokens
