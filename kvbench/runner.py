@@ -124,6 +124,15 @@ def plan_run(
     plan = RunPlan(
         suite, workload, preset, device, clock, opts, engines, out_dir, command, repeats=repeats
     )
+    if device.profile is not None:
+        from kvbench.calibrate import load_profile
+
+        fitted = load_profile(device.profile).model
+        if fitted != preset.name:
+            plan.warnings.append(
+                f"profile {device.profile} was fitted for {fitted}, not {preset.name}: its "
+                f"coefficients may not transfer; calibrate with --model {preset.name}"
+            )
     for name, section in engines:
         _precheck(plan, name, section)
     return plan

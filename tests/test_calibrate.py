@@ -106,6 +106,13 @@ def test_tiny_calibration_writes_a_profile_the_sim_runs(tmp_path: Path) -> None:
     (record,) = execute_plan(plan)
     assert record.status == "ok" and record.device == f"sim:{path}"
     assert record.summary["completed"] == 6 and record.summary["median_ttft_ms"] > 0
+    assert not plan.warnings
+
+    # The profile's coefficients belong to the model it timed: another model is warned about.
+    other = Suite.model_validate({**suite.model_dump(), "model": {"preset": "llama-3-8b"}})
+    other.run.kv_memory = "1GiB"
+    warned = plan_run(other, None, tmp_path / "out2", "test").warnings
+    assert any("fitted for tiny" in w for w in warned)
 
 
 def test_bad_profiles_say_what_is_wrong(tmp_path: Path) -> None:
