@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbench.clocks import VirtualClock
 from kvbench.engines.costmodel import CostModel
 from kvbench.engines.factory import build_engine
-from kvbench.harness import run_engine
-from kvbench.metrics import summarize
-from kvbench.runner import RunPlan, plan_run
-from kvbench.suite import load_suite
+from kvbench.results.metrics import summarize
+from kvbench.run.clocks import VirtualClock
+from kvbench.run.harness import run_engine
+from kvbench.run.plan import RunPlan, plan_run
+from kvbench.run.suite import load_suite
 from kvbench.workloads.model import Request, Segment
 
 ENGINES = ["paged", "contiguous"]

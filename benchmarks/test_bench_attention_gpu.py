@@ -4,7 +4,7 @@ scattered over the pool) versus contiguous (one extent per sequence), same kerne
 Each case reports, in ``extra_info``: the kernel time measured with CUDA events over
 back-to-back calls with the L2 cache flushed in between (``device_us``), the KV bytes one
 call must read (every sequence's K and V, once), the bytes/s that makes, and its percentage
-of the device's peak HBM bandwidth from ``kvbench.hardware``. pytest-benchmark's own timing
+of the device's peak HBM bandwidth from ``kvbench.engines.hardware``. pytest-benchmark's own timing
 is the wall time of one call including launch and a synchronise, as an engine step sees it.
 ``benchmarks/gpu/summarize.py`` turns the JSON report into a paged-vs-contiguous table.
 
@@ -38,7 +38,7 @@ LAYOUTS = ("contiguous", "paged-16", "paged-32", "paged-128")
 
 @pytest.fixture(scope="module")
 def gpu():
-    from kvbench.devices import parse_device
+    from kvbench.run.devices import parse_device
 
     return parse_device("cuda").hardware
 

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvbench.engines.base import BatchShape
+from kvbench.engines.hardware import CostCoefficients, Hardware
 from kvbench.engines.presets import ModelPreset
-from kvbench.hardware import CostCoefficients, Hardware
 
 __all__ = ["CostCoefficients", "CostModel", "RooflineTerms"]
 

@@ -13,8 +13,8 @@ from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.errors import KvbenchError
 
 if TYPE_CHECKING:
-    from kvbench.devices import DeviceSpec
-    from kvbench.suite import EngineSection
+    from kvbench.run.devices import DeviceSpec
+    from kvbench.run.suite import EngineSection
 
 
 @dataclass(frozen=True, slots=True)

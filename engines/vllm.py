@@ -53,7 +53,7 @@ from kvbench.errors import KvbenchError
 from kvbench.workloads.model import Request
 
 if TYPE_CHECKING:
-    from kvbench.suite import EngineSection
+    from kvbench.run.suite import EngineSection
 
 SUPPORTED_VLLM = "0.32"
 INSTALL_HINT = (

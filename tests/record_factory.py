@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvbench.records import RunRecord, WorkloadInfo
+from kvbench.results.schema import RunRecord, WorkloadInfo
 
 MACHINE = {
     "hostname": "test", "platform": "Linux", "python": "3.11.7", "cpu": "Test CPU",

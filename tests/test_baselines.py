@@ -9,15 +9,16 @@ from record_factory import MACHINE, make_record, write
 from typer.testing import CliRunner
 
 from helpers import REPO
-from kvbench.baselines import ANY_MACHINE, machine_slug, save_baselines
-from kvbench.cli import app
+from kvbench.cli.app import app
 from kvbench.errors import KvbenchError
-from kvbench.records import load_record
-from kvbench.recordset import load_records
-from kvbench.repeats import REPEATS_KEY
-from kvbench.runner import execute_plan, plan_run
-from kvbench.sharding import Shard
-from kvbench.suite import load_suite
+from kvbench.report.baselines import ANY_MACHINE, machine_slug, save_baselines
+from kvbench.results.recordset import load_records
+from kvbench.results.repeats import REPEATS_KEY
+from kvbench.results.schema import load_record
+from kvbench.run.execute import execute_plan
+from kvbench.run.plan import plan_run
+from kvbench.run.sharding import Shard
+from kvbench.run.suite import load_suite
 
 
 def test_machine_slug_cpu_and_gpu() -> None:

@@ -10,27 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvbench.calibrate import (
-    CPU_GRID,
-    Grid,
-    GridPoint,
-    _batch,
-    _bounded_lstsq,
-    calibrate,
-    features,
-    fit_coefficients,
-    holdout_mask,
-    load_profile,
-    save_profile,
-)
-from kvbench.devices import CPU_HARDWARE, kv_budget_bytes, parse_device
 from kvbench.engines.costmodel import CostModel
+from kvbench.engines.hardware import CostCoefficients
 from kvbench.engines.kv.paged import PagedKVManager
 from kvbench.engines.presets import get_preset
 from kvbench.errors import KvbenchError
-from kvbench.hardware import CostCoefficients
-from kvbench.runner import execute_plan, plan_run
-from kvbench.suite import Suite
+from kvbench.run.devices import CPU_HARDWARE, kv_budget_bytes, parse_device
+from kvbench.run.execute import execute_plan
+from kvbench.run.plan import plan_run
+from kvbench.run.suite import Suite
+from kvbench.tools.calibrate.fit import _bounded_lstsq, features, fit_coefficients, holdout_mask
+from kvbench.tools.calibrate.measure import CPU_GRID, Grid, GridPoint, _batch, calibrate
+from kvbench.tools.calibrate.profile import load_profile, save_profile
 
 
 def _shapes(points: list[GridPoint]):

@@ -8,14 +8,14 @@ import pytest
 from typer.testing import CliRunner
 
 from helpers import text_request
-from kvbench.capacity import Demand, Deployment, concurrency_curve, plan, policies
-from kvbench.cli import app
-from kvbench.devices import activation_reserve_bytes
+from kvbench.cli.app import app
 from kvbench.engines.factory import build_kv_manager
+from kvbench.engines.hardware import MiB, get_gpu
 from kvbench.engines.presets import get_preset
 from kvbench.engines.sequence import Sequence
 from kvbench.errors import KvbenchError
-from kvbench.hardware import MiB, get_gpu
+from kvbench.run.devices import activation_reserve_bytes
+from kvbench.tools.capacity import Demand, Deployment, concurrency_curve, plan, policies
 
 
 def _by_policy(rows):

@@ -11,11 +11,11 @@ from record_factory import changed, make_record, write
 from typer.testing import CliRunner
 
 from helpers import REPO
-from kvbench.cli import app
-from kvbench.compare import compare_metric, compare_records, mad_spread, slice_max
-from kvbench.recordset import FoundRecord
-from kvbench.repeats import fold_repeats, metric_values
-from kvbench.thresholds import MetricRule, Thresholds, load_thresholds
+from kvbench.cli.app import app
+from kvbench.report.compare import compare_metric, compare_records, mad_spread, slice_max
+from kvbench.report.thresholds import MetricRule, Thresholds, load_thresholds
+from kvbench.results.recordset import FoundRecord
+from kvbench.results.repeats import fold_repeats, metric_values
 
 THRESHOLDS = REPO / "ci" / "thresholds.toml"
 

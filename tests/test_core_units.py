@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench.curves import build_curves
-from kvbench.devices import kv_budget_bytes, parse_device
 from kvbench.engines.base import BatchShape
 from kvbench.engines.costmodel import CostModel
+from kvbench.engines.hardware import get_gpu
 from kvbench.engines.presets import get_preset
 from kvbench.errors import KvbenchError
-from kvbench.hardware import get_gpu
-from kvbench.harness import StepLog
-from kvbench.suite import load_suite
+from kvbench.results.curves import build_curves
+from kvbench.run.devices import kv_budget_bytes, parse_device
+from kvbench.run.harness import StepLog
+from kvbench.run.suite import load_suite
 from kvbench.units import format_bytes, parse_bytes
 
 

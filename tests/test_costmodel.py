@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from kvbench.devices import parse_device
 from kvbench.engines.base import BatchShape
 from kvbench.engines.costmodel import CostModel
+from kvbench.engines.hardware import CostCoefficients, Hardware, get_gpu
 from kvbench.engines.presets import get_preset
 from kvbench.errors import KvbenchError
-from kvbench.hardware import CostCoefficients, Hardware, get_gpu
+from kvbench.run.devices import parse_device
 
 
 def _decode(seqs: int, ctx: int) -> BatchShape:

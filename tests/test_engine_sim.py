@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from helpers import make_workload, text_request
-from kvbench.clocks import VirtualClock
-from kvbench.devices import parse_device
 from kvbench.engines.costmodel import CostModel
 from kvbench.engines.factory import EngineOptions, build_engine
 from kvbench.engines.presets import get_preset
 from kvbench.engines.scheduler import SchedulerConfig
-from kvbench.harness import run_engine
-from kvbench.metrics import summarize
-from kvbench.suite import BUILTIN_ENGINES, EngineSection
+from kvbench.results.metrics import summarize
+from kvbench.run.clocks import VirtualClock
+from kvbench.run.devices import parse_device
+from kvbench.run.harness import run_engine
+from kvbench.run.suite import BUILTIN_ENGINES, EngineSection
 
 
 def _opts(kv_tokens: int, *, max_len: int = 4096, seqs: int = 64, batched: int = 2048,

@@ -7,11 +7,12 @@ from typing import Any
 import pytest
 
 from helpers import make_workload, text_request
-from kvbench.clocks import WallClock
 from kvbench.engines.base import BatchShape, Finished, KVStats, StepReport
-from kvbench.harness import run_engine
-from kvbench.metrics import summarize
-from kvbench.records import build_record, load_record
+from kvbench.results.build import build_record
+from kvbench.results.metrics import summarize
+from kvbench.results.schema import load_record
+from kvbench.run.clocks import WallClock
+from kvbench.run.harness import run_engine
 
 
 class ScriptedEngine:

@@ -5,19 +5,19 @@ from __future__ import annotations
 import pytest
 
 from helpers import make_workload, text_request
-from kvbench.clocks import VirtualClock
-from kvbench.curves import build_curves
-from kvbench.devices import parse_device
 from kvbench.engines.costmodel import CostModel
 from kvbench.engines.factory import EngineOptions, build_engine
 from kvbench.engines.presets import get_preset
 from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.errors import KvbenchError
-from kvbench.harness import EngineRun, RequestTiming, StepLog, run_engine
-from kvbench.metrics import latency_samples, memory_metrics, summarize
-from kvbench.slo import SLO, parse_slo
-from kvbench.suite import BUILTIN_ENGINES
-from kvbench.telemetry import ProbeSamples, Telemetry
+from kvbench.results.curves import build_curves
+from kvbench.results.metrics import latency_samples, memory_metrics, summarize
+from kvbench.results.slo import SLO, parse_slo
+from kvbench.run.clocks import VirtualClock
+from kvbench.run.devices import parse_device
+from kvbench.run.harness import EngineRun, RequestTiming, StepLog, run_engine
+from kvbench.run.suite import BUILTIN_ENGINES
+from kvbench.run.telemetry import ProbeSamples, Telemetry
 
 
 def _timed_run() -> EngineRun:

@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvbench.cli import app
-from kvbench.leaks import LeakFit, SoakResult, WaveMemory
-from kvbench.plots import RUN_PLOTS, plot_soak, plot_sweep, write_plots
-from kvbench.records import load_record
+from kvbench.cli.app import app
+from kvbench.report.plots import RUN_PLOTS, plot_soak, plot_sweep, write_plots
+from kvbench.results.schema import LeakFit, SoakResult, WaveMemory, load_record
 
 RUN_ARGS = [
     "--device", "sim:a100-80gb", "--model", "llama-3-8b", "--workload", "mixed-text",
@@ -65,7 +64,7 @@ def test_a_failing_figure_costs_only_itself(run_dir: Path, tmp_path: Path, monke
         path.write_bytes(PNG)
         return path
 
-    monkeypatch.setattr("kvbench.plots.RUN_PLOTS", (("a.png", blank), ("b.png", broken)))
+    monkeypatch.setattr("kvbench.report.plots.RUN_PLOTS", (("a.png", blank), ("b.png", broken)))
     written, errors = write_plots(records, tmp_path, extra=[("c.png", blank)])
     assert errors == ["plot b.png failed: ValueError: no ink"]
     assert [p.name for p in written] == ["a.png", "c.png"]

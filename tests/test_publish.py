@@ -12,8 +12,8 @@ import pytest
 from record_factory import MACHINE, changed, make_record, write
 from typer.testing import CliRunner
 
-from kvbench.cli import app
-from kvbench.repeats import fold_repeats
+from kvbench.cli.app import app
+from kvbench.results.repeats import fold_repeats
 
 # A 1x1 PNG.
 PNG = base64.b64decode(

@@ -8,17 +8,17 @@ import pytest
 from typer.testing import CliRunner
 
 from helpers import make_workload, text_request
-from kvbench.cli import app
-from kvbench.clocks import VirtualClock
-from kvbench.devices import parse_device
+from kvbench.cli.app import app
 from kvbench.engines.costmodel import CostModel
 from kvbench.engines.factory import EngineOptions, build_engine
 from kvbench.engines.presets import get_preset
 from kvbench.engines.scheduler import SchedulerConfig
-from kvbench.harness import run_engine
-from kvbench.leaks import KV_KIND, analyze_soak, fit_kind, slope_per_wave
-from kvbench.metrics import summarize
-from kvbench.suite import BUILTIN_ENGINES
+from kvbench.results.leaks import KV_KIND, analyze_soak, fit_kind, slope_per_wave
+from kvbench.results.metrics import summarize
+from kvbench.run.clocks import VirtualClock
+from kvbench.run.devices import parse_device
+from kvbench.run.harness import run_engine
+from kvbench.run.suite import BUILTIN_ENGINES
 
 WAVES = 4
 
@@ -92,7 +92,7 @@ def test_least_squares_slope_and_noise_rule() -> None:
 def test_soak_command_writes_records_and_fails_on_leak(tmp_path, monkeypatch) -> None:
     drawn = []  # figures are tested in test_plots; here only that the soak asks for them
     monkeypatch.setattr(
-        "kvbench.soak.write_plots",
+        "kvbench.tools.soak.write_plots",
         lambda records, out_dir, extra=(): (drawn.extend(n for n, _ in extra), ([], []))[1],
     )
     out = tmp_path / "soak"

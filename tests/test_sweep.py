@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from kvbench.cli import app
+from kvbench.cli.app import app
 from kvbench.errors import KvbenchError
-from kvbench.records import load_record
-from kvbench.sweep import parse_budgets
+from kvbench.results.schema import load_record
+from kvbench.tools.sweep import parse_budgets
 
 
 def test_parse_budgets_sorts_and_rejects_duplicates() -> None:
@@ -21,7 +21,7 @@ def test_parse_budgets_sorts_and_rejects_duplicates() -> None:
 
 def test_sweep_runs_each_budget_and_skips_what_cannot_fit(tmp_path, monkeypatch) -> None:
     # Per-run figures are tested in test_plots; the sweep's own figure is drawn here.
-    monkeypatch.setattr("kvbench.runner.write_plots", lambda records, out_dir: ([], []))
+    monkeypatch.setattr("kvbench.run.execute.write_plots", lambda records, out_dir: ([], []))
     out = tmp_path / "sweep"
     result = CliRunner().invoke(app, [
         "sweep", "--kv-memory", "256MiB,1GiB,2GiB", "--device", "sim:a100-80gb",

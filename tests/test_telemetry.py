@@ -9,11 +9,11 @@ import pytest
 from test_harness import ScriptedEngine
 
 from helpers import make_workload, text_request
-from kvbench.clocks import WallClock
-from kvbench.curves import build_curves
-from kvbench.harness import WARMUP_FRACTION, run_engine
-from kvbench.metrics import summarize
-from kvbench.telemetry import (
+from kvbench.results.curves import build_curves
+from kvbench.results.metrics import summarize
+from kvbench.run.clocks import WallClock
+from kvbench.run.harness import WARMUP_FRACTION, run_engine
+from kvbench.run.telemetry import (
     CudaProbe,
     NvmlProbe,
     Probe,

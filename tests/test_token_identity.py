@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 
 from helpers import make_workload
-from kvbench.clocks import WallClock
-from kvbench.devices import parse_device
 from kvbench.engines.factory import EngineOptions, build_engine
 from kvbench.engines.presets import get_preset
 from kvbench.engines.scheduler import SchedulerConfig
-from kvbench.harness import run_engine
-from kvbench.metrics import summarize
-from kvbench.suite import BUILTIN_ENGINES
+from kvbench.results.metrics import summarize
+from kvbench.run.clocks import WallClock
+from kvbench.run.devices import parse_device
+from kvbench.run.harness import run_engine
+from kvbench.run.suite import BUILTIN_ENGINES
 from kvbench.workloads.model import Request, Segment
 
 

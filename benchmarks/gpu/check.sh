@@ -40,7 +40,7 @@ if [[ $DRY_RUN == 1 ]]; then
   echo "  kernels: pytest tests/test_kernels_triton.py [-n 8 with pytest-xdist]" \
     "-k 'not test_interpreter' --junitxml $OUT/kernels-cuda.xml"
   echo "  bench:   pytest benchmarks/test_bench_attention_gpu.py --benchmark-json $OUT/bench.json"
-  echo "  run:     $PY -m kvbench.cli run ${RUN_ARGS[*]}"
+  echo "  run:     $PY -m kvbench.cli.app run ${RUN_ARGS[*]}"
   for s in "${STEPS[@]}"; do printf '  limit %-8s %4ss\n' "$s" "${LIMIT[$s]}"; done
   exit 0
 fi
@@ -84,7 +84,7 @@ install_kvbench() {
     "$PY" -m pip install --no-index --find-links wheels -r "$req" || return
   fi
   "$PY" -m pip install --no-deps --no-build-isolation -e . || return
-  "$PY" -c "import kvbench.cli, kvbench.kernels.triton_attention" || {
+  "$PY" -c "import kvbench.cli.app, kvbench.kernels.triton_attention" || {
     echo "kvbench or one of its dependencies does not import: build wheels/ with" \
       "benchmarks/gpu/make_wheels.sh where pip can download, and bring it here" >&2
     return 1
@@ -103,7 +103,7 @@ if [[ $FAILED == 0 ]]; then
     "${XDIST[@]}" -k "not test_interpreter" --junitxml "$OUT/kernels-cuda.xml"
   run_step bench "$PY" -m pytest benchmarks/test_bench_attention_gpu.py -q -p no:cacheprovider \
     --benchmark-json "$OUT/bench.json" --benchmark-columns median,iqr,rounds
-  run_step run "$PY" -m kvbench.cli run "${RUN_ARGS[@]}"
+  run_step run "$PY" -m kvbench.cli.app run "${RUN_ARGS[@]}"
 fi
 
 {

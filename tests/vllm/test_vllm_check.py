@@ -10,8 +10,8 @@ from vllm_helpers import BLOCK_BYTES, tiny_opts
 
 from kvbench.engines.vllm import check_vllm
 from kvbench.errors import KvbenchError
-from kvbench.runner import plan_run
-from kvbench.suite import EngineSection, RunSection, Suite
+from kvbench.run.plan import plan_run
+from kvbench.run.suite import EngineSection, RunSection, Suite
 
 VLLM = EngineSection(kind="vllm")
 

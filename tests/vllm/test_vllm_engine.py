@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from vllm_helpers import BLOCK, BLOCK_BYTES, mixed_workload, request, tiny_opts
 
-from kvbench.clocks import VirtualClock
 from kvbench.engines.base import KVStats
 from kvbench.engines.costmodel import CostModel
 from kvbench.engines.factory import EngineOptions, build_engine
 from kvbench.engines.vllm import ABSENT_KV_FIELDS, VllmEngine, build_vllm_engine
-from kvbench.harness import EngineRun, run_engine
-from kvbench.metrics import summarize
-from kvbench.suite import EngineSection
+from kvbench.results.metrics import summarize
+from kvbench.run.clocks import VirtualClock
+from kvbench.run.harness import EngineRun, run_engine
+from kvbench.run.suite import EngineSection
 from kvbench.workloads.model import Request, Segment, Workload
 
 VLLM = EngineSection(kind="vllm")

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kvbench.devices import parse_device
 from kvbench.engines.factory import EngineOptions
 from kvbench.engines.presets import get_preset
 from kvbench.engines.scheduler import SchedulerConfig
+from kvbench.run.devices import parse_device
 from kvbench.workloads.model import Request, Segment, Workload
 
 BLOCK = 32

@@ -1,0 +1,5 @@
+"""The ``kvbench`` command line."""
+
+from kvbench.cli.app import main
+
+__all__ = ["main"]

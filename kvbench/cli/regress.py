@@ -1,0 +1,106 @@
+"""Regression-CI commands: ``compare``, ``baseline save``, ``machine``, ``publish``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from kvbench.errors import KvbenchError
+
+console = Console()
+err_console = Console(stderr=True)
+DEFAULT_THRESHOLDS = Path("ci/thresholds.toml")
+
+
+def compare(
+    new: Annotated[Path, typer.Argument(help="New record file or folder (searched recursively: many runs, shards or machines).")],
+    baseline: Annotated[Path, typer.Argument(help="Baseline record file or folder, e.g. results/baselines.")],
+    thresholds: Annotated[Path, typer.Option(help="Thresholds TOML.")] = DEFAULT_THRESHOLDS,
+    markdown: Annotated[Path | None, typer.Option(help="Write the Markdown summary here.")] = None,
+    junit: Annotated[Path | None, typer.Option(help="Write JUnit XML here.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write every comparison as JSON here.")] = None,
+    strict: Annotated[bool, typer.Option(help="Improvements beyond tolerance fail too (refresh the baselines).")] = False,
+) -> None:
+    """Gate NEW against BASELINE: exit 0 pass, 1 regression, 2 unusable input."""
+    from kvbench.fileio import write_text_atomic
+    from kvbench.report.compare import INPUT_ROW, CompareResult, Row, compare_records
+    from kvbench.report.gate_outputs import json_report, junit_xml, markdown_summary
+    from kvbench.report.thresholds import load_thresholds
+    from kvbench.results.recordset import load_records
+
+    th = load_thresholds(thresholds)
+    try:
+        result = compare_records(
+            load_records([new]), load_records([baseline]), th, strict=strict,
+            thresholds_path=str(thresholds),
+        )
+    except KvbenchError as exc:
+        # Still write the reports, so that CI shows why the gate could not judge.
+        result = CompareResult(strict=strict, thresholds=str(thresholds), rows=[
+            Row(suite="", engine="", metric=INPUT_ROW, verdict="unusable", detail=str(exc))
+        ])
+    text = markdown_summary(result)
+    for path, content in ((markdown, text), (junit, junit_xml(result)),
+                          (json_out, json_report(result))):
+        if path is not None:
+            write_text_atomic(path, content)
+    # Plain output: the summary is Markdown meant to be copied, not re-wrapped.
+    typer.echo(markdown_summary(result, details=False))
+    raise typer.Exit(result.exit_code)
+
+
+def baseline_save(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run folders or record files.")],
+    machine: Annotated[str | None, typer.Option(help="Folder name for wall-clock records (default: `kvbench machine`).")] = None,
+    root: Annotated[Path, typer.Option(help="Baselines folder.")] = Path("results/baselines"),
+) -> None:
+    """Store records as baselines: ROOT/<machine>/<suite>/<engine>.json (virtual clock: any)."""
+    from kvbench.report.baselines import save_baselines
+    from kvbench.results.recordset import load_records
+
+    for path in save_baselines(load_records(run_dirs), root, machine):
+        console.print(f"baseline {path}", highlight=False)
+
+
+def machine(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the full machine description too.")] = False,
+) -> None:
+    """This machine's baseline name: hardware and the versions that change timings."""
+    from kvbench.report.baselines import machine_slug
+    from kvbench.run.machine import machine_info
+
+    info = machine_info()
+    if as_json:
+        print(json.dumps({"name": machine_slug(info), **info}, indent=1))
+    else:
+        print(machine_slug(info))
+
+
+def publish(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run folders or record files (any number of runs, shards and machines).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output folder.")],
+) -> None:
+    """Comparison tables for publication: Markdown, CSV and a self-contained HTML page."""
+    from kvbench.report.publish import publish as write_tables
+    from kvbench.results.recordset import load_records
+
+    found = load_records(run_dirs)
+    bad = [f for f in found if f.record.status != "ok"]
+    for f in bad:
+        err_console.print(f"[yellow]warning:[/] {f.path}: {f.record.engine} ended "
+                          f"{f.record.status}", highlight=False)
+    for path in write_tables(found, output):
+        console.print(f"wrote {path}", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(compare)
+    app.command()(machine)
+    app.command()(publish)
+    baseline_app = typer.Typer(no_args_is_help=True, help="Store run records as baselines.")
+    baseline_app.command("save")(baseline_save)
+    app.add_typer(baseline_app, name="baseline")

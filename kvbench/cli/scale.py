@@ -1,0 +1,234 @@
+"""Scale commands: ``calibrate`` (fit the cost model to a real device) and ``capacity``
+(requests that fit per KV layout on a GPU deployment, and their latency)."""
+
+# Typer options read best one per line, help text included (as in cli.py).
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvbench.errors import KvbenchError
+from kvbench.tools.capacity import CapacityRow, Deployment
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def calibrate(
+    device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N: the device to profile.")] = "cpu",
+    model: Annotated[str, typer.Option(help="Model preset to run (random weights).")] = "tiny",
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Profile file (default: calibration-<device>-<model>.json).")] = None,
+    repeats: Annotated[int | None, typer.Option(help="Timed rounds over the grid (median per point).")] = None,
+) -> None:
+    """Time real steps over a batch x context x chunk grid, fit the cost model, write a
+    profile that `kvbench run --device sim:PROFILE.json` simulates."""
+    from dataclasses import replace
+
+    from kvbench.engines.presets import get_preset
+    from kvbench.tools.calibrate.measure import CPU_GRID, CUDA_GRID
+    from kvbench.tools.calibrate.measure import calibrate as run_calibration
+    from kvbench.tools.calibrate.profile import save_profile
+
+    if device != "cpu" and not device.startswith("cuda"):
+        raise KvbenchError(f"--device {device}: calibrate profiles real compute: cpu or cuda[:N]")
+    grid = CPU_GRID if device == "cpu" else CUDA_GRID
+    if repeats is not None:
+        if repeats < 1:
+            raise KvbenchError("--repeats must be at least 1")
+        grid = replace(grid, repeats=repeats)
+    out = output or Path(f"calibration-{device.replace(':', '')}-{model}.json")
+    command = "kvbench " + shlex.join(sys.argv[1:])
+    with Progress(
+        TextColumn("timing steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err_console, transient=True,
+    ) as progress:
+        task = progress.add_task("calibrate", total=None)
+        profile = run_calibration(
+            get_preset(model), device, grid, command=command,
+            on_point=lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    save_profile(profile, out)
+    table = Table(title=f"{profile.model} on {profile.device}: held-out grid points")
+    for col in ("batch", "context", "chunk", "measured ms", "predicted ms", "error"):
+        table.add_column(col, justify="right")
+    for p in profile.points:
+        if p.held_out:
+            table.add_row(str(p.batch), str(p.context), str(p.chunk), f"{p.measured_s * 1e3:.2f}",
+                          f"{p.predicted_s * 1e3:.2f}", f"{p.error_pct:+.1f}%")
+    console.print(table)
+    fit, coef = profile.fit, profile.coefficients()
+    console.print(
+        f"|error| median: train {fit.train_median_err_pct:.1f}% ({fit.train_points} points), "
+        f"held out {fit.heldout_median_err_pct:.1f}% ({fit.heldout_points} points; "
+        f"p90 {fit.heldout_p90_err_pct:.1f}%, max {fit.heldout_max_err_pct:.1f}%); "
+        f"wall / CPU time of the steps {fit.median_wall_over_cpu:.2f} "
+        f"({profile.torch_threads} torch threads)"
+    )
+    console.print(
+        f"coefficients: linear layers {coef.flops_efficiency:.3f} of peak FLOPs / "
+        f"{coef.bandwidth_efficiency:.3f} of peak bandwidth, attention "
+        f"{coef.attention_flops_efficiency:.3f} / {coef.attention_bandwidth_efficiency:.3f}, "
+        f"overhead {coef.overhead_s * 1e3:.3f} ms/step + {coef.per_seq_s * 1e6:.1f} us/seq "
+        f"({profile.hardware_source})"
+    )
+    console.print(f"profile written to {out}; simulate it with --device sim:{out}")
+
+
+def capacity(
+    model: Annotated[str, typer.Option(help="Model preset(s), comma-separated.")],
+    gpu: Annotated[str, typer.Option(help="GPU from the hardware table (kvbench list).")],
+    tp: Annotated[str, typer.Option(help="Tensor-parallel degree(s), comma-separated.")] = "1",
+    num_gpus: Annotated[int | None, typer.Option(help="GPUs in all (default: one TP group); the rest of each TP group are data-parallel replicas.")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens each request holds at its longest (prompt + output).")] = None,
+    workload: Annotated[str | None, typer.Option(help="Plan for a workload's length mix instead: preset or FILE.jsonl.")] = None,
+    block_size: Annotated[str, typer.Option(help="Paged block sizes, comma-separated.")] = "16,32",
+    max_model_len: Annotated[str | None, typer.Option(help="Context limit(s), comma-separated: what contiguous/max_model_len reserves (default: the model's context).")] = None,
+    gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of device memory for weights, activations and KV.")] = 0.9,
+    max_num_seqs: Annotated[int, typer.Option(help="Most sequences the scheduler runs at once.")] = 256,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget per step (activation reserve, prefill chunk).")] = 8192,
+    plot: Annotated[Path | None, typer.Option(help="Draw concurrency vs sequence length per policy to this PNG.")] = None,
+    csv_out: Annotated[Path | None, typer.Option("--csv", help="Write the rows as CSV here.")] = None,
+) -> None:
+    """Max concurrent requests per KV layout (contiguous reservation policies, paged block
+    sizes), KV bytes per token, KV budget, and the cost model's latency at that load."""
+    from kvbench.engines.hardware import get_gpu
+    from kvbench.engines.presets import get_preset
+    from kvbench.fileio import write_text_atomic
+    from kvbench.tools.capacity import plan, policies, write_concurrency_plot
+
+    if (seq_len is None) == (workload is None):
+        raise KvbenchError("give one of --seq-len or --workload")
+    hw = get_gpu(gpu)
+    presets = [get_preset(name) for name in _csv(model)]
+    tps, sizes = _ints(tp, "--tp"), _ints(block_size, "--block-size")
+    lens = _ints(max_model_len, "--max-model-len") if max_model_len else [None]
+    if not 0 < gpu_memory_utilization <= 1:
+        raise KvbenchError("--gpu-memory-utilization must be in (0, 1]")
+    if plot is not None and len(presets) * len(tps) * len(lens) > 1:
+        raise KvbenchError("--plot draws one deployment: give one model, TP and max_model_len")
+    sections = policies(sizes)
+    header = ["model", "gpu", "tp", "num_gpus", "replicas", "max_model_len", "demand", "policy",
+              "held_tokens", "reserved_tokens", "max_concurrent_per_replica",
+              "max_concurrent_total", "paged_over_this", "kv_bytes_per_token",
+              "kv_bytes_per_token_per_rank", "kv_budget_bytes_per_replica",
+              "kv_budget_bytes_per_rank", "running", "decode_step_ms", "prefill_ms"]
+    rows: list[list[object]] = []
+    notes: list[str] = []
+    for preset, t, mml in itertools.product(presets, tps, lens):
+        limit = mml or preset.max_position
+        if limit > preset.max_position:
+            raise KvbenchError(f"--max-model-len {limit} exceeds {preset.name}'s context of "
+                               f"{preset.max_position}")
+        dep = Deployment(preset, hw, limit, tp=t, num_gpus=num_gpus,
+                         gpu_memory_utilization=gpu_memory_utilization,
+                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+        demands, label, dropped = _demands(seq_len, workload, limit)
+        if dropped:
+            notes.append(f"{preset.name}: {dropped} requests of {workload} exceed max_model_len "
+                         f"{limit} and are left out")
+        try:
+            result = plan(dep, sections, demands)
+        except KvbenchError as exc:
+            notes.append(f"{preset.name} TP{t} max_model_len {limit}: {exc}")
+            continue
+        _print_deployment(dep, label, result)
+        paged = _paged_concurrency(result)
+        for r in result:
+            rows.append([
+                preset.name, hw.name, t, dep.gpus, dep.replicas, limit, label, r.policy,
+                round(r.held_tokens, 1), round(r.reserved_tokens, 1), r.max_concurrent,
+                r.total_concurrent, round(paged / r.max_concurrent, 3) if r.max_concurrent else "",
+                r.kv_bytes_per_token, r.kv_bytes_per_token_per_rank, r.kv_budget_bytes,
+                r.kv_budget_bytes_per_rank, r.running, round(r.decode_step_s * 1e3, 3),
+                round(r.prefill_s * 1e3, 3),
+            ])
+        if plot is not None:
+            console.print(f"figure written to {write_concurrency_plot(dep, sections, plot, seq_len)}")
+    for note in notes:
+        err_console.print(note)
+    if csv_out is not None:
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(["command", *header])
+        command = "kvbench " + shlex.join(sys.argv[1:])
+        writer.writerows([command, *row] for row in rows)
+        write_text_atomic(csv_out, buf.getvalue())
+        console.print(f"rows written to {csv_out}")
+
+
+def _print_deployment(dep: Deployment, demand: str, result: list[CapacityRow]) -> None:
+    from kvbench.units import format_bytes
+
+    first = result[0]
+    table = Table(
+        title=f"{dep.preset.name} on {dep.label}, max_model_len {dep.max_model_len}, "
+        f"requests of {demand}",
+        caption=f"KV {format_bytes(first.kv_bytes_per_token_per_rank)}/token/rank, budget "
+        f"{format_bytes(first.kv_budget_bytes_per_rank)}/rank after weights and activations "
+        f"(gpu_memory_utilization {dep.gpu_memory_utilization}); TPOT = one decode step of "
+        f"the running requests (max_num_seqs {dep.max_num_seqs})",
+    )
+    for col in ("policy", "reserved tok/req", "held", "max concurrent/replica", "total",
+                "paged ÷ this", "TPOT ms", "prefill ms"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    paged = _paged_concurrency(result)
+    for r in result:
+        table.add_row(
+            r.policy, f"{r.reserved_tokens:.0f}", f"{100 * r.held_fraction:.0f}%",
+            str(r.max_concurrent), str(r.total_concurrent),
+            f"{paged / r.max_concurrent:.2f}" if r.max_concurrent else "-",
+            f"{r.decode_step_s * 1e3:.1f}" + (f" @{r.running}" if r.running < r.max_concurrent else ""),
+            f"{r.prefill_s * 1e3:.1f}",
+        )
+    console.print(table)
+
+
+def _paged_concurrency(result: list[CapacityRow]) -> int:
+    """The first paged policy's concurrency: what each row is compared with."""
+    return next(r.max_concurrent for r in result if r.policy.startswith("paged"))
+
+
+def _demands(seq_len: int | None, workload: str | None, limit: int):
+    from kvbench.tools.capacity import Demand
+
+    if seq_len is not None:
+        if seq_len < 1:
+            raise KvbenchError("--seq-len must be at least 1")
+        return [Demand(seq_len)], f"{seq_len} tokens", 0
+    from kvbench.workloads.io import load_workload_arg
+
+    assert workload is not None
+    wl = load_workload_arg(workload)
+    all_demands = [Demand(r.prompt_tokens, r.output_tokens, r.n) for r in wl.requests]
+    kept = [d for d in all_demands if d.tokens <= limit]
+    return kept, wl.name, len(all_demands) - len(kept)
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in _csv(text)]
+    except ValueError:
+        raise KvbenchError(f"{flag} takes whole numbers, comma-separated (got {text!r})") from None
+    if not values or min(values) < 1:
+        raise KvbenchError(f"{flag} takes positive whole numbers (got {text!r})")
+    return values
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(calibrate)
+    app.command()(capacity)

@@ -1,0 +1,2 @@
+"""Reporting, from saved records only: tables, figures, published pages, the regression gate
+with its thresholds and stored baselines."""

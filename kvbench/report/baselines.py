@@ -1,0 +1,81 @@
+"""Stored baselines: ``results/baselines/<machine>/<suite>/<engine>.json``.
+
+A baseline is a run record without its per-request rows (the gate reads the summary, the
+repeats and the curves; the full record stays with the run's artifacts). Virtual-clock
+records are the same on every machine, so they are stored once under ``any``; wall-clock
+records are stored per machine, named by :func:`machine_slug`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvbench.errors import KvbenchError
+from kvbench.results.recordset import FoundRecord
+
+DEFAULT_ROOT = Path("results/baselines")
+ANY_MACHINE = "any"
+# Marketing words that make CPU names long without telling machines apart.
+_NOISE_WORDS = re.compile(r"\((r|tm)\)|\bcpu\b|@.*$", re.IGNORECASE)
+
+
+def slugify(text: str) -> str:
+    slug = re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-.")
+    return re.sub(r"-{2,}", "-", slug)
+
+
+def _major_minor(version: str | None) -> str | None:
+    if not version:
+        return None
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def machine_slug(info: dict[str, Any]) -> str:
+    """Hardware and the software that changes timings: GPU name and count with CUDA, or CPU
+    model and core count; then the torch version (major.minor)."""
+    gpu = info.get("gpu")
+    if gpu:
+        parts = [gpu.get("name", "gpu"), f"x{gpu.get('count', 1)}"]
+        if gpu.get("cuda"):
+            parts.append(f"cuda{gpu['cuda']}")
+    else:
+        parts = [_NOISE_WORDS.sub(" ", str(info.get("cpu") or "cpu")), f"x{info.get('cpu_count')}"]
+    torch = _major_minor((info.get("versions") or {}).get("torch"))
+    if torch:
+        parts.append(f"torch{torch}")
+    return slugify(" ".join(parts))
+
+
+def baseline_machine(found: FoundRecord, machine: str | None) -> str:
+    if found.record.clock == "virtual":
+        return ANY_MACHINE
+    return slugify(machine) if machine else machine_slug(found.record.machine)
+
+
+def save_baselines(
+    found: Sequence[FoundRecord], root: Path = DEFAULT_ROOT, machine: str | None = None
+) -> list[Path]:
+    """Store each record as the baseline of its suite and engine; all are checked first, so
+    a bad input writes nothing."""
+    if machine is not None and not slugify(machine):
+        raise KvbenchError(f"machine name {machine!r} has no letters or digits")
+    targets: dict[Path, FoundRecord] = {}
+    for f in found:
+        if f.record.status != "ok":
+            raise KvbenchError(
+                f"{f.path}: {f.record.engine} ended {f.record.status!r}; only a complete run "
+                "can be a baseline"
+            )
+        path = root / baseline_machine(f, machine) / f.record.suite / f"{f.record.engine}.json"
+        if path in targets:
+            raise KvbenchError(
+                f"two records would both be the baseline at {path}: {targets[path].path} and "
+                f"{f.path}; save them one run folder at a time"
+            )
+        targets[path] = f
+    for path, f in targets.items():
+        f.record.model_copy(update={"requests": []}).write(path)
+    return list(targets)

@@ -1,0 +1,352 @@
+"""PNG figures of run records: KV memory and concurrency over time, latency CDFs, process
+and device memory, the concurrency-vs-KV-budget sweep and soak retention.
+
+Figures are built with matplotlib's object API on the Agg canvas (no pyplot state), and
+every one names its engines, units and run so it reads without the code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from kvbench.results.schema import RunRecord
+from kvbench.units import format_bytes
+
+_MIB, _GIB = 2**20, 2**30
+_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2")
+
+
+# Legends beside the axes: stacked areas leave no empty corner inside them.
+_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.07, 1.0), "fontsize": 8}
+
+
+def _unit(max_bytes: float) -> tuple[float, str]:
+    return (_GIB, "GiB") if max_bytes >= 4 * _GIB else (_MIB, "MiB")
+
+
+def _context(rec: RunRecord) -> str:
+    return f"{rec.suite} · {rec.workload.name} ({rec.workload.num_requests} requests) · " \
+        f"{rec.model.get('name', '?')} on {rec.device}, {rec.clock} clock"
+
+
+def _figure(rows: int, cols: int = 1, width: float = 10.0, row_height: float = 3.0) -> Figure:
+    fig = Figure(figsize=(width, 1.2 + row_height * rows), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _short_commit(commit: str | None) -> str:
+    if commit is None:
+        return "no git"
+    return commit[:8] + ("-dirty" if commit.endswith("-dirty") else "")
+
+
+def labels(records: Sequence[RunRecord]) -> list[str]:
+    """Engine names; where two records share one, qualified by what tells them apart
+    (suite, device, KV budget, commit; else the time; else their position)."""
+    names = [r.engine for r in records]
+    facts = [
+        (r.suite, r.device, f"KV {format_bytes(r.summary.get('kv_capacity_bytes'))}",
+         _short_commit(r.git_commit), r.created_utc)
+        for r in records
+    ]
+    out = []
+    for k, (name, f) in enumerate(zip(names, facts, strict=True)):
+        group = [g for n, g in zip(names, facts, strict=True) if n == name]
+        varying = [i for i in range(len(f) - 1) if len({g[i] for g in group}) > 1]
+        if len(group) == 1:
+            out.append(name)
+        elif varying:
+            out.append(f"{name} ({', '.join(f[i] for i in varying)})")
+        elif len({g[-1] for g in group}) == len(group):
+            out.append(f"{name} ({f[-1]})")
+        else:
+            out.append(f"{name} (#{k + 1})")
+    return out
+
+
+def _no_data(ax: Axes, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what} recorded", ha="center", va="center", transform=ax.transAxes)
+    ax.set_yticks([])
+
+
+def plot_memory(records: Sequence[RunRecord], path: Path) -> Path:
+    """Per engine: KV memory stacked as used / reserved but unused / free, over run time,
+    with the fragmentation index on a second axis."""
+    fig = _figure(len(records))
+    axes = fig.subplots(len(records), 1, squeeze=False)[:, 0]
+    caps = [max(r.curves.get("kv_capacity_bytes") or [r.summary.get("kv_capacity_bytes") or 0])
+            for r in records]
+    scale, unit = _unit(max(caps, default=0))
+    for ax, rec, name in zip(axes, records, labels(records), strict=True):
+        c = rec.curves
+        if not c.get("kv_reserved_bytes") or not c.get("kv_used_bytes"):
+            _no_data(ax, "KV memory")
+            ax.set_title(name)
+            continue
+        t = np.asarray(c["t_s"])
+        used = np.asarray(c["kv_used_bytes"]) / scale
+        reserved = np.asarray(c["kv_reserved_bytes"]) / scale
+        cap = np.asarray(c.get("kv_capacity_bytes") or [rec.summary["kv_capacity_bytes"]] * len(t))
+        free = cap / scale - reserved
+        ax.stackplot(
+            t, used, reserved - used, free,
+            labels=("used (token states)", "reserved, unused", "free"),
+            colors=("#1f77b4", "#ff7f0e", "#d9d9d9"), step="post",
+        )
+        ax.set_ylabel(f"KV memory ({unit})")
+        ax.set_xlim(t[0] if len(t) == 1 else 0, t[-1])
+        if rec.soak:
+            for w in rec.soak.per_wave[:-1]:
+                ax.axvline(w.t_s, color="black", ls=":", lw=0.8)
+        s = rec.summary
+        util = s.get("mean_kv_utilization")
+        ax.set_title(
+            f"{name}: capacity {cap.max() / scale:.3g} {unit}, peak reserved "
+            f"{(s.get('peak_kv_reserved_bytes') or 0) / scale:.3g} {unit}"
+            + (f", mean utilization {100 * util:.1f}%" if util is not None else ""),
+            fontsize=10,
+        )
+        if c.get("frag_index"):
+            twin = ax.twinx()
+            twin.plot(t, c["frag_index"], color="black", lw=1.0, label="fragmentation index")
+            twin.set_ylim(0, 1.05)
+            twin.set_ylabel("largest free / free")
+            handles, names = ax.get_legend_handles_labels()
+            h2, n2 = twin.get_legend_handles_labels()
+            ax.legend(handles + h2, names + n2, **_OUTSIDE)
+        else:
+            ax.legend(**_OUTSIDE)
+    axes[-1].set_xlabel("run time (s)")
+    waves = " (dotted lines: soak waves drained)" if any(r.soak for r in records) else ""
+    fig.suptitle(f"KV cache memory over time{waves}\n{_context(records[0])}", fontsize=11)
+    return _save(fig, path)
+
+
+def plot_concurrency(records: Sequence[RunRecord], path: Path) -> Path:
+    """Per engine: requests running (holding KV) and waiting for admission, over run time."""
+    fig = _figure(len(records), row_height=2.6)
+    axes = fig.subplots(len(records), 1, squeeze=False)[:, 0]
+    for ax, rec, name in zip(axes, records, labels(records), strict=True):
+        c = rec.curves
+        if not c.get("running"):
+            _no_data(ax, "queue sizes")
+            ax.set_title(name)
+            continue
+        t = c["t_s"]
+        ax.step(t, c["running"], where="post", color="#1f77b4", label="running (holding KV)")
+        ax.step(t, c["waiting"], where="post", color="#d62728", label="waiting")
+        s = rec.summary
+        ax.set_title(
+            f"{name}: max {s.get('max_concurrent_requests')} running, mean "
+            f"{s.get('mean_concurrent_requests') or 0:.1f}, {s.get('preemptions', 0)} preemptions",
+            fontsize=10,
+        )
+        ax.set_ylabel("requests")
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="upper right", fontsize=8)
+    axes[-1].set_xlabel("run time (s)")
+    fig.suptitle(f"Concurrency over time\n{_context(records[0])}", fontsize=11)
+    return _save(fig, path)
+
+
+_LATENCIES = (
+    ("ttft_ms", "time to first token", "ttft_ms"),
+    ("tpot_ms", "time per output token", "tpot_ms"),
+    ("e2el_ms", "end-to-end latency", "e2el_ms"),
+)
+
+
+def plot_latency_cdfs(records: Sequence[RunRecord], path: Path) -> Path:
+    """Empirical CDFs of TTFT, TPOT and E2EL over completed requests, engines overlaid."""
+    fig = _figure(1, width=14.0, row_height=3.6)
+    axes = fig.subplots(1, len(_LATENCIES), squeeze=False)[0]
+    names = labels(records)
+    for ax, (field, title, slo_key) in zip(axes, _LATENCIES, strict=True):
+        drawn = []
+        for i, (rec, name) in enumerate(zip(records, names, strict=True)):
+            values = np.sort([v for r in rec.requests if (v := getattr(r, field)) is not None])
+            if len(values) == 0:
+                continue
+            y = np.arange(1, len(values) + 1) / len(values)
+            ax.step(values, y, where="post", color=_COLORS[i % len(_COLORS)], label=name)
+            drawn.append(values)
+        limit = getattr(records[0].slo, slo_key, None) if records[0].slo else None
+        if limit is not None:
+            ax.axvline(limit, color="gray", ls="--", lw=1, label=f"SLO {limit:g} ms")
+        if not drawn:
+            _no_data(ax, title)
+        else:
+            lo = min(float(v[v > 0].min()) for v in drawn if (v > 0).any()) if any(
+                (v > 0).any() for v in drawn) else 1.0
+            hi = max(float(v.max()) for v in drawn)
+            if hi / max(lo, 1e-9) > 100:
+                ax.set_xscale("log")
+            if limit is not None:
+                ax.legend(handles=ax.lines[-1:], loc="lower right", fontsize=8)
+        ax.set_title(title)
+        ax.set_xlabel("milliseconds")
+        ax.set_ylabel("fraction of completed requests")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    # One legend for the three panels: the engines are the same in each.
+    handles = {line.get_label(): line for ax in axes for line in ax.lines[: len(records)]
+               if not line.get_label().startswith("SLO")}
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center",
+               ncols=min(len(handles), 3), fontsize=9)
+    fig.suptitle(f"Latency distributions (CDF over completed requests; the median is where "
+                 f"a curve crosses 0.5)\n{_context(records[0])}", fontsize=11)
+    return _save(fig, path)
+
+
+_DEVICE_CURVES = (
+    ("cuda_allocated_bytes", "allocated (torch)"),
+    ("cuda_reserved_bytes", "reserved (torch allocator)"),
+    ("nvml_process_used_bytes", "process (NVML)"),
+)
+
+
+def plot_process_memory(records: Sequence[RunRecord], path: Path) -> Path:
+    """Process RSS and, on CUDA, device memory over run time, engines overlaid."""
+    has_device = any(k in r.curves for r in records for k, _ in _DEVICE_CURVES)
+    fig = _figure(2 if has_device else 1, row_height=3.0)
+    axes = fig.subplots(2 if has_device else 1, 1, squeeze=False)[:, 0]
+    names = labels(records)
+    peak = max((max(r.curves.get("rss_bytes") or [0]) for r in records), default=0)
+    scale, unit = _unit(peak)
+    ax = axes[0]
+    for i, (rec, name) in enumerate(zip(records, names, strict=True)):
+        if rec.curves.get("rss_bytes"):
+            # Records from before probes shared the step axis carry their own RSS times.
+            t = rec.curves.get("rss_t_s", rec.curves["t_s"])
+            ax.plot(t, np.asarray(rec.curves["rss_bytes"]) / scale,
+                    color=_COLORS[i % len(_COLORS)], label=name)
+    ax.set_title("process resident memory (RSS)", fontsize=10)
+    ax.set_ylabel(f"RSS ({unit})")
+    if ax.lines:
+        ax.legend(loc="lower right", fontsize=8)
+    else:
+        _no_data(ax, "RSS")
+    if has_device:
+        ax = axes[1]
+        peak = max(max(r.curves.get(k) or [0]) for r in records for k, _ in _DEVICE_CURVES)
+        scale, unit = _unit(peak)
+        styles = ("-", "--", ":")
+        for i, (rec, name) in enumerate(zip(records, names, strict=True)):
+            for (key, what), ls in zip(_DEVICE_CURVES, styles, strict=True):
+                if rec.curves.get(key):
+                    ax.plot(rec.curves["t_s"], np.asarray(rec.curves[key]) / scale, ls=ls,
+                            color=_COLORS[i % len(_COLORS)], label=f"{name}: {what}")
+        ax.set_title("device memory", fontsize=10)
+        ax.set_ylabel(f"device memory ({unit})")
+        ax.legend(loc="lower right", fontsize=8)
+    axes[-1].set_xlabel("run time (s)")
+    fig.suptitle(f"Process and device memory over time\n{_context(records[0])}", fontsize=11)
+    return _save(fig, path)
+
+
+def plot_sweep(records: Sequence[RunRecord], path: Path) -> Path:
+    """Concurrency and throughput against the KV budget, one line per engine."""
+    by_engine: dict[str, list[RunRecord]] = {}
+    for rec in records:
+        by_engine.setdefault(rec.engine, []).append(rec)
+    budgets = [r.summary.get("kv_capacity_bytes") or 0 for r in records]
+    fig = _figure(1, width=13.0, row_height=4.0)
+    ax_c, ax_t = fig.subplots(1, 2, squeeze=False)[0]
+    for i, (engine, recs) in enumerate(by_engine.items()):
+        recs = sorted(recs, key=lambda r: r.summary.get("kv_capacity_bytes") or 0)
+        x = [r.summary.get("kv_capacity_bytes") or 0 for r in recs]
+        color = _COLORS[i % len(_COLORS)]
+        ax_c.plot(x, [r.summary.get("max_concurrent_requests") for r in recs], "o-",
+                  color=color, label=f"{engine}: max")
+        ax_c.plot(x, [r.summary.get("mean_concurrent_requests") for r in recs], "s--",
+                  color=color, alpha=0.7, label=f"{engine}: time-weighted mean")
+        ax_t.plot(x, [r.summary.get("output_throughput") for r in recs], "o-", color=color,
+                  label=engine)
+    ticks = sorted({b for b in budgets if b})
+    for ax in (ax_c, ax_t):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [format_bytes(b) for b in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("KV cache budget (log scale)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_ylim(bottom=0)
+    ax_c.set_ylabel("concurrent requests (holding KV)")
+    ax_c.set_title("concurrency vs KV budget", fontsize=10)
+    ax_t.set_ylabel("output tokens / s")
+    ax_t.set_title("output throughput vs KV budget", fontsize=10)
+    fig.suptitle(f"KV budget sweep\n{_context(records[0])}", fontsize=11)
+    return _save(fig, path)
+
+
+def plot_soak(records: Sequence[RunRecord], path: Path) -> Path:
+    """KV and process memory left after each soak wave drained, per engine."""
+    soaks = [(r, n) for r, n in zip(records, labels(records), strict=True) if r.soak]
+    kinds = [("kv_reserved_bytes", "KV reserved after drain"), ("rss_bytes", "process RSS"),
+             ("cuda_reserved_bytes", "torch allocator reserved"),
+             ("nvml_device_used_bytes", "device used (NVML)")]
+    kinds = [k for k in kinds if any(k[0] in w.memory for r, _ in soaks for w in r.soak.per_wave)]
+    fig = _figure(1, width=5.0 * max(len(kinds), 1), row_height=3.6)
+    axes = fig.subplots(1, max(len(kinds), 1), squeeze=False)[0]
+    for ax, (kind, title) in zip(axes, kinds, strict=False):
+        peak = max((w.memory.get(kind, 0) for r, _ in soaks for w in r.soak.per_wave), default=0)
+        scale, unit = _unit(peak)
+        for i, (rec, name) in enumerate(soaks):
+            waves = [w for w in rec.soak.per_wave if kind in w.memory]
+            fit = rec.soak.fits.get(kind)
+            verdict = ""
+            if fit is not None:
+                slope = f"{fit.bytes_per_wave / _MIB:+.2f} MiB/wave"
+                verdict = f" — {'LEAK' if fit.leak else 'ok'}, {slope}"
+            ax.plot([w.wave for w in waves], [w.memory[kind] / scale for w in waves], "o-",
+                    color=_COLORS[i % len(_COLORS)], label=name + verdict)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("wave (memory read after it drained)")
+        ax.set_ylabel(unit)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    if not kinds:
+        _no_data(axes[0], "soak wave")
+    fig.suptitle(f"Memory retained per soak wave\n{_context(records[0])}", fontsize=11)
+    return _save(fig, path)
+
+
+RUN_PLOTS: tuple[tuple[str, Callable[[Sequence[RunRecord], Path], Path]], ...] = (
+    ("memory.png", plot_memory),
+    ("concurrency.png", plot_concurrency),
+    ("latency_cdf.png", plot_latency_cdfs),
+    ("process_memory.png", plot_process_memory),
+)
+
+
+def write_plots(
+    records: Sequence[RunRecord],
+    out_dir: Path,
+    extra: Sequence[tuple[str, Callable[[Sequence[RunRecord], Path], Path]]] = (),
+) -> tuple[list[Path], list[str]]:
+    """Write every figure that applies; one failing figure does not stop the others.
+    Returns the written paths and a message per failure."""
+    written, errors = [], []
+    if not records:
+        return written, errors
+    for name, plot in (*RUN_PLOTS, *extra):
+        try:
+            written.append(plot(records, out_dir / name))
+        except Exception as exc:
+            errors.append(f"plot {name} failed: {type(exc).__name__}: {exc}")
+    return written, errors

@@ -1,0 +1,202 @@
+"""Published comparison tables: Markdown, CSV and a self-contained HTML page.
+
+Records may come from many run folders, CI shards and machines. Per suite, engines stand
+side by side; an engine seen on several machines or devices gets one column each. Every
+table carries what is needed to quote it: workload and digest, model, device and clock,
+machine and versions, kvbench version and commit, and the exact commands. PNG plots found
+in a suite's record folders are embedded under its table in the HTML page.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvbench.fileio import write_text_atomic
+from kvbench.report.baselines import machine_slug
+from kvbench.report.compare import mad_spread
+from kvbench.report.tables import table_rows
+from kvbench.results.recordset import FoundRecord
+from kvbench.results.repeats import REPEATS_KEY, metric_values, repeat_count
+from kvbench.results.schema import RunRecord
+from kvbench.run.suite import BUILTIN_ENGINES
+
+MARKDOWN_FILE, CSV_FILE, HTML_FILE = "tables.md", "tables.csv", "index.html"
+CSV_COLUMNS = [
+    "suite", "column", "engine", "machine", "device", "clock", "workload", "workload_digest",
+    "kvbench_version", "git_commit", "metric", "value", "repeats", "spread",
+]
+
+
+def _column_order(f: FoundRecord) -> tuple[int, str, str]:
+    # Built-in engines in their listed order (paged first), other engines in run order.
+    builtin = list(BUILTIN_ENGINES)
+    rank = builtin.index(f.record.engine) if f.record.engine in builtin else len(builtin)
+    return rank, f.record.created_utc, f.record.engine
+
+
+def by_suite(found: Sequence[FoundRecord]) -> dict[str, list[FoundRecord]]:
+    groups: dict[str, list[FoundRecord]] = defaultdict(list)
+    for f in sorted(found, key=_column_order):
+        groups[f.record.suite].append(f)
+    return dict(sorted(groups.items()))
+
+
+def column_labels(found: Sequence[FoundRecord]) -> list[str]:
+    """Engine names, qualified by device or machine where one engine appears more than once."""
+    counts: dict[str, int] = defaultdict(int)
+    for f in found:
+        counts[f.record.engine] += 1
+    labels = []
+    for f in found:
+        r = f.record
+        if counts[r.engine] == 1:
+            labels.append(r.engine)
+        else:
+            device_tells = sum(g.record.engine == r.engine and g.record.device == r.device
+                               for g in found) == 1
+            labels.append(f"{r.engine} ({r.device if device_tells else machine_slug(r.machine)})")
+    return labels
+
+
+def _versions(r: RunRecord) -> str:
+    versions = r.machine.get("versions") or {}
+    return ", ".join(f"{k} {v}" for k, v in versions.items() if v)
+
+
+def _machine(r: RunRecord) -> str:
+    m = r.machine
+    text = f"{m.get('cpu')} x{m.get('cpu_count')}"
+    if m.get("gpu"):
+        g = m["gpu"]
+        text += f", {g.get('count', 1)}x {g.get('name')} (CUDA {g.get('cuda')})"
+    return text
+
+
+def context_lines(found: Sequence[FoundRecord]) -> list[tuple[str, str]]:
+    """(label, text) facts shared by a suite's columns, or listed per column where they differ."""
+    labels = column_labels(found)
+    records = [f.record for f in found]
+
+    def fact(name: str, values: list[str]) -> tuple[str, str]:
+        if len(set(values)) == 1:
+            return name, values[0]
+        return name, "; ".join(f"{lab}: {v}" for lab, v in zip(labels, values, strict=True))
+
+    return [
+        fact("workload", [f"{r.workload.name} ({r.workload.num_requests} requests, "
+                          f"{r.workload.prompt_tokens} prompt / {r.workload.output_tokens} output "
+                          f"tokens, source {r.workload.source})" for r in records]),
+        fact("workload digest", [r.workload.digest for r in records]),
+        fact("model", [f"{r.model.get('name')} ({r.model.get('dtype')})" for r in records]),
+        fact("device and clock", [f"{r.device}, {r.clock} clock" for r in records]),
+        fact("machine", [_machine(r) for r in records]),
+        fact("versions", [f"python {r.machine.get('python')}, {_versions(r)}" for r in records]),
+        fact("kvbench", [f"{r.kvbench_version} ({r.git_commit or 'no git'})" for r in records]),
+        fact("repeats", [str(repeat_count(r)) for r in records]),
+        fact("command", [r.command for r in records]),
+    ]
+
+
+def suite_rows(found: Sequence[FoundRecord]) -> list[list[str]]:
+    return table_rows([f.record for f in found])
+
+
+def markdown_tables(groups: dict[str, list[FoundRecord]]) -> str:
+    lines = ["# kvbench results", ""]
+    for suite, found in groups.items():
+        labels = column_labels(found)
+        lines += [f"## {suite}", ""]
+        lines += [f"- {name}: {_md_code(name, text)}" for name, text in context_lines(found)]
+        lines += ["", "| metric | " + " | ".join(labels) + " |",
+                  "|---|" + "---:|" * len(labels)]
+        lines += ["| " + " | ".join(row) + " |" for row in suite_rows(found)]
+        if any(repeat_count(f.record) > 1 for f in found):
+            lines += ["", "Values are medians over the repeats."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _md_code(name: str, text: str) -> str:
+    return f"`{text}`" if name in ("command", "workload digest") and ";" not in text else text
+
+
+def csv_table(groups: dict[str, list[FoundRecord]]) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for suite, found in groups.items():
+        for label, f in zip(column_labels(found), found, strict=True):
+            r = f.record
+            for metric in r.summary:
+                if metric == REPEATS_KEY:
+                    continue
+                values = metric_values(r, metric)
+                if values is None:
+                    continue
+                writer.writerow([
+                    suite, label, r.engine, machine_slug(r.machine), r.device, r.clock,
+                    r.workload.name, r.workload.digest, r.kvbench_version, r.git_commit or "",
+                    metric, repr(r.summary[metric]), len(values), f"{mad_spread(values):.6g}",
+                ])
+    return out.getvalue()
+
+
+def find_plots(found: Sequence[FoundRecord]) -> list[Path]:
+    """PNG files in (and below) the folders the records came from."""
+    seen: dict[Path, Path] = {}
+    for f in found:
+        for png in sorted(f.path.parent.rglob("*.png")):
+            seen.setdefault(png.resolve(), png)
+    return list(seen.values())
+
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:2rem;color:#222;max-width:80rem}
+table{border-collapse:collapse;margin:1rem 0}th,td{border:1px solid #ccc;padding:.3rem .6rem}
+td.num{text-align:right;font-variant-numeric:tabular-nums}th{background:#f3f3f3}
+dl{display:grid;grid-template-columns:max-content auto;gap:.2rem 1rem}dt{font-weight:600}
+code{background:#f6f6f6;padding:0 .2rem}figure{margin:1rem 0}img{max-width:100%}
+"""
+
+
+def html_page(groups: dict[str, list[FoundRecord]]) -> str:
+    e = html.escape
+    parts = ["<!doctype html><html><head><meta charset='utf-8'>",
+             "<title>kvbench results</title>", f"<style>{_CSS}</style></head><body>",
+             "<h1>kvbench results</h1>"]
+    for suite, found in groups.items():
+        labels = column_labels(found)
+        parts.append(f"<h2>{e(suite)}</h2><dl>")
+        for name, text in context_lines(found):
+            value = f"<code>{e(text)}</code>" if name == "command" else e(text)
+            parts.append(f"<dt>{e(name)}</dt><dd>{value}</dd>")
+        parts.append("</dl><table><tr><th>metric</th>")
+        parts += [f"<th>{e(lab)}</th>" for lab in labels]
+        parts.append("</tr>")
+        for row in suite_rows(found):
+            parts.append(f"<tr><td>{e(row[0])}</td>"
+                         + "".join(f"<td class='num'>{e(c)}</td>" for c in row[1:]) + "</tr>")
+        parts.append("</table>")
+        if any(repeat_count(f.record) > 1 for f in found):
+            parts.append("<p>Values are medians over the repeats.</p>")
+        for png in find_plots(found):
+            data = base64.b64encode(png.read_bytes()).decode("ascii")
+            parts.append(f"<figure><img alt='{e(png.name)}' src='data:image/png;base64,{data}'>"
+                         f"<figcaption>{e(png.parent.name + '/' + png.name)}</figcaption></figure>")
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+def publish(found: Sequence[FoundRecord], out_dir: Path) -> list[Path]:
+    groups = by_suite(found)
+    return [
+        write_text_atomic(out_dir / MARKDOWN_FILE, markdown_tables(groups)),
+        write_text_atomic(out_dir / CSV_FILE, csv_table(groups)),
+        write_text_atomic(out_dir / HTML_FILE, html_page(groups)),
+    ]

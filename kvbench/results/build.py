@@ -1,0 +1,99 @@
+"""Building a run record from what the harness collected."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from kvbench import __version__
+from kvbench.results.curves import build_curves
+from kvbench.results.metrics import device_series, summarize
+from kvbench.results.schema import RequestRow, RunRecord, SoakResult, TelemetryInfo, WorkloadInfo
+from kvbench.results.slo import SLO
+from kvbench.run.harness import EngineRun
+from kvbench.run.machine import git_commit, machine_info
+
+
+def _since(t: float | None, arrival_s: float) -> float | None:
+    """Milliseconds from arrival to ``t``."""
+    return None if t is None else (t - arrival_s) * 1000.0
+
+
+def request_rows(run: EngineRun) -> list[RequestRow]:
+    rows = []
+    for t in run.timings.values():
+        r = t.request
+        out = r.output_tokens
+        tpot = None
+        if t.finish_s is not None and t.first_token_s is not None and out > 1:
+            tpot = (t.finish_s - t.first_token_s) / (out - 1)
+        rows.append(
+            RequestRow(
+                id=r.id,
+                arrival_s=r.arrival_s,
+                prompt_tokens=r.prompt_tokens,
+                output_tokens=out,
+                n=r.n,
+                status=t.status,  # type: ignore[arg-type]
+                queue_ms=_since(t.first_scheduled_s, r.arrival_s),
+                ttft_ms=_since(t.first_token_s, r.arrival_s),
+                tpot_ms=None if tpot is None else tpot * 1000.0,
+                e2el_ms=_since(t.finish_s, r.arrival_s),
+                preemptions=t.preemptions,
+                cached_tokens=t.cached_tokens,
+                output_digest=t.output_digest,
+                reason=t.rejected,
+            )
+        )
+    return rows
+
+
+def build_record(
+    run: EngineRun,
+    *,
+    command: str,
+    suite: str,
+    engine_config: dict[str, Any],
+    model: dict[str, Any],
+    device: str,
+    slo: SLO | None = None,
+    soak: SoakResult | None = None,
+) -> RunRecord:
+    wl = run.workload
+    tel = run.telemetry
+    telemetry = None
+    if tel is not None:
+        dev = device_series(run)
+        telemetry = TelemetryInfo(
+            probes=tel.status, facts=tel.info(), device_memory=dev[0] if dev else None
+        )
+    return RunRecord(
+        kvbench_version=__version__,
+        git_commit=git_commit(),
+        created_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        machine=machine_info(),
+        command=command,
+        suite=suite,
+        workload=WorkloadInfo(
+            name=wl.name,
+            digest=wl.digest,
+            source=wl.source,
+            seed=wl.seed,
+            num_requests=len(wl.requests),
+            prompt_tokens=sum(r.prompt_tokens for r in wl.requests),
+            output_tokens=sum(r.output_tokens * r.n for r in wl.requests),
+        ),
+        engine=run.engine_name,
+        engine_config=engine_config,
+        model=model,
+        device=device,
+        clock=run.clock,
+        status=run.status,
+        error=run.error,
+        slo=slo,
+        telemetry=telemetry,
+        soak=soak,
+        summary=summarize(run, slo) | (soak.summary() if soak is not None else {}),
+        curves=build_curves(run.steps, tel),
+        requests=request_rows(run),
+    )

@@ -1,0 +1,304 @@
+"""Summary metrics of a run: pure functions over the harness's timings, step log and
+telemetry samples. Names follow ``vllm bench serve`` where they overlap.
+
+Definitions (times in the run's clock; latencies measured from the request's arrival;
+"busy steps" are steps where some KV is reserved; time-weighted means weight each step by
+its duration):
+
+Latency, per completed request, reported as ``mean_/median_/p90_/p99_<name>_ms``:
+
+- ``ttft``: first output token time - arrival.
+- ``tpot``: (e2el - ttft) / (output_tokens - 1), for requests with more than one output token.
+- ``itl``: gaps between consecutive output-token emissions of a request, pooled over requests.
+- ``e2el``: finish - arrival.
+
+Throughput and goodput:
+
+- ``request_throughput`` / ``output_throughput`` / ``total_token_throughput``: completed
+  requests, output tokens, prompt + output tokens of completed requests, per second of run.
+- ``request_goodput``: completed requests meeting the SLO (``--slo ttft:MS,tpot:MS``) per
+  second of run; ``slo_attainment_pct``: those requests as a share of all requests
+  (rejected and unfinished ones miss). Both None without an SLO.
+
+Concurrency:
+
+- ``max_concurrent_requests``: most requests holding KV (running) after any step;
+  ``mean_concurrent_requests``: its time-weighted mean.
+
+KV memory (from the engine's KVStats after every step):
+
+- ``mean_kv_utilization``: time-integral of KV used / time-integral of KV reserved, over busy
+  steps. Used = slots holding written token states; reserved = slots handed to sequences.
+- ``kv_waste_pct`` = 100 x (1 - mean_kv_utilization): reserved memory holding no KV, split
+  into ``kv_reservation_waste_pct`` (slots reserved for tokens the sequences will still
+  write: the rest of a paged sequence's last block up to its final length, the unwritten
+  prompt and output room of a contiguous extent) and ``kv_internal_waste_pct`` (slots that
+  will never hold KV: a last block's slots past the final token, an extent's room beyond
+  prompt + output, reserved memory no sequence holds). Both shares are of reserved memory
+  and sum to ``kv_waste_pct``; the split needs the engine's ``reserved_ahead_bytes``.
+- ``min_frag_index`` / ``mean_frag_index``: minimum / time-weighted mean over steps of
+  largest_free / free (1.0 when all free memory serves one allocation; steps with free
+  memory only).
+- ``page_turnover_per_s``: block (paged) or extent (contiguous) allocations plus frees per
+  second of run.
+- ``prefix_hit_rate``: prompt tokens served from the prefix cache / prompt tokens looked up;
+  ``shared_block_ratio``: time-integral of KV referenced by more than one sequence /
+  time-integral of KV reserved, over busy steps.
+- ``kv_retained_bytes``: KV still reserved after the run drained (0 unless blocks leak).
+
+Process and device memory (telemetry; RSS and NVML readings are rate-limited, and are also
+taken when warm-up ends and when the run ends):
+
+- ``peak_rss_bytes``: the largest process RSS reading.
+- ``peak_device_bytes``: the largest reading of this process's device memory from NVML, or
+  where NVML cannot see the process, the CUDA allocator's reserved peak; None off CUDA.
+- ``memory_growth_pct``: the larger of ``rss_growth_pct`` and ``device_growth_pct``, each
+  100 x (reading at the end of the run - reading at the end of warm-up) / reading at the end
+  of warm-up. Warm-up ends with the step that finishes the first 10% of the run's requests.
+- ``telemetry_overhead_pct``: wall time spent logging steps and reading probes, as a share
+  of the wall time of steps (idle waits for arrivals excluded).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvbench.results.curves import frag_index
+from kvbench.results.slo import SLO
+from kvbench.run.harness import EngineRun
+
+PERCENTILES = (50, 90, 99)
+
+
+def _dist(prefix: str, values: list[float]) -> dict[str, float | None]:
+    keys = [f"mean_{prefix}_ms", f"median_{prefix}_ms"]
+    keys += [f"p{p}_{prefix}_ms" for p in PERCENTILES if p != 50]
+    if not values:
+        return dict.fromkeys(keys)
+    arr = np.asarray(values, dtype=np.float64) * 1000.0
+    stats = [arr.mean(), np.median(arr)]
+    stats += [np.percentile(arr, p) for p in PERCENTILES if p != 50]
+    return {k: float(v) for k, v in zip(keys, stats, strict=True)}
+
+
+def latency_samples(run: EngineRun) -> dict[str, list[float]]:
+    """Per-request TTFT, TPOT, E2EL and pooled ITL samples, in seconds."""
+    ttft, tpot, e2el, itl = [], [], [], []
+    for t in run.timings.values():
+        if t.finish_s is None or t.first_token_s is None:
+            continue
+        arrival = t.request.arrival_s
+        ttft.append(t.first_token_s - arrival)
+        e2el.append(t.finish_s - arrival)
+        out = t.request.output_tokens
+        if out > 1:
+            tpot.append((t.finish_s - t.first_token_s) / (out - 1))
+        times = np.unique(np.asarray(t.token_times_s))
+        if len(times) > 1:
+            itl.extend(np.diff(times).tolist())
+    return {"ttft": ttft, "tpot": tpot, "e2el": e2el, "itl": itl}
+
+
+def meets_slo(run: EngineRun, slo: SLO) -> int:
+    """Number of requests that completed within every limit of ``slo``."""
+    met = 0
+    for t in run.timings.values():
+        if t.finish_s is None or t.first_token_s is None:
+            continue
+        arrival, out = t.request.arrival_s, t.request.output_tokens
+        ttft_ms = (t.first_token_s - arrival) * 1000.0
+        e2el_ms = (t.finish_s - arrival) * 1000.0
+        if slo.ttft_ms is not None and ttft_ms > slo.ttft_ms:
+            continue
+        if slo.e2el_ms is not None and e2el_ms > slo.e2el_ms:
+            continue
+        if slo.tpot_ms is not None and out > 1 and (e2el_ms - ttft_ms) / (out - 1) > slo.tpot_ms:
+            continue
+        met += 1
+    return met
+
+
+def _weighted_mean(values: np.ndarray, weights: np.ndarray) -> float | None:
+    total = float(weights.sum())
+    return float((values * weights).sum() / total) if total > 0 else None
+
+
+def summarize(run: EngineRun, slo: SLO | None = None) -> dict[str, Any]:
+    timings = list(run.timings.values())
+    completed = [t for t in timings if t.status == "ok"]
+    rejected = sum(t.status == "rejected" for t in timings)
+    duration = run.duration_s
+    out_tokens = sum(t.output_tokens_emitted for t in timings)
+    prompt_done = sum(t.request.prompt_tokens for t in completed)
+    rate = (lambda x: x / duration) if duration > 0 else (lambda x: None)
+
+    summary: dict[str, Any] = {
+        "num_requests": len(timings),
+        "completed": len(completed),
+        "rejected": rejected,
+        "duration_s": duration,
+        "wall_time_s": run.wall_time_s,
+        "num_steps": len(run.steps),
+        "request_throughput": rate(len(completed)),
+        "output_throughput": rate(out_tokens),
+        "total_token_throughput": rate(
+            prompt_done + sum(t.output_tokens_emitted for t in completed)
+        ),
+        "total_output_tokens": out_tokens,
+        "request_goodput": None,
+        "slo_attainment_pct": None,
+    }
+    if slo is not None:
+        met = meets_slo(run, slo)
+        summary["request_goodput"] = rate(met)
+        summary["slo_attainment_pct"] = 100.0 * met / len(timings) if timings else None
+    for name, values in latency_samples(run).items():
+        summary.update(_dist(name, values))
+    summary.update(kv_metrics(run))
+    summary.update(memory_metrics(run))
+    return summary
+
+
+def _full(values: list) -> np.ndarray | None:
+    """A KVStats column as floats, or None when the engine left any step's value absent."""
+    if not values or any(v is None for v in values):
+        return None
+    return np.asarray(values, dtype=np.float64)
+
+
+def kv_metrics(run: EngineRun) -> dict[str, Any]:
+    s = run.steps
+    kv = run.last_kv
+    out: dict[str, Any] = {
+        "max_concurrent_requests": max(s.running, default=0),
+        "mean_concurrent_requests": None,
+        "preemptions": int(sum(s.preempted)),
+        "kv_capacity_bytes": kv.capacity_bytes if kv else None,
+        "peak_kv_reserved_bytes": None,
+        "peak_kv_used_bytes": None,
+        "mean_kv_utilization": None,
+        "kv_waste_pct": None,
+        "kv_reservation_waste_pct": None,
+        "kv_internal_waste_pct": None,
+        "min_frag_index": None,
+        "mean_frag_index": None,
+        "page_turnover_per_s": None,
+        "prefix_hit_rate": None,
+        "shared_block_ratio": None,
+        "kv_retained_bytes": None,
+    }
+    if not len(s):
+        return out
+    dt = np.asarray(s.dt_s, dtype=np.float64)
+    out["mean_concurrent_requests"] = _weighted_mean(np.asarray(s.running, np.float64), dt)
+    reserved, used = _full(s.kv_reserved_bytes), _full(s.kv_used_bytes)
+    if reserved is not None:
+        out["peak_kv_reserved_bytes"] = int(reserved.max())
+        busy = reserved > 0
+        denom = float((reserved[busy] * dt[busy]).sum())
+        if used is not None:
+            out["peak_kv_used_bytes"] = int(used.max())
+            if denom > 0:
+                util = float((used[busy] * dt[busy]).sum()) / denom
+                out["mean_kv_utilization"] = util
+                out["kv_waste_pct"] = 100.0 * (1.0 - util)
+                ahead = _full(s.kv_reserved_ahead_bytes)
+                if ahead is not None:
+                    res_waste = 100.0 * float((ahead[busy] * dt[busy]).sum()) / denom
+                    out["kv_reservation_waste_pct"] = res_waste
+                    out["kv_internal_waste_pct"] = out["kv_waste_pct"] - res_waste
+        shared = _full(s.kv_shared_bytes)
+        if shared is not None and denom > 0:
+            out["shared_block_ratio"] = float((shared[busy] * dt[busy]).sum()) / denom
+    free, largest = _full(s.kv_free_bytes), _full(s.kv_largest_free_bytes)
+    if free is not None and largest is not None:
+        mask = free > 0
+        if mask.any():
+            frag = frag_index(free[mask], largest[mask])
+            out["min_frag_index"] = float(frag.min())
+            out["mean_frag_index"] = _weighted_mean(frag, dt[mask])
+    if kv is not None:
+        if kv.block_allocs is not None and kv.block_frees is not None and run.duration_s > 0:
+            out["page_turnover_per_s"] = (kv.block_allocs + kv.block_frees) / run.duration_s
+        if kv.prefix_query_tokens:
+            out["prefix_hit_rate"] = (kv.prefix_hit_tokens or 0) / kv.prefix_query_tokens
+        if run.status == "ok":
+            out["kv_retained_bytes"] = kv.reserved_bytes
+    return out
+
+
+def _growth_pct(start: float | None, end: float | None) -> float | None:
+    if start is None or end is None or start <= 0:
+        return None
+    return 100.0 * (end - start) / start
+
+
+def _reading_at(steps: list[int], values: list[int], step: int) -> int | None:
+    """The last reading taken at or before ``step``."""
+    i = int(np.searchsorted(np.asarray(steps), step, side="right")) - 1
+    return values[i] if i >= 0 else None
+
+
+def device_series(run: EngineRun) -> tuple[str, list[int], list[int]] | None:
+    """This process's device memory readings: (source, step indices, bytes)."""
+    tel = run.telemetry
+    if tel is None:
+        return None
+    nvml = tel.samples.get("nvml")
+    if nvml is not None and "nvml_process_used_bytes" in nvml.columns and nvml.rows:
+        return "nvml_process_used_bytes", nvml.steps, nvml.column("nvml_process_used_bytes")
+    cuda = tel.samples.get("cuda")
+    if cuda is not None and cuda.rows:
+        return "cuda_reserved_bytes", cuda.steps, cuda.column("cuda_reserved_bytes")
+    return None
+
+
+def memory_metrics(run: EngineRun) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "peak_rss_bytes": None,
+        "peak_device_bytes": None,
+        "peak_cuda_allocated_bytes": None,
+        "peak_cuda_reserved_bytes": None,
+        "peak_cuda_inactive_split_bytes": None,
+        "cuda_alloc_retries": None,
+        "rss_growth_pct": None,
+        "device_growth_pct": None,
+        "memory_growth_pct": None,
+        "telemetry_overhead_pct": None,
+    }
+    if run.step_wall_s > 0:
+        out["telemetry_overhead_pct"] = 100.0 * run.telemetry_wall_s / run.step_wall_s
+    tel = run.telemetry
+    if tel is None:
+        return out
+    warm, end = run.warmup_step, len(run.steps) - 1
+    rss = tel.samples.get("rss")
+    if rss is not None and rss.rows:
+        values = rss.column("rss_bytes")
+        out["peak_rss_bytes"] = max(values)
+        if warm is not None:
+            out["rss_growth_pct"] = _growth_pct(
+                _reading_at(rss.steps, values, warm), _reading_at(rss.steps, values, end)
+            )
+    cuda = tel.samples.get("cuda")
+    if cuda is not None and cuda.rows:
+        last = cuda.last()
+        out["peak_cuda_allocated_bytes"] = last["cuda_peak_allocated_bytes"]
+        out["peak_cuda_reserved_bytes"] = last["cuda_peak_reserved_bytes"]
+        out["peak_cuda_inactive_split_bytes"] = max(cuda.column("cuda_inactive_split_bytes"))
+        out["cuda_alloc_retries"] = last["cuda_alloc_retries"]
+    device = device_series(run)
+    if device is not None:
+        source, steps, values = device
+        out["peak_device_bytes"] = (
+            max(values) if source.startswith("nvml") else out["peak_cuda_reserved_bytes"]
+        )
+        if warm is not None:
+            out["device_growth_pct"] = _growth_pct(
+                _reading_at(steps, values, warm), _reading_at(steps, values, end)
+            )
+    growth = [g for g in (out["rss_growth_pct"], out["device_growth_pct"]) if g is not None]
+    out["memory_growth_pct"] = max(growth) if growth else None
+    return out

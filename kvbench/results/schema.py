@@ -1,0 +1,145 @@
+"""RunRecord: the JSON file each engine run produces (one per engine), written atomically."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kvbench.errors import InputFileError
+from kvbench.fileio import write_text_atomic
+from kvbench.results.slo import SLO
+
+SCHEMA_VERSION = 1
+
+
+class WorkloadInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    digest: str
+    source: str
+    seed: int
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+
+
+class RequestRow(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    n: int = 1
+    status: Literal["ok", "rejected", "unfinished"]
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+    preemptions: int = 0
+    cached_tokens: int = 0
+    output_digest: str | None = None
+    reason: str | None = None
+
+
+class TelemetryInfo(BaseModel):
+    """Which probes measured (``probes``: name -> "ok" or "unavailable: why"), facts they
+    report once (e.g. device total memory), and which reading ``peak_device_bytes`` and
+    ``device_growth_pct`` use."""
+
+    model_config = ConfigDict(extra="forbid")
+    probes: dict[str, str]
+    facts: dict[str, Any] = {}
+    device_memory: str | None = None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class WaveMemory(_Strict):
+    """Memory left after wave ``wave`` (1-based) drained, at run time ``t_s``."""
+
+    wave: int
+    t_s: float
+    completed: int
+    memory: dict[str, int]
+
+
+class LeakFit(_Strict):
+    bytes_per_wave: float
+    growth_bytes: float  # fitted growth over the soak: slope x (waves - 1)
+    growth_pct: float | None  # last wave vs first wave, relative to the first
+    threshold_bytes: float | None  # growth above which a noisy kind counts as leaking
+    leak: bool
+
+
+class SoakResult(_Strict):
+    waves: int
+    waves_completed: int
+    noise_pct: float
+    noise_bytes: int
+    per_wave: list[WaveMemory]
+    fits: dict[str, LeakFit]
+    leak_bytes_per_wave: dict[str, float]
+    memory_growth_pct: float | None  # the largest growth_pct over kinds
+    leak_detected: bool
+    findings: list[str]
+
+    def summary(self) -> dict[str, Any]:
+        """Flat scalars for the record summary (dashboards and gates read these)."""
+        out: dict[str, Any] = {
+            "soak_waves": self.waves_completed,
+            "soak_memory_growth_pct": self.memory_growth_pct,
+            "leak_detected": self.leak_detected,
+        }
+        for kind, slope in self.leak_bytes_per_wave.items():
+            out[f"leak_{kind.removesuffix('_bytes')}_bytes_per_wave"] = slope
+        return out
+
+
+class RunRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    schema_version: int = SCHEMA_VERSION
+    kvbench_version: str
+    git_commit: str | None
+    created_utc: str
+    machine: dict[str, Any]
+    command: str
+    suite: str
+    workload: WorkloadInfo
+    engine: str
+    engine_config: dict[str, Any]
+    model: dict[str, Any]
+    device: str
+    clock: str
+    status: Literal["ok", "interrupted", "failed"]
+    error: str | None = None
+    slo: SLO | None = None
+    telemetry: TelemetryInfo | None = None
+    soak: SoakResult | None = None
+    summary: dict[str, Any]
+    curves: dict[str, list[float]]
+    requests: list[RequestRow]
+
+    def write(self, path: str | Path) -> Path:
+        return write_text_atomic(path, self.model_dump_json(indent=1) + "\n")
+
+
+def load_record(path: str | Path) -> RunRecord:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputFileError(path, f"cannot read run record: {exc}") from None
+    version = data.get("schema_version") if isinstance(data, dict) else None
+    if version != SCHEMA_VERSION:
+        raise InputFileError(
+            path, f"run record schema_version {version!r}; this kvbench reads {SCHEMA_VERSION}"
+        )
+    try:
+        return RunRecord.model_validate(data)
+    except ValidationError as exc:
+        raise InputFileError(path, f"invalid run record: {exc}") from None

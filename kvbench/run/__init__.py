@@ -1,0 +1,1 @@
+"""Running: suite files and flags, the run plan, the harness and its clocks, telemetry probes."""

@@ -1,0 +1,149 @@
+"""Device specs: ``auto | cpu | cuda[:N] | sim:GPU[xTP] | sim:PROFILE.json`` and the KV budget
+they give. A profile written by ``kvbench calibrate`` simulates the device it measured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+
+from kvbench.engines.hardware import Hardware, get_gpu
+from kvbench.engines.presets import ModelPreset
+from kvbench.errors import KvbenchError
+
+# Uncalibrated figures for real compute on a CPU under the virtual clock; replace them with a
+# profile from `kvbench calibrate` for predictions that match this machine.
+CPU_HARDWARE = Hardware("cpu", psutil.virtual_memory().total, 20e9, 2e11, 20e9, "none")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    kind: str  # "cpu" | "cuda" | "sim"
+    torch_device: str | None = None
+    gpu: Hardware | None = None
+    tp: int = 1
+    profile: str | None = None  # calibration profile path (sim of a profiled device)
+    profiled_kind: str | None = None  # "cpu" | "cuda": what that profile measured
+
+    @property
+    def label(self) -> str:
+        if self.profile is not None:
+            return f"sim:{self.profile}"
+        if self.kind == "sim":
+            assert self.gpu is not None
+            return f"sim:{self.gpu.name}" + (f"x{self.tp}" if self.tp > 1 else "")
+        return self.torch_device or self.kind
+
+    @property
+    def hardware(self) -> Hardware:
+        return self.gpu if self.gpu is not None else CPU_HARDWARE
+
+
+def parse_device(text: str) -> DeviceSpec:
+    text = text.strip()
+    if text.lower().startswith("sim:") and text.lower().endswith(".json"):
+        return _profile_device(text[4:])
+    text = text.lower()
+    if text == "auto":
+        text = "cuda" if _cuda_available() else "cpu"
+    if text == "cpu":
+        return DeviceSpec("cpu", "cpu")
+    if text.startswith("cuda"):
+        if not _cuda_available():
+            raise KvbenchError(
+                f"--device {text}: CUDA is not available here; use --device cpu for real compute "
+                "on the CPU, or --device sim:GPU (e.g. sim:h200) to simulate a GPU"
+            )
+        import torch
+
+        dev = torch.device(text)
+        props = torch.cuda.get_device_properties(dev)
+        gpu = _match_gpu(props.name, props.total_memory)
+        return DeviceSpec("cuda", str(dev), gpu)
+    if text.startswith("sim:"):
+        name, tp = text[4:], 1
+        if "x" in name and name.rsplit("x", 1)[1].isdigit():
+            name, tp_text = name.rsplit("x", 1)
+            tp = int(tp_text)
+            if tp < 1:
+                raise KvbenchError(f"--device {text}: tensor-parallel degree must be >= 1")
+        return DeviceSpec("sim", None, get_gpu(name), tp)
+    raise KvbenchError(
+        f"unknown device {text!r}; use auto, cpu, cuda, cuda:N or sim:GPU[xTP] "
+        "(e.g. sim:a100-80gbx8), or sim:PROFILE.json from kvbench calibrate"
+    )
+
+
+def _profile_device(path: str) -> DeviceSpec:
+    from kvbench.tools.calibrate.profile import load_profile
+
+    profile = load_profile(path)
+    return DeviceSpec(
+        "sim", None, profile.hardware_spec(), 1, profile=path, profiled_kind=profile.device_kind
+    )
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _match_gpu(name: str, memory_bytes: int) -> Hardware:
+    """The hardware-table entry of a real CUDA device, by name (for the cost model)."""
+    lowered = name.lower().replace(" ", "")
+    for key, mem_hint in (("h200", None), ("h100", None), ("l40s", None), ("a100", memory_bytes)):
+        if key in lowered:
+            if key == "a100":
+                return get_gpu("a100-80gb" if (mem_hint or 0) > 50 * 2**30 else "a100-40gb")
+            return get_gpu("h100-sxm" if key == "h100" else key)
+    return Hardware(name, memory_bytes, 1e12, 1e14, 1e11, "unknown")
+
+
+def activation_reserve_bytes(preset: ModelPreset, max_num_batched_tokens: int, max_num_seqs: int,
+                             tp: int = 1) -> int:
+    """Estimated peak activation memory per rank: hidden, QKV and MLP intermediates of one
+    step's tokens plus float32 logits of the sampled rows (vLLM measures this by profiling)."""
+    per_token = (4 * preset.hidden_size + 2 * preset.intermediate_size) * preset.dtype_bytes // tp
+    return max_num_batched_tokens * per_token + max_num_seqs * preset.vocab_size * 4
+
+
+def kv_budget_bytes(
+    device: DeviceSpec,
+    preset: ModelPreset,
+    *,
+    kv_memory: int | None,
+    gpu_memory_utilization: float,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+) -> int:
+    """Total KV bytes over all ranks: explicit, or device memory x utilisation - weights -
+    activation reserve (per rank, times TP)."""
+    if kv_memory is not None:
+        return kv_memory
+    if device.kind == "cpu" or device.profiled_kind == "cpu":
+        # The simulated CPU keeps the real one's budget, so a replay matches a real run.
+        return 256 * 2**20
+    if device.kind == "cuda":
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(device.torch_device)
+        usable = int(free * gpu_memory_utilization)
+    else:
+        assert device.gpu is not None
+        usable = int(device.gpu.memory_bytes * gpu_memory_utilization)
+    tp = device.tp
+    per_rank = (
+        usable
+        - preset.weight_bytes // tp
+        - activation_reserve_bytes(preset, max_num_batched_tokens, max_num_seqs, tp)
+    )
+    if per_rank <= 0:
+        raise KvbenchError(
+            f"{preset.name} weights ({preset.weight_bytes / 2**30:.1f} GiB) leave no KV memory on "
+            f"{device.label}: use more tensor parallelism (e.g. sim:{device.hardware.name}x"
+            f"{tp * 2}), a larger GPU, or a smaller model"
+        )
+    return per_rank * tp

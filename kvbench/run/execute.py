@@ -1,0 +1,98 @@
+"""Executes a run plan: each engine through the harness, records written as they end."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from kvbench.engines.costmodel import CostModel
+from kvbench.engines.factory import build_engine
+from kvbench.errors import KvbenchError
+from kvbench.fileio import write_text_atomic
+from kvbench.report.plots import write_plots
+from kvbench.report.tables import summary_markdown
+from kvbench.results.build import build_record
+from kvbench.results.repeats import fold_repeats
+from kvbench.results.schema import RunRecord
+from kvbench.run.clocks import Clock, VirtualClock, WallClock
+from kvbench.run.harness import EngineRun, RequestTiming, StepLog, run_engine
+from kvbench.run.machine import machine_info
+from kvbench.run.plan import RunPlan
+from kvbench.run.suite import EngineSection
+from kvbench.run.telemetry import Telemetry
+
+
+def make_telemetry(plan: RunPlan) -> Telemetry:
+    # The record's machine identity imports torch; do it before the first engine runs, so
+    # that every engine's RSS includes the same libraries.
+    machine_info()
+    return Telemetry.for_device(plan.device.kind, plan.device.torch_device)
+
+
+def make_clock(plan: RunPlan) -> Clock:
+    if plan.clock == "wall":
+        return WallClock()
+    return VirtualClock(CostModel(plan.preset, plan.device.hardware, plan.device.tp))
+
+
+def start_and_run(
+    plan: RunPlan,
+    name: str,
+    section: EngineSection,
+    progress: Callable[[int], None] | None,
+    waves: int = 1,
+) -> tuple[EngineRun, dict]:
+    """Build one engine and drive it through the workload. An engine that fails to start
+    yields a failed run (its record is still written); a configuration error propagates."""
+    try:
+        engine = build_engine(name, section, plan.opts)
+    except KvbenchError:
+        raise
+    except Exception as exc:
+        timings = {r.id: RequestTiming(r) for r in plan.workload.requests}
+        run = EngineRun(name, plan.workload, plan.clock, timings, StepLog(), waves=waves)
+        run.status, run.error = "failed", f"engine failed to start: {type(exc).__name__}: {exc}"
+        return run, {"kind": section.kind, **section.model_dump()}
+    config = {"kind": section.kind, **section.model_dump(), **engine.describe()}
+    run = run_engine(
+        engine, plan.workload, make_clock(plan), progress,
+        telemetry=make_telemetry(plan), waves=waves,
+    )
+    # Facts learned while running (vLLM's kv-equivalent multimodal inputs) complete it.
+    config.update((k, v) for k, v in engine.describe().items() if k not in config)
+    return run, config
+
+
+def execute_plan(
+    plan: RunPlan,
+    on_engine: Callable[[str], Callable[[int], None] | None] | None = None,
+) -> list[RunRecord]:
+    """Run every engine in turn, ``plan.repeats`` rounds of all engines (so that slow drift
+    hits every engine alike); each record is written as soon as its engine ends, folded over
+    its repeats so far. A failed engine does not stop the others and is not repeated; Ctrl-C
+    writes the current engine's record and stops."""
+    if plan.suite.run.cpu_threads is not None and plan.device.kind == "cpu":
+        import torch
+
+        torch.set_num_threads(plan.suite.run.cpu_threads)
+    runs: dict[str, list[RunRecord]] = {}
+    for repeat, (name, section) in itertools.product(range(plan.repeats), plan.engines):
+        if any(r.status != "ok" for r in runs.get(name, [])):
+            continue
+        label = name if plan.repeats == 1 else f"{name} ({repeat + 1}/{plan.repeats})"
+        progress = on_engine(label) if on_engine else None
+        run, config = start_and_run(plan, name, section, progress)
+        record = build_record(
+            run, command=plan.command, suite=plan.suite.name, engine_config=config,
+            model=plan.preset.to_json(), device=plan.device.label, slo=plan.suite.run.slo,
+        )
+        runs.setdefault(name, []).append(record)
+        fold_repeats(runs[name]).write(plan.out_dir / f"{name}.json")
+        if run.status == "interrupted":
+            break
+    records = [fold_repeats(rs) for rs in runs.values()]
+    write_text_atomic(plan.out_dir / "summary.md", summary_markdown(records))
+    # After the records: a figure that fails to draw costs only itself.
+    plan.warnings += write_plots(records, plan.out_dir)[1]
+    return records
+

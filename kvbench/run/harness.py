@@ -1,0 +1,263 @@
+"""The run harness: feeds a workload's arrivals into an engine under a clock and records
+per-request timings, per-step reports and telemetry samples. The same loop drives every
+engine.
+
+A run may repeat its workload in ``waves`` through the same engine (soak): wave ``k+1``'s
+arrivals start once wave ``k`` has drained, and the memory left after each drain is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvbench.engines.base import Engine, KVStats, StepReport
+from kvbench.run.clocks import Clock
+from kvbench.run.telemetry import OK, RssProbe, Telemetry
+from kvbench.workloads.model import Request, Workload
+
+RunStatus = Literal["ok", "interrupted", "failed"]
+
+# An engine that neither computes nor finishes anything for this many consecutive steps,
+# with nothing left to arrive, is stuck (a scheduler bug); fail rather than spin forever.
+_MAX_IDLE_STEPS = 1000
+# Warm-up ends when this fraction of the run's requests (at least one) has finished: caches,
+# allocator pools and lazily touched pages have settled by then, so memory growth after it
+# is what the run itself accumulates.
+WARMUP_FRACTION = 0.1
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    request: Request
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    finish_s: float | None = None
+    preemptions: int = 0
+    cached_tokens: int = 0
+    output_digest: str | None = None
+    rejected: str | None = None
+
+    @property
+    def status(self) -> str:
+        if self.rejected is not None:
+            return "rejected"
+        return "ok" if self.finish_s is not None else "unfinished"
+
+    @property
+    def output_tokens_emitted(self) -> int:
+        return len(self.token_times_s)
+
+
+@dataclass(slots=True)
+class StepLog:
+    """Per-step columns (time is the step's end in the clock's seconds)."""
+
+    t_s: list[float] = field(default_factory=list)
+    dt_s: list[float] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    kv_capacity_bytes: list[int | None] = field(default_factory=list)
+    kv_reserved_bytes: list[int | None] = field(default_factory=list)
+    kv_used_bytes: list[int | None] = field(default_factory=list)
+    kv_reserved_ahead_bytes: list[int | None] = field(default_factory=list)
+    kv_free_bytes: list[int | None] = field(default_factory=list)
+    kv_largest_free_bytes: list[int | None] = field(default_factory=list)
+    kv_shared_bytes: list[int | None] = field(default_factory=list)
+    prefix_hit_tokens: list[int | None] = field(default_factory=list)
+    block_allocs: list[int | None] = field(default_factory=list)
+    block_frees: list[int | None] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.t_s)
+
+
+@dataclass(slots=True)
+class WaveEnd:
+    """What stayed after a wave drained: the KV snapshot and the latest probe readings."""
+
+    step: int
+    t_s: float
+    kv: KVStats | None
+    memory: dict[str, int]
+
+
+@dataclass(slots=True)
+class EngineRun:
+    engine_name: str
+    workload: Workload
+    clock: str
+    timings: dict[str, RequestTiming]
+    steps: StepLog
+    last_kv: KVStats | None = None
+    duration_s: float = 0.0
+    wall_time_s: float = 0.0
+    status: RunStatus = "ok"
+    error: str | None = None
+    telemetry: Telemetry | None = None
+    warmup_step: int | None = None  # the step at whose end warm-up was over
+    waves: int = 1
+    wave_ends: list[WaveEnd] = field(default_factory=list)
+    step_wall_s: float = 0.0  # wall time of steps incl. their logging, excl. idle waits
+    telemetry_wall_s: float = 0.0  # of which: step logging and probe sampling
+
+
+def wave_requests(workload: Workload, wave: int, waves: int, start_s: float) -> list[Request]:
+    """The workload's requests as wave ``wave`` of ``waves`` sends them: arrivals shifted to
+    ``start_s`` and, when there are several waves, ids made unique per wave."""
+    if waves == 1:
+        return workload.requests
+    return [
+        dataclasses.replace(r, id=f"w{wave}:{r.id}", arrival_s=start_s + r.arrival_s)
+        for r in workload.requests
+    ]
+
+
+def run_engine(
+    engine: Engine,
+    workload: Workload,
+    clock: Clock,
+    on_progress: Callable[[int], None] | None = None,
+    *,
+    telemetry: Telemetry | None = None,
+    waves: int = 1,
+) -> EngineRun:
+    """Drive ``engine`` through ``workload`` (``waves`` times in a row). Never raises for
+    engine failures or Ctrl-C: the returned run carries ``status`` and ``error``; the caller
+    decides what follows. ``telemetry`` defaults to process RSS only."""
+    if waves < 1:
+        raise ValueError(f"waves must be at least 1, got {waves}")
+    tel = telemetry if telemetry is not None else Telemetry([RssProbe()], {"rss": OK})
+    timings = {
+        r.id: RequestTiming(r)
+        for k in range(waves)
+        for r in wave_requests(workload, k, waves, 0.0)
+    }
+    steps = StepLog()
+    run = EngineRun(engine.name, workload, clock.name, timings, steps, telemetry=tel, waves=waves)
+    warmup_done = max(1, math.ceil(WARMUP_FRACTION * len(timings)))
+    done = idle = 0
+    wall0 = time.perf_counter()
+    clock.start()
+    try:
+        for wave in range(waves):
+            requests = wave_requests(workload, wave, waves, clock.now() if wave else 0.0)
+            for r in requests:
+                timings[r.id].request = r
+            n, idx = len(requests), 0
+            while idx < n or engine.has_unfinished():
+                now = clock.now()
+                while idx < n and requests[idx].arrival_s <= now:
+                    engine.add(requests[idx])
+                    idx += 1
+                if not engine.has_unfinished():
+                    clock.wait_until(requests[idx].arrival_s)
+                    continue
+                w0 = time.perf_counter()
+                t0 = clock.now()
+                report = engine.step()
+                clock.after_step(report)
+                t1 = clock.now()
+                ended = _record_requests(run, report, t0, t1)
+                w1 = time.perf_counter()
+                _log_step(run, report, t0, t1)
+                step = len(steps) - 1
+                crossed = done < warmup_done <= done + ended
+                if crossed or w1 >= tel.next_due_s:
+                    tel.sample(step, w1, force=crossed)
+                    if crossed:
+                        run.warmup_step = step
+                done += ended
+                w2 = time.perf_counter()
+                run.step_wall_s += w2 - w0
+                run.telemetry_wall_s += w2 - w1
+                if on_progress is not None:
+                    on_progress(done)
+                if report.batch.num_tokens == 0 and not report.finished and idx >= n:
+                    idle += 1
+                    if idle >= _MAX_IDLE_STEPS:
+                        raise RuntimeError(
+                            f"engine {engine.name!r} made no progress for {idle} steps "
+                            f"({report.num_waiting} waiting, {report.num_running} running)"
+                        )
+                else:
+                    idle = 0
+            if steps.t_s:
+                tel.sample(len(steps) - 1, time.perf_counter(), force=True)
+                run.wave_ends.append(
+                    WaveEnd(len(steps) - 1, steps.t_s[-1], run.last_kv, tel.latest())
+                )
+    except KeyboardInterrupt:
+        run.status, run.error = "interrupted", "interrupted by the user (Ctrl-C)"
+    except Exception as exc:
+        run.status = "failed"
+        run.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
+    finally:
+        run.duration_s = clock.now()
+        run.wall_time_s = time.perf_counter() - wall0
+        if steps.t_s and run.status != "ok":
+            # The end-of-run reading a drained wave would have taken.
+            tel.sample(len(steps) - 1, time.perf_counter(), force=True)
+        try:
+            engine.close()
+        except Exception as exc:
+            if run.status == "ok":
+                run.status, run.error = "failed", f"close() failed: {exc}"
+        tel.close()
+    return run
+
+
+def _record_requests(run: EngineRun, report: StepReport, t0: float, t1: float) -> int:
+    """Fold one step's tokens and completions into the request timings; returns the number
+    of requests that ended."""
+    timings = run.timings
+    for rid in report.scheduled_first:
+        timings[rid].first_scheduled_s = t0
+    for rid, count in report.tokens.items():
+        times = timings[rid].token_times_s
+        times.extend([t1] * count)
+    for rid in report.first_token:
+        timings[rid].first_token_s = t1
+    for rid in report.preempted_ids:
+        timings[rid].preemptions += 1
+    for fin in report.finished:
+        timing = timings[fin.request_id]
+        if fin.rejected is not None:
+            timing.rejected = fin.rejected
+            continue
+        timing.finish_s = t1
+        timing.output_digest = fin.output_digest
+        timing.cached_tokens = fin.cached_tokens
+    return len(report.finished)
+
+
+def _log_step(run: EngineRun, report: StepReport, t0: float, t1: float) -> None:
+    """Append the step's queue sizes and KV snapshot to the step log."""
+    s = run.steps
+    s.t_s.append(t1)
+    s.dt_s.append(t1 - t0)
+    s.num_tokens.append(report.batch.num_tokens)
+    s.running.append(report.num_running)
+    s.waiting.append(report.num_waiting)
+    s.preempted.append(report.num_preempted)
+    kv = report.kv
+    if kv is not None:
+        run.last_kv = kv
+        s.kv_capacity_bytes.append(kv.capacity_bytes)
+        s.kv_reserved_bytes.append(kv.reserved_bytes)
+        s.kv_used_bytes.append(kv.used_bytes)
+        s.kv_reserved_ahead_bytes.append(kv.reserved_ahead_bytes)
+        s.kv_free_bytes.append(kv.free_bytes)
+        s.kv_largest_free_bytes.append(kv.largest_free_bytes)
+        s.kv_shared_bytes.append(kv.shared_bytes)
+        s.prefix_hit_tokens.append(kv.prefix_hit_tokens)
+        s.block_allocs.append(kv.block_allocs)
+        s.block_frees.append(kv.block_frees)

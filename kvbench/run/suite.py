@@ -1,0 +1,146 @@
+"""Suite files (TOML): which workload, model, device and engines a run uses.
+
+Every field has a default, so ``kvbench run`` flags can fill or override any of them.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvbench.errors import InputFileError, KvbenchError
+from kvbench.results.slo import SLO
+
+DEFAULT_SUITE = "default"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class WorkloadSection(_Strict):
+    """Exactly one source: a generator ``preset``, a workload ``file`` (.jsonl) or a
+    ``trace`` of kind azure | mooncake | sharegpt at ``path``."""
+
+    preset: str | None = None
+    file: str | None = None
+    trace: Literal["azure", "mooncake", "sharegpt"] | None = None
+    path: str | None = None
+    num_requests: int | None = Field(default=None, ge=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_source(self) -> WorkloadSection:
+        sources = [x for x in (self.preset, self.file, self.trace) if x is not None]
+        if len(sources) > 1:
+            raise ValueError("give only one of preset, file or trace")
+        if self.trace is not None and self.path is None:
+            raise ValueError("a trace needs a path")
+        return self
+
+
+class ModelSection(_Strict):
+    preset: str = "tiny"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    weights: str | None = None
+
+
+class RunSection(_Strict):
+    device: str = "auto"
+    clock: Literal["auto", "wall", "virtual"] = "auto"
+    kv_memory: str | None = None
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    block_size: int = Field(default=16, ge=1)
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    max_model_len: int | None = Field(default=None, ge=2)
+    chunked_prefill: bool = True
+    prefix_caching: bool = True
+    engines: list[str] = Field(default_factory=lambda: ["paged", "contiguous"])
+    slo: SLO | None = None
+    # Intra-op threads of real compute on a CPU (None: torch's default). Small models gain
+    # little from threads, and spinning OpenMP threads on a busy machine slow them ~10x.
+    cpu_threads: int | None = Field(default=None, ge=1)
+    # Kernels of real compute: auto = Triton on CUDA when installed, else the torch reference.
+    attention: Literal["auto", "reference", "triton"] = "auto"
+
+
+class EngineSection(_Strict):
+    """An engine variant. Unset fields inherit from ``[run]``."""
+
+    kind: Literal["paged", "contiguous", "vllm"]
+    reservation: Literal["max_model_len", "request", "pow2"] = "max_model_len"
+    fit: Literal["first", "best"] = "first"
+    compaction: bool = False
+    block_size: int | None = Field(default=None, ge=1)
+    prefix_caching: bool | None = None
+    leak_finished: bool = False
+
+
+BUILTIN_ENGINES: dict[str, EngineSection] = {
+    "paged": EngineSection(kind="paged"),
+    # Finished sequences' blocks are never recycled: the fault soak runs must catch.
+    "paged-leaky": EngineSection(kind="paged", leak_finished=True),
+    "contiguous": EngineSection(kind="contiguous", reservation="max_model_len"),
+    "contiguous-request": EngineSection(kind="contiguous", reservation="request"),
+    "contiguous-pow2": EngineSection(kind="contiguous", reservation="pow2"),
+    "contiguous-compact": EngineSection(kind="contiguous", reservation="request", compaction=True),
+    "vllm": EngineSection(kind="vllm"),
+}
+
+
+class Suite(_Strict):
+    name: str
+    description: str = ""
+    workload: WorkloadSection = Field(default_factory=lambda: WorkloadSection(preset="mixed-text"))
+    model: ModelSection = Field(default_factory=ModelSection)
+    run: RunSection = Field(default_factory=RunSection)
+    engines: dict[str, EngineSection] = Field(default_factory=dict)
+
+    def engine(self, name: str) -> EngineSection:
+        if name in self.engines:
+            return self.engines[name]
+        if name in BUILTIN_ENGINES:
+            return BUILTIN_ENGINES[name]
+        valid = sorted({*self.engines, *BUILTIN_ENGINES})
+        raise KvbenchError(f"unknown engine {name!r}; valid engines: {', '.join(valid)}")
+
+
+def suite_names() -> list[str]:
+    root = importlib.resources.files("kvbench.suites")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def load_suite(ref: str | None) -> tuple[Suite, Path | None]:
+    """A suite by file path or by name (``benchmarks/suites/<name>.toml``); None = default.
+
+    Returns the suite and the folder relative paths in it resolve against: the suite file's.
+    """
+    ref = ref or DEFAULT_SUITE
+    path = Path(ref)
+    if path.suffix == ".toml" and path.exists():
+        text, base = path.read_text(encoding="utf-8"), path.parent
+    else:
+        res = importlib.resources.files("kvbench.suites") / f"{ref}.toml"
+        if not res.is_file():
+            raise KvbenchError(
+                f"no suite {ref!r}: give a .toml file path or one of: {', '.join(suite_names())}"
+            )
+        path = Path(str(res))
+        text, base = res.read_text(encoding="utf-8"), path.parent
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise InputFileError(path, f"invalid TOML: {exc}") from None
+    data.setdefault("name", path.stem)
+    try:
+        return Suite.model_validate(data), base
+    except ValidationError as exc:
+        msgs = "; ".join(
+            f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        raise InputFileError(path, f"invalid suite: {msgs}") from None

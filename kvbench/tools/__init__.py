@@ -1,0 +1,1 @@
+"""Tools built on runs: calibration, capacity planning, soak and sweep."""

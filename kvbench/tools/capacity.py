@@ -1,0 +1,254 @@
+"""Capacity planning: how many requests fit at once in a deployment's KV budget under each
+KV layout, and the latency the cost model predicts at that concurrency.
+
+The budget is the one ``kvbench run`` gives a simulated GPU (device memory x utilisation,
+minus the rank's share of the weights and the activation reserve), and the KV managers are
+built by the same factory, so a plan matches what the sim then runs. A request holding
+``L`` tokens takes ``reserve(L)`` slots contiguously (``max_model_len``, ``L`` itself, or
+the next power of two) and ``ceil(L / block_size)`` blocks paged. With a workload the plan
+uses its mean demand per request: requests that fit on average, ignoring the contiguous
+arena's holes (``kvbench run`` measures those).
+
+Each tensor-parallel rank holds its share of every sequence's KV, so concurrency follows
+from one rank's budget and bytes per token; data-parallel replicas multiply it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvbench.engines.base import BatchShape
+from kvbench.engines.costmodel import CostModel
+from kvbench.engines.factory import EngineOptions, build_kv_manager
+from kvbench.engines.hardware import Hardware
+from kvbench.engines.kv.contiguous import RESERVATIONS, ContiguousKVManager
+from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.presets import ModelPreset
+from kvbench.engines.scheduler import SchedulerConfig
+from kvbench.errors import KvbenchError
+from kvbench.run.devices import DeviceSpec, kv_budget_bytes
+from kvbench.run.suite import EngineSection
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    preset: ModelPreset
+    gpu: Hardware
+    max_model_len: int
+    tp: int = 1
+    num_gpus: int | None = None  # tp x data-parallel replicas (default: one replica)
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.gpus % self.tp:
+            raise KvbenchError(
+                f"{self.gpus} GPUs do not split into tensor-parallel groups of {self.tp}"
+            )
+
+    @property
+    def gpus(self) -> int:
+        return self.tp if self.num_gpus is None else self.num_gpus
+
+    @property
+    def replicas(self) -> int:
+        return self.gpus // self.tp
+
+    @property
+    def device(self) -> DeviceSpec:
+        return DeviceSpec("sim", None, self.gpu, self.tp)
+
+    @property
+    def label(self) -> str:
+        replicas = f" x {self.replicas} replicas" if self.replicas > 1 else ""
+        return f"{self.gpus}x {self.gpu.name}, TP{self.tp}{replicas}"
+
+    def kv_budget_bytes(self) -> int:
+        """KV bytes of one replica, over its ranks."""
+        return kv_budget_bytes(
+            self.device, self.preset, kv_memory=None,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+        )
+
+    def options(self, block_size: int) -> EngineOptions:
+        return EngineOptions(
+            preset=self.preset, device=self.device, kv_bytes=self.kv_budget_bytes(),
+            block_size=block_size, prefix_caching=False,
+            scheduler=SchedulerConfig(
+                max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What one request holds at its longest: ``prompt`` + ``n`` x ``output`` tokens (paged
+    samples share the prompt's blocks; contiguous ones each reserve an extent)."""
+
+    prompt: int
+    output: int = 0
+    n: int = 1
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt + self.output
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityRow:
+    policy: str  # "contiguous/<reservation>" or "paged/bs<N>"
+    held_tokens: float  # tokens one request holds at its longest (mean over the demand)
+    reserved_tokens: float  # KV slots one request takes then (mean over the demand)
+    max_concurrent: int  # per replica
+    replicas: int
+    kv_bytes_per_token: int  # over a replica's ranks (replicated KV heads count per rank)
+    kv_bytes_per_token_per_rank: int
+    kv_budget_bytes: int  # per replica
+    kv_budget_bytes_per_rank: int
+    running: int  # min(max_concurrent, max_num_seqs): what the scheduler runs at once
+    decode_step_s: float  # one decode step of `running` sequences = TPOT at that load
+    prefill_s: float  # one mean prompt alone, in chunks of max_num_batched_tokens
+
+    @property
+    def total_concurrent(self) -> int:
+        return self.max_concurrent * self.replicas
+
+    @property
+    def held_fraction(self) -> float:
+        """Slots holding tokens over slots reserved, at the requests' longest."""
+        return self.held_tokens / self.reserved_tokens
+
+
+def policies(block_sizes: Sequence[int]) -> list[EngineSection]:
+    """Every contiguous reservation policy, then paged at each block size."""
+    return [EngineSection(kind="contiguous", reservation=r) for r in RESERVATIONS] + [
+        EngineSection(kind="paged", block_size=bs) for bs in block_sizes
+    ]
+
+
+def policy_name(section: EngineSection) -> str:
+    if section.kind == "paged":
+        return f"paged/bs{section.block_size}"
+    return f"contiguous/{section.reservation}"
+
+
+def reserved_slots(kv: ContiguousKVManager | PagedKVManager, demand: Demand) -> int:
+    """KV slots one request of ``demand`` takes in ``kv`` at its longest."""
+    if isinstance(kv, PagedKVManager):
+        blocks = -(-(demand.prompt + demand.n * demand.output) // kv.block_size)
+        return blocks * kv.block_size
+    return demand.n * kv.reserve_len(demand.tokens)
+
+
+def plan(dep: Deployment, sections: Sequence[EngineSection],
+         demands: Sequence[Demand]) -> list[CapacityRow]:
+    """One row per policy for requests like ``demands`` (each must fit max_model_len)."""
+    if not demands:
+        raise KvbenchError("no request fits max_model_len: nothing to plan for")
+    too_long = [d for d in demands if d.tokens > dep.max_model_len]
+    if too_long:
+        raise KvbenchError(
+            f"{len(too_long)} requests exceed max_model_len {dep.max_model_len} "
+            f"(longest {max(d.tokens for d in too_long)} tokens)"
+        )
+    budget = dep.kv_budget_bytes()
+    bpt_rank = dep.preset.kv_bytes_per_token_per_rank(dep.tp)
+    held = sum(d.prompt + d.n * d.output for d in demands) / len(demands)
+    cost = CostModel(dep.preset, dep.gpu, dep.tp)
+    ctx = sum(d.tokens for d in demands) // len(demands)
+    prompt = sum(d.prompt for d in demands) // len(demands)
+    rows = []
+    for section in sections:
+        kv = build_kv_manager(section, dep.options(section.block_size or 16))
+        assert isinstance(kv, ContiguousKVManager | PagedKVManager)
+        reserved = sum(reserved_slots(kv, d) for d in demands) / len(demands)
+        fits = int(kv.capacity_tokens // reserved)
+        running = min(fits, dep.max_num_seqs)
+        rows.append(CapacityRow(
+            policy=policy_name(section), held_tokens=held, reserved_tokens=reserved,
+            max_concurrent=fits,
+            replicas=dep.replicas, kv_bytes_per_token=bpt_rank * dep.tp,
+            kv_bytes_per_token_per_rank=bpt_rank, kv_budget_bytes=budget,
+            kv_budget_bytes_per_rank=budget // dep.tp, running=running,
+            decode_step_s=decode_step_s(cost, running, ctx),
+            prefill_s=prefill_s(cost, prompt, dep.max_num_batched_tokens),
+        ))
+    return rows
+
+
+def decode_step_s(cost: CostModel, num_seqs: int, context: int) -> float:
+    """One decode step of ``num_seqs`` sequences, each attending over ``context`` tokens."""
+    return cost.step_time_s(BatchShape(
+        num_seqs=num_seqs, decode_tokens=num_seqs, context_tokens=num_seqs * context,
+        attn_pairs=num_seqs * context,
+    ))
+
+
+def prefill_s(cost: CostModel, prompt: int, chunk: int) -> float:
+    """A ``prompt``-token prefill running alone, ``chunk`` tokens per step (chunked prefill)."""
+    total, start = 0.0, 0
+    while start < prompt:
+        n = min(chunk, prompt - start)
+        total += cost.step_time_s(BatchShape(
+            num_seqs=1, prefill_tokens=n, context_tokens=start + n,
+            attn_pairs=n * start + n * (n + 1) // 2,
+        ))
+        start += n
+    return total
+
+
+def concurrency_curve(dep: Deployment, section: EngineSection,
+                      lengths: Sequence[int]) -> list[int]:
+    """Max concurrent requests (per replica) holding each of ``lengths`` tokens."""
+    kv = build_kv_manager(section, dep.options(section.block_size or 16))
+    assert isinstance(kv, ContiguousKVManager | PagedKVManager)
+    return [int(kv.capacity_tokens // reserved_slots(kv, Demand(n))) for n in lengths]
+
+
+def write_concurrency_plot(dep: Deployment, sections: Sequence[EngineSection], path: Path,
+                           mark: int | None = None) -> Path:
+    """Max concurrent requests vs tokens per request, one line per policy, as a PNG;
+    ``mark`` draws a line at one request length."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from kvbench.units import format_bytes
+
+    lengths = sorted({int(x) for x in np.geomspace(64, dep.max_model_len, 400)})
+    fig = Figure(figsize=(9, 5.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    styles = {"contiguous": "--", "paged": "-"}
+    for section in sections:
+        curve = concurrency_curve(dep, section, lengths)
+        ax.step(lengths, curve, where="post", linestyle=styles[section.kind], linewidth=1.6,
+                label=policy_name(section))
+    budget = dep.kv_budget_bytes()
+    if mark is not None:
+        ax.axvline(mark, color="grey", linestyle=":", linewidth=1.2,
+                   label=f"{mark} tokens/request")
+    ax.set_xscale("log", base=2)
+    ticks = [1 << k for k in range(6, dep.max_model_len.bit_length())]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per request at its longest (prompt + output)")
+    ax.set_ylabel("max concurrent requests per replica (requests)")
+    ax.set_title(
+        f"{dep.preset.name} on {dep.label}: requests that fit in the KV cache\n"
+        f"KV budget {format_bytes(budget // dep.tp)} per rank "
+        f"({format_bytes(dep.preset.kv_bytes_per_token_per_rank(dep.tp))}/token/rank), "
+        f"max_model_len {dep.max_model_len}, gpu_memory_utilization "
+        f"{dep.gpu_memory_utilization}",
+        fontsize=10,
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(title="KV layout / reservation", fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
