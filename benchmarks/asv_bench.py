@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvbench.engines.costmodel import CostModel
-from kvbench.engines.factory import build_engine
+from kvbench.engines.registry import build_engine
 from kvbench.results.metrics import summarize
 from kvbench.run.clocks import VirtualClock
 from kvbench.run.harness import run_engine
@@ -40,7 +40,7 @@ def _plan(suite_name: str, block_size: int, **run: Any) -> RunPlan:
 
 
 def _engine(plan: RunPlan, name: str):
-    return build_engine(name, plan.suite.engine(name), plan.opts)
+    return build_engine(dict(plan.engines)[name])
 
 
 def _skip_unused_block_size(engine: str, block_size: int) -> None:

@@ -42,12 +42,11 @@ class KVStats:
     block_frees: int | None = None
     copied_bytes: int | None = None
 
-    @property
-    def frag_index(self) -> float | None:
-        """largest_free / free: 1.0 when all free memory is usable by one allocation."""
-        if self.free_bytes is None or self.largest_free_bytes is None:
-            return None
-        return 1.0 if self.free_bytes == 0 else self.largest_free_bytes / self.free_bytes
+
+def causal_pairs(start: int, num_tokens: int) -> int:
+    """Query x key pairs of causal attention for ``num_tokens`` new tokens after ``start``
+    cached ones: query ``i`` of the chunk sees ``start + i + 1`` keys."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
 
 
 @dataclass(slots=True)
@@ -99,7 +98,6 @@ class StepReport:
     preempted_ids: list[str] = field(default_factory=list)
     kv: KVStats | None = None
     batch: BatchShape = field(default_factory=BatchShape)
-    elapsed_s: float | None = None
 
 
 class Engine(Protocol):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from kvbench.engines.base import BatchShape, Finished, StepReport, output_digest
+from kvbench.engines.base import BatchShape, Finished, StepReport, causal_pairs, output_digest
+from kvbench.engines.config import EngineConfig
 from kvbench.engines.executor import Executor, ScheduledBatch
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.presets import ModelPreset
@@ -31,8 +31,23 @@ class BuiltinEngine:
         self._rejected: list[Finished] = []
         self._bytes_per_token = kv.bytes_per_token
 
-    def rejection(self, request: Request) -> str | None:
-        return self.scheduler.rejection(request)
+    @classmethod
+    def from_config(cls, config: EngineConfig, kv: KVManager) -> BuiltinEngine:
+        """``kv`` backed by the executor of ``config``'s device: the cost model's sim, or real
+        compute with torch."""
+        executor: Executor
+        if config.device.kind == "sim":
+            from kvbench.engines.sim_executor import SimExecutor
+
+            executor = SimExecutor(config.preset.vocab_size, config.device.label)
+        else:
+            from kvbench.engines.torch_executor import TorchExecutor
+
+            executor = TorchExecutor(
+                config.preset, device=config.device.torch_device or "cpu",
+                weights=config.weights, seed=config.seed, attention=config.attention,
+            )
+        return cls(config.name, config.preset, kv, config.scheduler, executor)
 
     def add(self, request: Request) -> None:
         reason = self.scheduler.rejection(request)
@@ -45,7 +60,6 @@ class BuiltinEngine:
         return bool(self._rejected) or self.scheduler.has_unfinished()
 
     def step(self) -> StepReport:
-        t0 = time.perf_counter()
         sched = self.scheduler
         batch, preempted, first = sched.schedule()
         shape = batch_shape(batch, self._bytes_per_token)
@@ -75,7 +89,6 @@ class BuiltinEngine:
             preempted_ids=[s.request.id for s in preempted],
             kv=self.kv.stats(),
             batch=shape,
-            elapsed_s=time.perf_counter() - t0,
         )
 
     def close(self) -> None:
@@ -100,8 +113,7 @@ def batch_shape(batch: ScheduledBatch, bytes_per_token: int) -> BatchShape:
         else:
             prefill += n
         context += start + n
-        # Causal: query i of the chunk sees start + i + 1 keys.
-        pairs += n * start + n * (n + 1) // 2
+        pairs += causal_pairs(start, n)
     copied = sum(c.num_slots for c in batch.copies) * bytes_per_token if batch.copies else 0
     return BatchShape(
         num_seqs=len(batch.items), prefill_tokens=prefill, decode_tokens=decode,

@@ -1,4 +1,5 @@
-"""Accelerators and their public figures, used by the cost model and capacity planning.
+"""Accelerators and their public figures, used by the cost model and capacity planning, and
+the device an engine runs on.
 
 Memory is what ``nvidia-smi`` reports as total; bandwidth and dense BF16/FP16 tensor FLOPs
 are the vendors' datasheet peaks (no sparsity); ``link_bytes_per_s`` is the per-GPU
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import psutil
 
 from kvbench.errors import KvbenchError
 
@@ -98,3 +101,31 @@ def get_gpu(name: str) -> Hardware:
         return _GPUS[name.lower()]
     except KeyError:
         raise KvbenchError(f"unknown GPU {name!r}; valid GPUs: {', '.join(gpu_names())}") from None
+
+
+# Uncalibrated figures for real compute on a CPU under the virtual clock; replace them with a
+# profile from `kvbench calibrate` for predictions that match this machine.
+CPU_HARDWARE = Hardware("cpu", psutil.virtual_memory().total, 20e9, 2e11, 20e9, "none")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    kind: str  # "cpu" | "cuda" | "sim"
+    torch_device: str | None = None
+    gpu: Hardware | None = None
+    tp: int = 1
+    profile: str | None = None  # calibration profile path (sim of a profiled device)
+    profiled_kind: str | None = None  # "cpu" | "cuda": what that profile measured
+
+    @property
+    def label(self) -> str:
+        if self.profile is not None:
+            return f"sim:{self.profile}"
+        if self.kind == "sim":
+            assert self.gpu is not None
+            return f"sim:{self.gpu.name}" + (f"x{self.tp}" if self.tp > 1 else "")
+        return self.torch_device or self.kind
+
+    @property
+    def hardware(self) -> Hardware:
+        return self.gpu if self.gpu is not None else CPU_HARDWARE

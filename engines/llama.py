@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from kvbench.engines.presets import ModelPreset
 from kvbench.engines.torch_device import TORCH_DTYPES
 from kvbench.kernels.backend import KernelBackend
+from kvbench.kernels.layouts import KVLayout
 
 
 @dataclass(slots=True)
@@ -25,17 +26,15 @@ class AttentionBatch:
     """Where this step's tokens go in the KV pool and what each sequence attends to.
 
     ``slot_mapping`` ``[T]`` int64; ``cu_seqlens_q`` ``[B + 1]`` int32; ``context_lens``
-    ``[B]`` int32 (cached + new tokens). A paged layout sets ``block_tables`` ``[B,
-    max_blocks]`` int32 and ``block_size``; a contiguous one sets ``extent_starts`` ``[B]``
-    int64. See :mod:`kvbench.kernels.reference` for the exact semantics.
+    ``[B]`` int32 (cached + new tokens); ``layout`` where each sequence's KV lies (block
+    tables, extents, ...) and so which kernel reads it. See :mod:`kvbench.kernels.reference`
+    for the exact semantics.
     """
 
     slot_mapping: Tensor
     cu_seqlens_q: Tensor
     context_lens: Tensor
-    block_tables: Tensor | None = None
-    block_size: int = 0
-    extent_starts: Tensor | None = None
+    layout: KVLayout
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -118,16 +117,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv[0], kv[1]
         self.kernels.store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        if batch.block_tables is not None:
-            o = self.kernels.paged_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.context_lens,
-                batch.cu_seqlens_q, batch.block_size, self.scale,
-            )
-        else:
-            o = self.kernels.contiguous_attention(
-                q, k_cache, v_cache, batch.extent_starts, batch.context_lens,
-                batch.cu_seqlens_q, self.scale,
-            )
+        o = batch.layout.attend(
+            self.kernels, q, k_cache, v_cache, batch.context_lens, batch.cu_seqlens_q, self.scale
+        )
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

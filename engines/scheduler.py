@@ -18,16 +18,22 @@ from typing import Any
 
 from kvbench.engines.executor import ScheduledBatch, ScheduledSeq
 from kvbench.engines.kv.base import KVManager
+from kvbench.engines.kv.spec import never_runs
 from kvbench.engines.sequence import SeqStatus, Sequence
 from kvbench.errors import KvbenchError
 from kvbench.workloads.model import Request
+
+# vLLM v1's defaults, used wherever a run leaves these unset.
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_model_len: int
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     chunked_prefill: bool = True
 
     def validate(self) -> None:
@@ -77,16 +83,9 @@ class Scheduler:
 
     def rejection(self, request: Request) -> str | None:
         """Why ``request`` can never run here, or None."""
-        total = request.prompt_tokens + request.output_tokens
-        if total > self.config.max_model_len:
-            return (
-                f"prompt ({request.prompt_tokens}) + output ({request.output_tokens}) = {total} "
-                f"tokens exceeds max_model_len {self.config.max_model_len}; raise --max-model-len "
-                "(up to the model's context) or drop such requests"
-            )
-        if request.n > self.config.max_num_seqs:
-            return f"n={request.n} samples exceed max_num_seqs {self.config.max_num_seqs}"
-        return self.kv.never_fits(request)
+        kv = self.kv
+        return never_runs(request, self.config.max_model_len, kv.footprint(request),
+                          kv.bytes_per_token, self.config.max_num_seqs)
 
     def add(self, request: Request, prompt_ids: Any) -> None:
         seq = self._new_seq(request, prompt_ids, 0)

@@ -1,8 +1,8 @@
 """The torch executor: real compute for the built-in engine, on CPU or CUDA.
 
 Each step is one forward over the flat batch of every scheduled prefill chunk and decode.
-KV lives in one pool tensor whose slots are exactly the KV manager's slots; the manager's
-layout (paged block tables or contiguous extents) picks the attention kernel.
+KV lives in one pool tensor whose slots are exactly the KV manager's slots; the layout the
+manager describes for each batch (block tables, extents, ...) picks the attention kernel.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from kvbench.engines.torch_device import TORCH_DTYPES, resolve_device, zeros
 from kvbench.engines.weights import build_model
 from kvbench.errors import KvbenchError
 from kvbench.kernels.backend import get_backend
-
-LAYOUTS = ("paged", "contiguous")
 
 
 class TorchExecutor(Executor):
@@ -63,8 +61,6 @@ class TorchExecutor(Executor):
 
     def bind(self, kv: KVManager) -> None:
         p = self.preset
-        if kv.kind not in LAYOUTS:
-            raise KvbenchError(f"the torch executor cannot back a {kv.kind!r} KV manager")
         if kv.bytes_per_token != p.kv_bytes_per_token:
             raise KvbenchError(
                 f"KV manager sized for {kv.bytes_per_token} bytes/token but {p.name} in "
@@ -104,17 +100,8 @@ class TorchExecutor(Executor):
             slot_mapping=dev(slots, torch.int64),
             cu_seqlens_q=dev(cu, torch.int32),
             context_lens=dev(ctx, torch.int32),
+            layout=kv.attention_layout([it.seq for it in items], ctx).on(self._device),
         )
-        if kv.kind == "paged":
-            bs = kv.block_size
-            tables = np.zeros((len(items), int(-(-ctx.max() // bs))), dtype=np.int32)
-            for i, it in enumerate(items):
-                n = -(-int(ctx[i]) // bs)
-                tables[i, :n] = kv.block_table(it.seq)[:n]
-            attn.block_tables, attn.block_size = dev(tables, torch.int32), bs
-        else:
-            starts = np.array([kv.extent(it.seq)[0] for it in items], dtype=np.int64)
-            attn.extent_starts = dev(starts, torch.int64)
 
         with torch.inference_mode():
             hidden = self.model.embed(dev(token_ids, torch.int64))

@@ -43,17 +43,26 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
 
-from kvbench.engines.base import BatchShape, Finished, KVStats, StepReport, output_digest
-from kvbench.engines.factory import EngineOptions, kv_bytes_per_token
+from pydantic import Field
+
+from kvbench.engines.base import (
+    BatchShape,
+    Finished,
+    KVStats,
+    StepReport,
+    causal_pairs,
+    output_digest,
+)
+from kvbench.engines.config import EngineConfig, EngineSection, EngineSettings, inherit_paging
+from kvbench.engines.kv.paged import paged_footprint
+from kvbench.engines.kv.spec import never_runs
 from kvbench.engines.vllm_config import hf_config, write_model_dir
 from kvbench.errors import KvbenchError
 from kvbench.workloads.model import Request
-
-if TYPE_CHECKING:
-    from kvbench.run.suite import EngineSection
 
 SUPPORTED_VLLM = "0.32"
 INSTALL_HINT = (
@@ -67,19 +76,6 @@ CPU_BLOCK_MULTIPLE = 32
 _GIB = 2**30
 # KVStats fields this adapter leaves None (see the module docstring for why).
 ABSENT_KV_FIELDS = ("shared_bytes", "block_allocs", "block_frees")
-
-
-def _block_size(section: EngineSection, opts: EngineOptions) -> int:
-    return section.block_size or opts.block_size
-
-
-def _prefix_caching(section: EngineSection, opts: EngineOptions) -> bool:
-    return opts.prefix_caching if section.prefix_caching is None else section.prefix_caching
-
-
-def _num_blocks(section: EngineSection, opts: EngineOptions) -> int:
-    """Blocks the KV budget holds: the same count a built-in paged engine gets."""
-    return opts.kv_bytes // (_block_size(section, opts) * kv_bytes_per_token(opts))
 
 
 def _set_vllm_env() -> None:
@@ -106,73 +102,100 @@ def _import_vllm() -> Any:
     return vllm
 
 
-def check_vllm(section: EngineSection, opts: EngineOptions) -> None:
+class VllmSection(EngineSection):
+    """Real vLLM with the run's model shapes, KV budget, block size and scheduler limits."""
+
+    kind: Literal["vllm"] = "vllm"
+    summary = "real vLLM (v1 engine, in-process): same model shapes, KV budget and block size"
+    block_size: int | None = Field(default=None, ge=1)
+    prefix_caching: bool | None = None
+
+    def resolved(self, settings: EngineSettings) -> VllmSection:
+        return self.model_copy(
+            update=inherit_paging(self.block_size, self.prefix_caching, settings)
+        )
+
+    def page_tokens(self) -> int:
+        assert self.block_size is not None, "resolve the section first"
+        return self.block_size
+
+    @property
+    def prefix_caching_enabled(self) -> bool:
+        return bool(self.prefix_caching)
+
+    def check(self, config: EngineConfig) -> None:
+        check_vllm(config)
+
+    def build(self, config: EngineConfig) -> VllmEngine:
+        check_vllm(config)
+        return VllmEngine(config)
+
+    def admission(self, config: EngineConfig) -> Callable[[Request], str | None]:
+        return partial(vllm_rejection, config)
+
+
+def vllm_rejection(config: EngineConfig, request: Request) -> str | None:
+    """The built-in engines' rule, over the blocks vLLM leaves requests: all but its null
+    block."""
+    footprint = paged_footprint(request, config.kv.page_tokens, config.num_pages - 1)
+    return never_runs(
+        request, config.scheduler.max_model_len, footprint, config.kv.bytes_per_token,
+        config.scheduler.max_num_seqs,
+    )
+
+
+def check_vllm(config: EngineConfig) -> None:
     """Fail before any work when vLLM cannot run this configuration."""
-    if opts.device.kind == "sim":
+    device = config.device
+    if device.kind == "sim":
         raise KvbenchError(
-            f"the vllm engine runs real vLLM and needs a real device, not {opts.device.label}; "
+            f"the vllm engine runs real vLLM and needs a real device, not {device.label}; "
             "use --device cpu or --device cuda, or drop vllm from --engines"
         )
-    if section.leak_finished or section.compaction:
-        raise KvbenchError(
-            "leak_finished and compaction are built-in engine options; vLLM has neither"
-        )
-    bs = _block_size(section, opts)
-    if opts.device.kind == "cpu" and bs % CPU_BLOCK_MULTIPLE:
+    bs = config.kv.page_tokens
+    if device.kind == "cpu" and bs % CPU_BLOCK_MULTIPLE:
         raise KvbenchError(
             f"vLLM's CPU attention needs a block size that is a multiple of "
             f"{CPU_BLOCK_MULTIPLE}, got {bs}: use --block-size 32 so every paged engine "
             "shares it"
         )
-    block_bytes = bs * kv_bytes_per_token(opts)
-    if opts.kv_bytes < block_bytes:
+    if device.kind == "cuda" and device.torch_device not in ("cuda", "cuda:0"):
         raise KvbenchError(
-            f"KV budget {opts.kv_bytes} bytes holds no {bs}-token block of {block_bytes} "
-            f"bytes; raise --kv-memory to at least {block_bytes}"
+            f"the vllm engine uses the first visible GPU; for {device.torch_device} run "
+            f"with CUDA_VISIBLE_DEVICES={device.torch_device.split(':')[1]} and --device cuda"
         )
-    if opts.device.kind == "cuda" and opts.device.torch_device not in ("cuda", "cuda:0"):
-        raise KvbenchError(
-            f"the vllm engine uses the first visible GPU; for {opts.device.torch_device} run "
-            f"with CUDA_VISIBLE_DEVICES={opts.device.torch_device.split(':')[1]} and --device cuda"
-        )
-    hf_config(opts.preset)
+    hf_config(config.preset)
     _import_vllm()
     from vllm.platforms import current_platform
 
-    if current_platform.device_type != opts.device.kind:
+    if current_platform.device_type != device.kind:
         raise KvbenchError(
             f"the installed vLLM runs on {current_platform.device_type or 'no device'}, but "
-            f"this run uses --device {opts.device.label}; {INSTALL_HINT}"
+            f"this run uses --device {device.label}; {INSTALL_HINT}"
         )
-
-
-def build_vllm_engine(name: str, section: EngineSection, opts: EngineOptions) -> VllmEngine:
-    check_vllm(section, opts)
-    return VllmEngine(name, section, opts)
-
-
 
 
 class VllmEngine:
     """vLLM's v1 ``LLMEngine``, in-process, stepped by the harness."""
 
-    def __init__(self, name: str, section: EngineSection, opts: EngineOptions) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         vllm = _import_vllm()
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        self.name = name
-        self.preset = opts.preset
-        self.block_size = _block_size(section, opts)
-        self.bytes_per_token = kv_bytes_per_token(opts)
-        self.num_blocks = _num_blocks(section, opts)
-        self.prefix_caching = _prefix_caching(section, opts)
-        self.scheduler_config = opts.scheduler
-        self.device = opts.device.label
+        self.name = config.name
+        self.config = config
+        self.preset = config.preset
+        self.block_size = config.kv.page_tokens
+        self.bytes_per_token = config.kv.bytes_per_token
+        self.num_blocks = config.num_pages
+        self.prefix_caching = config.prefix_caching
+        self.scheduler_config = config.scheduler
+        self.device = config.device.label
         self.vllm_version = vllm.__version__
         # CPU: torch.compile warm-up costs about a minute per start on small machines and the
         # built-in executor runs eagerly too. CUDA: vLLM as deployed (compiled, CUDA graphs).
-        self.enforce_eager = opts.device.kind == "cpu"
+        self.enforce_eager = config.device.kind == "cpu"
         self._block_bytes = self.block_size * self.bytes_per_token
         self._multimodal = False
         self._rejected: list[Finished] = []
@@ -189,23 +212,23 @@ class VllmEngine:
 
         kv_budget = self.num_blocks * self._block_bytes
         extra: dict[str, Any] = {}
-        if opts.device.kind == "cpu":
+        if config.device.kind == "cpu":
             # vLLM's CPU worker takes its cache size (whole GiB) from this variable, which
             # overrides any size given in bytes; the block-count override below then trims
             # the allocation to exactly our blocks.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_budget / _GIB)))
         else:
             extra["kv_cache_memory_bytes"] = kv_budget
-        sched = opts.scheduler
+        sched = config.scheduler
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="kvbench-vllm-") as tmp:
-            model_dir = write_model_dir(opts.preset, Path(tmp) / opts.preset.name)
+            model_dir = write_model_dir(config.preset, Path(tmp) / config.preset.name)
             args = EngineArgs(
                 model=str(model_dir),
                 skip_tokenizer_init=True,
                 load_format="dummy",
-                dtype=opts.preset.dtype,
-                seed=opts.seed,
+                dtype=config.preset.dtype,
+                seed=config.seed,
                 block_size=self.block_size,
                 enable_prefix_caching=self.prefix_caching,
                 num_gpu_blocks_override=self.num_blocks,
@@ -272,7 +295,7 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        reason = self._rejection(request)
+        reason = vllm_rejection(self.config, request)
         if reason is not None:
             self._rejected.append(Finished(request.id, rejected=reason))
             return
@@ -303,25 +326,10 @@ class VllmEngine:
         self._pending.add(request.id)
         self._outputs[request.id] = {}
 
-    def _rejection(self, request: Request) -> str | None:
-        """The built-in scheduler's rule for requests that can never run."""
-        sched = self.scheduler_config
-        total = request.prompt_tokens + request.output_tokens
-        if total > sched.max_model_len:
-            return (
-                f"prompt ({request.prompt_tokens}) + output ({request.output_tokens}) = {total} "
-                f"tokens exceeds max_model_len {sched.max_model_len}; raise --max-model-len "
-                "(up to the model's context) or drop such requests"
-            )
-        if request.n > sched.max_num_seqs:
-            return f"n={request.n} samples exceed max_num_seqs {sched.max_num_seqs}"
-        return None
-
     def has_unfinished(self) -> bool:
         return bool(self._rejected or self._pending)
 
     def step(self) -> StepReport:
-        t0 = time.perf_counter()
         self._step = None
         outputs = self._engine.step()
         capture = self._step or _StepCapture(BatchShape(), [], [])
@@ -358,7 +366,6 @@ class VllmEngine:
         report.num_running = len({self._to_request[r.request_id] for r in sched.running})
         report.num_waiting = sched.get_request_counts()[1]
         report.kv = self._kv_stats()
-        report.elapsed_s = time.perf_counter() - t0
         return report
 
     def close(self) -> None:
@@ -404,8 +411,7 @@ class VllmEngine:
             else:
                 shape.prefill_tokens += n
             shape.context_tokens += start + n
-            # Causal: query i of the chunk sees start + i + 1 keys.
-            shape.attn_pairs += n * start + n * (n + 1) // 2
+            shape.attn_pairs += causal_pairs(start, n)
         copies = len(output.kv_cache_block_copies or ())
         shape.copied_bytes = copies * self._block_bytes
         self._copied_bytes += shape.copied_bytes

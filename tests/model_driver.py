@@ -10,6 +10,7 @@ from kvbench.engines.presets import ModelPreset
 from kvbench.engines.torch_device import TORCH_DTYPES
 from kvbench.engines.weights import build_model
 from kvbench.kernels import get_backend
+from kvbench.kernels.layouts import BlockTables, Extents, KVLayout
 
 SMALL = ModelPreset(
     name="small", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -56,17 +57,17 @@ class Runner:
         token."""
         spans = [(s, start, start + len(ids)) for s, ids, start in work]
         cu = np.cumsum([0] + [len(ids) for _, ids, _ in work])
+        if self.layout == "paged":
+            tables = np.stack([self.tables[s] for s, _, _ in spans])
+            layout: KVLayout = BlockTables(tables, self.BLOCK)
+        else:
+            layout = Extents(np.array([self.starts[s] for s, _, _ in spans]))
         batch = AttentionBatch(
             slot_mapping=torch.from_numpy(np.concatenate([self.slots(*span) for span in spans])),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
             context_lens=torch.tensor([end for _, _, end in spans], dtype=torch.int32),
+            layout=layout.on(torch.device("cpu")),
         )
-        if self.layout == "paged":
-            tables = np.stack([self.tables[s] for s, _, _ in spans])
-            batch.block_tables = torch.tensor(tables, dtype=torch.int32)
-            batch.block_size = self.BLOCK
-        else:
-            batch.extent_starts = torch.tensor([self.starts[s] for s, _, _ in spans])
         ids = torch.from_numpy(np.concatenate([ids for _, ids, _ in work]))
         positions = torch.from_numpy(np.concatenate([np.arange(a, b) for _, a, b in spans]))
         rows = torch.from_numpy(cu[1:] - 1)

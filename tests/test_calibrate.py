@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from kvbench.engines.costmodel import CostModel
-from kvbench.engines.hardware import CostCoefficients
+from kvbench.engines.hardware import CPU_HARDWARE, CostCoefficients
 from kvbench.engines.kv.paged import PagedKVManager
 from kvbench.engines.presets import get_preset
 from kvbench.errors import KvbenchError
-from kvbench.run.devices import CPU_HARDWARE, kv_budget_bytes, parse_device
+from kvbench.run.devices import kv_budget_bytes, parse_device
 from kvbench.run.execute import execute_plan
 from kvbench.run.plan import plan_run
 from kvbench.run.suite import Suite

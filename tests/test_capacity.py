@@ -9,7 +9,6 @@ from typer.testing import CliRunner
 
 from helpers import text_request
 from kvbench.cli.app import app
-from kvbench.engines.factory import build_kv_manager
 from kvbench.engines.hardware import MiB, get_gpu
 from kvbench.engines.presets import get_preset
 from kvbench.engines.sequence import Sequence
@@ -48,14 +47,14 @@ def test_llama2_7b_on_a100_by_hand() -> None:
     assert rows["paged/bs16"].decode_step_s > rows["contiguous/max_model_len"].decode_step_s
 
 
-@pytest.mark.parametrize("section", policies([16, 48]), ids=lambda s: s.kind + str(s.block_size))
+@pytest.mark.parametrize("section", policies([16, 48]), ids=lambda s: s.label())
 def test_plan_matches_admitting_into_the_real_managers(section) -> None:
     # About 18 MiB of KV: some 9000 tokens of the tiny model, a few dozen requests.
     dep = Deployment(get_preset("tiny"), get_gpu("a100-40gb"), max_model_len=1024,
                      gpu_memory_utilization=0.001, max_num_batched_tokens=256, max_num_seqs=8)
     length = 300
     fits = _by_policy(plan(dep, [section], [Demand(200, 100)]))
-    kv = build_kv_manager(section, dep.options(section.block_size or 16))
+    kv = dep.kv_manager(section)
     admitted = 0
     while True:
         req = text_request(f"r{admitted}", 200, 100)

@@ -5,21 +5,22 @@ from __future__ import annotations
 import pytest
 
 from helpers import make_workload, text_request
+from kvbench.engines.config import EngineSection, EngineSettings, engine_config
 from kvbench.engines.costmodel import CostModel
-from kvbench.engines.factory import EngineOptions, build_engine
+from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.presets import get_preset
+from kvbench.engines.registry import NAMED_ENGINES, build_engine
 from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.results.metrics import summarize
 from kvbench.run.clocks import VirtualClock
 from kvbench.run.devices import parse_device
 from kvbench.run.harness import run_engine
-from kvbench.run.suite import BUILTIN_ENGINES, EngineSection
 
 
 def _opts(kv_tokens: int, *, max_len: int = 4096, seqs: int = 64, batched: int = 2048,
-          chunked: bool = True, block_size: int = 16, prefix: bool = True) -> EngineOptions:
+          chunked: bool = True, block_size: int = 16, prefix: bool = True) -> EngineSettings:
     preset = get_preset("llama-3-8b")
-    return EngineOptions(
+    return EngineSettings(
         preset=preset,
         device=parse_device("sim:a100-80gb"),
         kv_bytes=kv_tokens * preset.kv_bytes_per_token,
@@ -29,8 +30,8 @@ def _opts(kv_tokens: int, *, max_len: int = 4096, seqs: int = 64, batched: int =
     )
 
 
-def _run(engine_name: str, workload, opts: EngineOptions, section: EngineSection | None = None):
-    engine = build_engine(engine_name, section or BUILTIN_ENGINES[engine_name], opts)
+def _run(engine_name: str, workload, opts: EngineSettings, section: EngineSection | None = None):
+    engine = build_engine(engine_config(engine_name, section or NAMED_ENGINES[engine_name], opts))
     clock = VirtualClock(CostModel(opts.preset, opts.device.hardware, opts.device.tp))
     return run_engine(engine, workload, clock)
 
@@ -128,7 +129,7 @@ def test_parallel_samples_fork_and_finish_together() -> None:
 
 def test_leaking_option_keeps_blocks() -> None:
     wl = _mixed(10)
-    leaky = EngineSection(kind="paged", leak_finished=True)
+    leaky = PagedPolicy(leak_finished=True)
     run = _run("paged", wl, _opts(65536), leaky)
     assert run.last_kv.reserved_bytes > 0
     clean = _run("paged", wl, _opts(65536))

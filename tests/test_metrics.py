@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from helpers import make_workload, text_request
+from kvbench.engines.config import EngineSettings, engine_config
 from kvbench.engines.costmodel import CostModel
-from kvbench.engines.factory import EngineOptions, build_engine
 from kvbench.engines.presets import get_preset
+from kvbench.engines.registry import NAMED_ENGINES, build_engine
 from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.errors import KvbenchError
 from kvbench.results.curves import build_curves
@@ -16,7 +17,6 @@ from kvbench.results.slo import SLO, parse_slo
 from kvbench.run.clocks import VirtualClock
 from kvbench.run.devices import parse_device
 from kvbench.run.harness import EngineRun, RequestTiming, StepLog, run_engine
-from kvbench.run.suite import BUILTIN_ENGINES
 from kvbench.run.telemetry import ProbeSamples, Telemetry
 
 
@@ -109,7 +109,7 @@ def test_device_memory_prefers_nvml_process_reading() -> None:
 
 def _sim_run(engine: str, kv_tokens: int = 6144):
     preset = get_preset("llama-3-8b")
-    opts = EngineOptions(
+    opts = EngineSettings(
         preset=preset, device=parse_device("sim:a100-80gb"),
         kv_bytes=kv_tokens * preset.kv_bytes_per_token, block_size=16, prefix_caching=True,
         scheduler=SchedulerConfig(2048, 64, 1024, True),
@@ -120,7 +120,7 @@ def _sim_run(engine: str, kv_tokens: int = 6144):
          for i in range(40)]
     )
     clock = VirtualClock(CostModel(preset, opts.device.hardware, opts.device.tp))
-    return run_engine(build_engine(engine, BUILTIN_ENGINES[engine], opts), wl, clock)
+    return run_engine(build_engine(engine_config(engine, NAMED_ENGINES[engine], opts)), wl, clock)
 
 
 @pytest.mark.parametrize("engine", ["paged", "contiguous"])

@@ -9,23 +9,23 @@ from typer.testing import CliRunner
 
 from helpers import make_workload, text_request
 from kvbench.cli.app import app
+from kvbench.engines.config import EngineSettings, engine_config
 from kvbench.engines.costmodel import CostModel
-from kvbench.engines.factory import EngineOptions, build_engine
 from kvbench.engines.presets import get_preset
+from kvbench.engines.registry import NAMED_ENGINES, build_engine
 from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.results.leaks import KV_KIND, analyze_soak, fit_kind, slope_per_wave
 from kvbench.results.metrics import summarize
 from kvbench.run.clocks import VirtualClock
 from kvbench.run.devices import parse_device
 from kvbench.run.harness import run_engine
-from kvbench.run.suite import BUILTIN_ENGINES
 
 WAVES = 4
 
 
 def _soak(engine: str):
     preset = get_preset("llama-3-8b")
-    opts = EngineOptions(
+    opts = EngineSettings(
         preset=preset, device=parse_device("sim:a100-80gb"),
         kv_bytes=65536 * preset.kv_bytes_per_token, block_size=16, prefix_caching=True,
         scheduler=SchedulerConfig(2048, 64, 1024, True),
@@ -35,7 +35,7 @@ def _soak(engine: str):
          for i in range(12)]
     )
     clock = VirtualClock(CostModel(preset, opts.device.hardware, opts.device.tp))
-    eng = build_engine(engine, BUILTIN_ENGINES[engine], opts)
+    eng = build_engine(engine_config(engine, NAMED_ENGINES[engine], opts))
     return run_engine(eng, wl, clock, waves=WAVES)
 
 

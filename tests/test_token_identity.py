@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 
 from helpers import make_workload
-from kvbench.engines.factory import EngineOptions, build_engine
+from kvbench.engines.config import EngineSettings, engine_config
 from kvbench.engines.presets import get_preset
+from kvbench.engines.registry import NAMED_ENGINES, build_engine
 from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.results.metrics import summarize
 from kvbench.run.clocks import WallClock
 from kvbench.run.devices import parse_device
 from kvbench.run.harness import run_engine
-from kvbench.run.suite import BUILTIN_ENGINES
 from kvbench.workloads.model import Request, Segment
 
 
@@ -37,7 +37,7 @@ def _workload():
 def _outputs(engine: str, kv_tokens: int, *, chunked: bool = True, batched: int = 512,
              prefix: bool = True) -> tuple[dict[str, str], dict]:
     preset = get_preset("tiny")
-    opts = EngineOptions(
+    opts = EngineSettings(
         preset=preset,
         device=parse_device("cpu"),
         kv_bytes=kv_tokens * preset.kv_bytes_per_token,
@@ -48,7 +48,8 @@ def _outputs(engine: str, kv_tokens: int, *, chunked: bool = True, batched: int 
             max_num_batched_tokens=batched if chunked else 1024, chunked_prefill=chunked,
         ),
     )
-    run = run_engine(build_engine(engine, BUILTIN_ENGINES[engine], opts), _workload(), WallClock())
+    engine_ = build_engine(engine_config(engine, NAMED_ENGINES[engine], opts))
+    run = run_engine(engine_, _workload(), WallClock())
     assert run.status == "ok", run.error
     digests = {rid: t.output_digest for rid, t in run.timings.items()}
     assert all(d is not None for d in digests.values())

@@ -14,14 +14,13 @@ from kvbench.engines.kv.base import SlotCopy
 from kvbench.engines.sequence import Sequence
 from kvbench.engines.torch_executor import TorchExecutor
 from kvbench.errors import KvbenchError
+from kvbench.kernels.layouts import BlockTables, Extents
 from kvbench.workloads.modalities import audio_token_count, image_token_count
 from kvbench.workloads.model import Request, Segment
 
 
 class PagedStub:
     """Blocks from a shuffled free list, grown on demand (only what the executor reads)."""
-
-    kind = "paged"
 
     def __init__(self, num_blocks: int, block_size: int = 4, seed: int = 0) -> None:
         self.block_size = block_size
@@ -30,8 +29,10 @@ class PagedStub:
         self.free = list(np.random.default_rng(seed).permutation(num_blocks))
         self.tables: dict[int, list[int]] = {}
 
-    def block_table(self, seq: Sequence) -> list[int]:
-        return self.tables[seq.seq_id]
+    def attention_layout(self, seqs: list[Sequence], context_lens: np.ndarray) -> BlockTables:
+        width = max(len(self.tables[s.seq_id]) for s in seqs)
+        tables = [self.tables[s.seq_id] + [0] * (width - len(self.tables[s.seq_id])) for s in seqs]
+        return BlockTables(np.array(tables, dtype=np.int32), self.block_size)
 
     def slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         table = self.tables.setdefault(seq.seq_id, [])
@@ -44,16 +45,14 @@ class PagedStub:
 class ContiguousStub:
     """Fixed-size extents, placed back to front; ``move`` relocates one like compaction."""
 
-    kind = "contiguous"
-
     def __init__(self, num_seqs: int, extent: int = 128) -> None:
         self.capacity_tokens = num_seqs * extent + 8
         self.bytes_per_token = SMALL.kv_bytes_per_token
         self.extent_len = extent
         self.starts = {i: 8 + (num_seqs - 1 - i) * extent for i in range(num_seqs)}
 
-    def extent(self, seq: Sequence) -> tuple[int, int]:
-        return self.starts[seq.seq_id], self.extent_len
+    def attention_layout(self, seqs: list[Sequence], context_lens: np.ndarray) -> Extents:
+        return Extents(np.array([self.starts[s.seq_id] for s in seqs], dtype=np.int64))
 
     def slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         return self.starts[seq.seq_id] + np.arange(start, end)

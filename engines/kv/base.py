@@ -1,9 +1,11 @@
-"""The KV manager interface shared by the paged and contiguous managers.
+"""The KV manager interface every KV policy implements.
 
 Managers only do bookkeeping: which physical token slots hold which sequence's KV. The
 physical pool is a flat array of ``capacity_tokens`` slots (paged: ``num_blocks x
 block_size``, slot = block * block_size + offset; contiguous: a linear arena). An executor
-backs the slots with real tensors; the sim executor backs them with nothing.
+backs the slots with real tensors, reading only this interface: the pool's size and
+:class:`KVSpec`, each token's slot, and the attention layout of a batch. The sim executor
+backs the slots with nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Any
 import numpy as np
 
 from kvbench.engines.base import KVStats
+from kvbench.engines.kv.spec import Footprint, KVSpec, never_runs
 from kvbench.engines.sequence import Sequence
+from kvbench.kernels.layouts import KVLayout
 from kvbench.workloads.model import Request
 
 
@@ -34,13 +38,27 @@ class SlotCopy:
 
 
 class KVManager(ABC):
-    kind: str
-    bytes_per_token: int
+    spec: KVSpec
     capacity_tokens: int
+    max_model_len: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.spec.bytes_per_token
 
     @abstractmethod
+    def footprint(self, request: Request) -> Footprint:
+        """Slots ``request`` needs in an empty cache before it can run at all."""
+
+    @abstractmethod
+    def held_tokens(self, prompt: int, output: int, n: int = 1) -> int:
+        """Slots a request of ``prompt`` + ``output`` tokens and ``n`` samples holds at its
+        longest (capacity planning)."""
+
     def never_fits(self, request: Request) -> str | None:
         """Why ``request`` could never be admitted even into an empty cache, or None."""
+        return never_runs(request, self.max_model_len, self.footprint(request),
+                          self.bytes_per_token)
 
     @abstractmethod
     def lookup_prefix(self, seq: Sequence) -> int:
@@ -73,6 +91,10 @@ class KVManager(ABC):
     @abstractmethod
     def slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         """Physical slots of token positions ``[start, end)`` of ``seq`` (int64)."""
+
+    @abstractmethod
+    def attention_layout(self, seqs: list[Sequence], context_lens: np.ndarray) -> KVLayout:
+        """Where each of ``seqs`` (with ``context_lens`` KV positions each) finds its KV."""
 
     @abstractmethod
     def take_copies(self) -> list[SlotCopy]:

@@ -19,15 +19,37 @@ from typing import Any, Literal
 import numpy as np
 
 from kvbench.engines.base import KVStats
+from kvbench.engines.config import EngineConfig, KVPolicy
 from kvbench.engines.kv.arena import FITS, Arena, Fit
 from kvbench.engines.kv.base import KVManager, SlotCopy
+from kvbench.engines.kv.spec import Footprint, KVSpec
 from kvbench.engines.sequence import Sequence
 from kvbench.errors import KvbenchError
-from kvbench.units import format_bytes
+from kvbench.kernels.layouts import Extents
 from kvbench.workloads.model import Request
 
 Reservation = Literal["max_model_len", "request", "pow2"]
 RESERVATIONS: tuple[str, ...] = ("max_model_len", "request", "pow2")
+
+
+class ContiguousPolicy(KVPolicy):
+    """One extent per sequence in a linear arena, reserved at admission."""
+
+    kind: Literal["contiguous"] = "contiguous"
+    summary = "one reserved extent per sequence (max_model_len | request | pow2), first/best fit"
+    reservation: Reservation = "max_model_len"
+    fit: Fit = "first"
+    compaction: bool = False
+
+    def label(self) -> str:
+        return f"contiguous/{self.reservation}" + ("+compact" if self.compaction else "")
+
+    def manager(self, config: EngineConfig) -> ContiguousKVManager:
+        return ContiguousKVManager(
+            config.capacity_tokens, config.kv.bytes_per_token, config.scheduler.max_model_len,
+            reservation=self.reservation, fit=self.fit, compaction=self.compaction,
+            dtype=config.kv.dtype,
+        )
 
 
 @dataclass(slots=True)
@@ -56,6 +78,7 @@ class ContiguousKVManager(KVManager):
         reservation: Reservation = "max_model_len",
         fit: Fit = "first",
         compaction: bool = False,
+        dtype: str | None = None,
     ) -> None:
         for name, value in (
             ("capacity_tokens", capacity_tokens),
@@ -71,7 +94,8 @@ class ContiguousKVManager(KVManager):
         if fit not in FITS:
             raise KvbenchError(f"unknown fit {fit!r}: use one of {', '.join(FITS)}")
         self.capacity_tokens = capacity_tokens
-        self.bytes_per_token = bytes_per_token
+        # Extents have any length: the page is one token slot.
+        self.spec = KVSpec(1, bytes_per_token, dtype)
         self.max_model_len = max_model_len
         self.reservation = reservation
         self.fit = fit
@@ -97,28 +121,19 @@ class ContiguousKVManager(KVManager):
             return num_tokens
         return min(1 << (num_tokens - 1).bit_length(), self.max_model_len)
 
-    def never_fits(self, request: Request) -> str | None:
-        need = request.prompt_tokens + request.output_tokens
-        if need > self.max_model_len:
-            return (
-                f"request {request.id} needs {need} tokens (prompt {request.prompt_tokens} + "
-                f"output {request.output_tokens}) but max_model_len is {self.max_model_len}; "
-                f"raise --max-model-len to at least {need} or shorten the request"
-            )
+    def footprint(self, request: Request) -> Footprint:
         # All samples' extents are reserved together, so all must fit together.
-        total = request.n * self.reserve_len(need)
-        if total > self.capacity_tokens:
-            bpt = self.bytes_per_token
-            samples = f"{request.n} samples x " if request.n > 1 else ""
-            return (
-                f"request {request.id} reserves {samples}{self.reserve_len(need)} tokens "
-                f"({format_bytes(total * bpt)}, reservation={self.reservation}) but the KV "
-                f"arena holds {self.capacity_tokens} tokens "
-                f"({format_bytes(self.capacity_tokens * bpt)}); raise --kv-memory to at least "
-                f"{format_bytes(total * bpt)}"
-                + (" or use a tighter reservation policy" if self.reservation != "request" else "")
-            )
-        return None
+        length = self.reserve_len(request.prompt_tokens + request.output_tokens)
+        samples = f"{request.n} samples x " if request.n > 1 else ""
+        return Footprint(
+            tokens=request.n * length, capacity_tokens=self.capacity_tokens,
+            what=f"extents of {samples}{length} tokens (reservation={self.reservation})",
+            capacity=f"{self.capacity_tokens} tokens",
+            hint=" or use a tighter reservation policy" if self.reservation != "request" else "",
+        )
+
+    def held_tokens(self, prompt: int, output: int, n: int = 1) -> int:
+        return n * self.reserve_len(prompt + output)
 
     def lookup_prefix(self, seq: Sequence) -> int:
         return 0  # no prefix caching: extents are private
@@ -209,6 +224,10 @@ class ContiguousKVManager(KVManager):
         """(start slot, reserved length) of ``seq``'s extent."""
         ext = self._extents[seq.seq_id]
         return ext.start, ext.length
+
+    def attention_layout(self, seqs: list[Sequence], context_lens: np.ndarray) -> Extents:
+        extents = self._extents
+        return Extents(np.array([extents[s.seq_id].start for s in seqs], dtype=np.int64))
 
     def take_copies(self) -> list[SlotCopy]:
         copies, self._copies = self._copies, []

@@ -14,22 +14,70 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+from pydantic import Field
 
 from kvbench.engines.base import KVStats
+from kvbench.engines.config import EngineConfig, EngineSettings, KVPolicy, inherit_paging
 from kvbench.engines.kv.base import KVManager, SlotCopy
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
+from kvbench.engines.kv.spec import Footprint, KVSpec
 from kvbench.engines.sequence import Sequence
 from kvbench.errors import KvbenchError
-from kvbench.units import format_bytes
+from kvbench.kernels.layouts import BlockTables
 from kvbench.workloads.model import Request
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def paged_footprint(request: Request, block_size: int, num_blocks: int) -> Footprint:
+    """One sample's blocks at its longest: the least a paged cache of ``num_blocks`` blocks
+    must hold for ``request`` to run (further samples can wait or be preempted)."""
+    blocks = _cdiv(request.prompt_tokens + request.output_tokens, block_size)
+    return Footprint(
+        tokens=blocks * block_size, capacity_tokens=num_blocks * block_size,
+        what=f"{blocks} blocks of {block_size} tokens for one sample",
+        capacity=f"{num_blocks} blocks",
+    )
+
+
+class PagedPolicy(KVPolicy):
+    """Fixed-size blocks with per-sequence block tables; prefix caching and fork + CoW.
+    ``leak_finished`` is a deliberate fault: finished sequences' blocks are never returned."""
+
+    kind: Literal["paged"] = "paged"
+    summary = "fixed-size blocks + block tables, prefix caching (LRU), fork + copy-on-write"
+    block_size: int | None = Field(default=None, ge=1)
+    prefix_caching: bool | None = None
+    leak_finished: bool = False
+
+    def resolved(self, settings: EngineSettings) -> PagedPolicy:
+        return self.model_copy(
+            update=inherit_paging(self.block_size, self.prefix_caching, settings)
+        )
+
+    def page_tokens(self) -> int:
+        assert self.block_size is not None, "resolve the section first"
+        return self.block_size
+
+    @property
+    def prefix_caching_enabled(self) -> bool:
+        return bool(self.prefix_caching)
+
+    def label(self) -> str:
+        return f"paged/bs{self.block_size}"
+
+    def manager(self, config: EngineConfig) -> PagedKVManager:
+        return PagedKVManager(
+            config.num_pages, config.kv.page_tokens, config.kv.bytes_per_token,
+            config.scheduler.max_model_len, enable_prefix_caching=config.prefix_caching,
+            leak_finished=self.leak_finished, dtype=config.kv.dtype,
+        )
 
 
 @dataclass(slots=True)
@@ -59,6 +107,7 @@ class PagedKVManager(KVManager):
         max_model_len: int,
         enable_prefix_caching: bool = True,
         leak_finished: bool = False,
+        dtype: str | None = None,
     ) -> None:
         for name, value in (
             ("num_blocks", num_blocks),
@@ -70,7 +119,7 @@ class PagedKVManager(KVManager):
                 raise KvbenchError(f"paged KV cache: {name} must be positive, got {value}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.bytes_per_token = bytes_per_token
+        self.spec = KVSpec(block_size, bytes_per_token, dtype)
         self.max_model_len = max_model_len
         self.capacity_tokens = num_blocks * block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -93,24 +142,12 @@ class PagedKVManager(KVManager):
         self._hit_tokens = 0
         self._query_tokens = 0
 
-    def never_fits(self, request: Request) -> str | None:
-        need = request.prompt_tokens + request.output_tokens
-        if need > self.max_model_len:
-            return (
-                f"request {request.id} needs {need} tokens (prompt {request.prompt_tokens} + "
-                f"output {request.output_tokens}) but max_model_len is {self.max_model_len}; "
-                f"raise --max-model-len to at least {need} or shorten the request"
-            )
-        blocks = _cdiv(need, self.block_size)
-        if blocks > self.num_blocks:
-            block_bytes = self.block_size * self.bytes_per_token
-            return (
-                f"request {request.id} needs {blocks} blocks of {self.block_size} tokens "
-                f"({format_bytes(blocks * block_bytes)}) for one sample but the KV cache "
-                f"holds {self.num_blocks} blocks ({format_bytes(self.num_blocks * block_bytes)}); "
-                f"raise --kv-memory to at least {format_bytes(blocks * block_bytes)}"
-            )
-        return None
+    def footprint(self, request: Request) -> Footprint:
+        return paged_footprint(request, self.block_size, self.num_blocks)
+
+    def held_tokens(self, prompt: int, output: int, n: int = 1) -> int:
+        # Samples share the prompt's blocks.
+        return _cdiv(prompt + n * output, self.block_size) * self.block_size
 
     def lookup_prefix(self, seq: Sequence) -> int:
         if not self.enable_prefix_caching:
@@ -242,6 +279,14 @@ class PagedKVManager(KVManager):
     def block_table(self, seq: Sequence) -> list[int]:
         """A copy of ``seq``'s block table."""
         return list(self._seqs[seq.seq_id].table)
+
+    def attention_layout(self, seqs: list[Sequence], context_lens: np.ndarray) -> BlockTables:
+        bs = self.block_size
+        tables = np.zeros((len(seqs), int(-(-context_lens.max() // bs))), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            n = -(-int(context_lens[i]) // bs)
+            tables[i, :n] = self._seqs[seq.seq_id].table[:n]
+        return BlockTables(tables, bs)
 
     def take_copies(self) -> list[SlotCopy]:
         copies, self._copies = self._copies, []

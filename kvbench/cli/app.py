@@ -180,7 +180,8 @@ def list_names() -> None:
     """Model presets, GPUs, engines, suites and workload presets."""
     from kvbench.engines.hardware import get_gpu, gpu_names
     from kvbench.engines.presets import get_preset, preset_names
-    from kvbench.run.suite import BUILTIN_ENGINES, suite_names
+    from kvbench.engines.registry import KINDS, NAMED_ENGINES
+    from kvbench.run.suite import suite_names
     from kvbench.units import format_bytes
     from kvbench.workloads.presets import preset_names as workload_presets
 
@@ -200,7 +201,16 @@ def list_names() -> None:
         t.add_row(name, format_bytes(g.memory_bytes), f"{g.hbm_bytes_per_s / 1e9:.0f}",
                   f"{g.flops_per_s / 1e12:.0f}", f"{g.link} {g.link_bytes_per_s / 1e9:.0f} GB/s")
     console.print(t)
-    console.print("engines: " + ", ".join(BUILTIN_ENGINES))
+    t = Table(title="engine kinds: KV policies of the built-in engine, external engines")
+    for col in ("kind", "what it is", "KV manager", "attention layout"):
+        t.add_column(col)
+    for kind in KINDS.values():
+        t.add_row(kind.name, kind.section.summary,
+                  kind.manager.__name__ if kind.manager else "(external engine)",
+                  kind.layout.__name__ if kind.layout else "-")
+    console.print(t)
+    console.print("named engines (--engines): " + ", ".join(
+        f"{name} ({section.label()})" for name, section in NAMED_ENGINES.items()))
     console.print("suites: " + ", ".join(suite_names()))
     console.print("workload presets: " + ", ".join(workload_presets()))
 

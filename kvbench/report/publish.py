@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvbench.engines.registry import NAMED_ENGINES
 from kvbench.fileio import write_text_atomic
 from kvbench.report.baselines import machine_slug
 from kvbench.report.compare import mad_spread
@@ -24,7 +25,6 @@ from kvbench.report.tables import table_rows
 from kvbench.results.recordset import FoundRecord
 from kvbench.results.repeats import REPEATS_KEY, metric_values, repeat_count
 from kvbench.results.schema import RunRecord
-from kvbench.run.suite import BUILTIN_ENGINES
 
 MARKDOWN_FILE, CSV_FILE, HTML_FILE = "tables.md", "tables.csv", "index.html"
 CSV_COLUMNS = [
@@ -35,7 +35,7 @@ CSV_COLUMNS = [
 
 def _column_order(f: FoundRecord) -> tuple[int, str, str]:
     # Built-in engines in their listed order (paged first), other engines in run order.
-    builtin = list(BUILTIN_ENGINES)
+    builtin = list(NAMED_ENGINES)
     rank = builtin.index(f.record.engine) if f.record.engine in builtin else len(builtin)
     return rank, f.record.created_utc, f.record.engine
 

@@ -3,40 +3,9 @@ they give. A profile written by ``kvbench calibrate`` simulates the device it me
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import psutil
-
-from kvbench.engines.hardware import Hardware, get_gpu
+from kvbench.engines.hardware import DeviceSpec, Hardware, get_gpu
 from kvbench.engines.presets import ModelPreset
 from kvbench.errors import KvbenchError
-
-# Uncalibrated figures for real compute on a CPU under the virtual clock; replace them with a
-# profile from `kvbench calibrate` for predictions that match this machine.
-CPU_HARDWARE = Hardware("cpu", psutil.virtual_memory().total, 20e9, 2e11, 20e9, "none")
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceSpec:
-    kind: str  # "cpu" | "cuda" | "sim"
-    torch_device: str | None = None
-    gpu: Hardware | None = None
-    tp: int = 1
-    profile: str | None = None  # calibration profile path (sim of a profiled device)
-    profiled_kind: str | None = None  # "cpu" | "cuda": what that profile measured
-
-    @property
-    def label(self) -> str:
-        if self.profile is not None:
-            return f"sim:{self.profile}"
-        if self.kind == "sim":
-            assert self.gpu is not None
-            return f"sim:{self.gpu.name}" + (f"x{self.tp}" if self.tp > 1 else "")
-        return self.torch_device or self.kind
-
-    @property
-    def hardware(self) -> Hardware:
-        return self.gpu if self.gpu is not None else CPU_HARDWARE
 
 
 def parse_device(text: str) -> DeviceSpec:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+from kvbench.engines.config import EngineConfig
 from kvbench.engines.costmodel import CostModel
-from kvbench.engines.factory import build_engine
+from kvbench.engines.registry import build_engine
 from kvbench.errors import KvbenchError
 from kvbench.fileio import write_text_atomic
 from kvbench.report.plots import write_plots
@@ -18,7 +19,6 @@ from kvbench.run.clocks import Clock, VirtualClock, WallClock
 from kvbench.run.harness import EngineRun, RequestTiming, StepLog, run_engine
 from kvbench.run.machine import machine_info
 from kvbench.run.plan import RunPlan
-from kvbench.run.suite import EngineSection
 from kvbench.run.telemetry import Telemetry
 
 
@@ -37,30 +37,30 @@ def make_clock(plan: RunPlan) -> Clock:
 
 def start_and_run(
     plan: RunPlan,
-    name: str,
-    section: EngineSection,
+    config: EngineConfig,
     progress: Callable[[int], None] | None,
     waves: int = 1,
 ) -> tuple[EngineRun, dict]:
     """Build one engine and drive it through the workload. An engine that fails to start
     yields a failed run (its record is still written); a configuration error propagates."""
+    section = {"kind": config.section.kind, **config.section.model_dump()}
     try:
-        engine = build_engine(name, section, plan.opts)
+        engine = build_engine(config)
     except KvbenchError:
         raise
     except Exception as exc:
         timings = {r.id: RequestTiming(r) for r in plan.workload.requests}
-        run = EngineRun(name, plan.workload, plan.clock, timings, StepLog(), waves=waves)
+        run = EngineRun(config.name, plan.workload, plan.clock, timings, StepLog(), waves=waves)
         run.status, run.error = "failed", f"engine failed to start: {type(exc).__name__}: {exc}"
-        return run, {"kind": section.kind, **section.model_dump()}
-    config = {"kind": section.kind, **section.model_dump(), **engine.describe()}
+        return run, section
+    described = {**section, **engine.describe()}
     run = run_engine(
         engine, plan.workload, make_clock(plan), progress,
         telemetry=make_telemetry(plan), waves=waves,
     )
     # Facts learned while running (vLLM's kv-equivalent multimodal inputs) complete it.
-    config.update((k, v) for k, v in engine.describe().items() if k not in config)
-    return run, config
+    described.update((k, v) for k, v in engine.describe().items() if k not in described)
+    return run, described
 
 
 def execute_plan(
@@ -76,12 +76,12 @@ def execute_plan(
 
         torch.set_num_threads(plan.suite.run.cpu_threads)
     runs: dict[str, list[RunRecord]] = {}
-    for repeat, (name, section) in itertools.product(range(plan.repeats), plan.engines):
+    for repeat, (name, engine) in itertools.product(range(plan.repeats), plan.engines):
         if any(r.status != "ok" for r in runs.get(name, [])):
             continue
         label = name if plan.repeats == 1 else f"{name} ({repeat + 1}/{plan.repeats})"
         progress = on_engine(label) if on_engine else None
-        run, config = start_and_run(plan, name, section, progress)
+        run, config = start_and_run(plan, engine, progress)
         record = build_record(
             run, command=plan.command, suite=plan.suite.name, engine_config=config,
             model=plan.preset.to_json(), device=plan.device.label, slo=plan.suite.run.slo,

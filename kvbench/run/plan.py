@@ -7,13 +7,14 @@ import datetime as dt
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbench.engines.factory import EngineOptions, build_kv_manager
+from kvbench.engines.config import EngineConfig, EngineSettings, engine_config
+from kvbench.engines.hardware import DeviceSpec
 from kvbench.engines.presets import ModelPreset, get_preset
-from kvbench.engines.scheduler import Scheduler, SchedulerConfig
+from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.errors import KvbenchError
-from kvbench.run.devices import DeviceSpec, kv_budget_bytes, parse_device
+from kvbench.run.devices import kv_budget_bytes, parse_device
 from kvbench.run.sharding import Shard
-from kvbench.run.suite import EngineSection, Suite
+from kvbench.run.suite import Suite
 from kvbench.units import parse_bytes
 from kvbench.workloads.model import Workload
 
@@ -25,8 +26,8 @@ class RunPlan:
     preset: ModelPreset
     device: DeviceSpec
     clock: str
-    opts: EngineOptions
-    engines: list[tuple[str, EngineSection]]
+    settings: EngineSettings
+    engines: list[tuple[str, EngineConfig]]
     out_dir: Path
     command: str
     warnings: list[str] = field(default_factory=list)
@@ -83,7 +84,7 @@ def plan_run(
     )
     sched.validate()
     kv_memory = parse_bytes(run.kv_memory) if run.kv_memory else None
-    opts = EngineOptions(
+    settings = EngineSettings(
         preset=preset,
         device=device,
         kv_bytes=kv_budget_bytes(
@@ -100,7 +101,7 @@ def plan_run(
     )
     if not run.engines:
         raise KvbenchError("no engines selected: pass --engines, e.g. --engines paged,contiguous")
-    engines = [(name, suite.engine(name)) for name in run.engines]
+    engines = [(name, engine_config(name, suite.engine(name), settings)) for name in run.engines]
     if shard is not None:
         engines = shard.select(engines)
     workload = load_workload(suite, base)
@@ -110,7 +111,8 @@ def plan_run(
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         out_dir = Path("runs") / f"{suite.name}-{stamp}"
     plan = RunPlan(
-        suite, workload, preset, device, clock, opts, engines, out_dir, command, repeats=repeats
+        suite, workload, preset, device, clock, settings, engines, out_dir, command,
+        repeats=repeats,
     )
     if device.profile is not None:
         from kvbench.tools.calibrate.profile import load_profile
@@ -121,23 +123,17 @@ def plan_run(
                 f"profile {device.profile} was fitted for {fitted}, not {preset.name}: its "
                 f"coefficients may not transfer; calibrate with --model {preset.name}"
             )
-    for name, section in engines:
-        _precheck(plan, name, section)
+    for name, config in engines:
+        _precheck(plan, name, config)
     return plan
 
 
-def _precheck(plan: RunPlan, name: str, section: EngineSection) -> None:
-    """Fail before any work when an engine can run nothing; warn about requests it rejects."""
-    if section.kind == "vllm":
-        from kvbench.engines.vllm import check_vllm
-
-        check_vllm(section, plan.opts)
-        kv_check = None
-    else:
-        kv_check = Scheduler(plan.opts.scheduler, build_kv_manager(section, plan.opts))
-    if kv_check is None:
-        return
-    reasons = [r for r in map(kv_check.rejection, plan.workload.requests) if r is not None]
+def _precheck(plan: RunPlan, name: str, config: EngineConfig) -> None:
+    """Fail before any work when an engine cannot run, or can run none of the requests; warn
+    about requests it rejects."""
+    config.section.check(config)
+    rejection = config.section.admission(config)
+    reasons = [r for r in map(rejection, plan.workload.requests) if r is not None]
     if len(reasons) == len(plan.workload.requests):
         raise KvbenchError(f"engine {name!r} can run none of the requests: {reasons[0]}")
     if reasons:

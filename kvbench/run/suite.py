@@ -12,6 +12,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvbench.engines.config import EngineSection
+from kvbench.engines.registry import NAMED_ENGINES, AnyEngineSection
+from kvbench.engines.scheduler import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+)
 from kvbench.errors import InputFileError, KvbenchError
 from kvbench.results.slo import SLO
 
@@ -54,9 +61,9 @@ class RunSection(_Strict):
     clock: Literal["auto", "wall", "virtual"] = "auto"
     kv_memory: str | None = None
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    block_size: int = Field(default=16, ge=1)
-    max_num_seqs: int = Field(default=256, ge=1)
-    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, ge=1)
+    max_num_seqs: int = Field(default=DEFAULT_MAX_NUM_SEQS, ge=1)
+    max_num_batched_tokens: int = Field(default=DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=1)
     max_model_len: int | None = Field(default=None, ge=2)
     chunked_prefill: bool = True
     prefix_caching: bool = True
@@ -69,44 +76,20 @@ class RunSection(_Strict):
     attention: Literal["auto", "reference", "triton"] = "auto"
 
 
-class EngineSection(_Strict):
-    """An engine variant. Unset fields inherit from ``[run]``."""
-
-    kind: Literal["paged", "contiguous", "vllm"]
-    reservation: Literal["max_model_len", "request", "pow2"] = "max_model_len"
-    fit: Literal["first", "best"] = "first"
-    compaction: bool = False
-    block_size: int | None = Field(default=None, ge=1)
-    prefix_caching: bool | None = None
-    leak_finished: bool = False
-
-
-BUILTIN_ENGINES: dict[str, EngineSection] = {
-    "paged": EngineSection(kind="paged"),
-    # Finished sequences' blocks are never recycled: the fault soak runs must catch.
-    "paged-leaky": EngineSection(kind="paged", leak_finished=True),
-    "contiguous": EngineSection(kind="contiguous", reservation="max_model_len"),
-    "contiguous-request": EngineSection(kind="contiguous", reservation="request"),
-    "contiguous-pow2": EngineSection(kind="contiguous", reservation="pow2"),
-    "contiguous-compact": EngineSection(kind="contiguous", reservation="request", compaction=True),
-    "vllm": EngineSection(kind="vllm"),
-}
-
-
 class Suite(_Strict):
     name: str
     description: str = ""
     workload: WorkloadSection = Field(default_factory=lambda: WorkloadSection(preset="mixed-text"))
     model: ModelSection = Field(default_factory=ModelSection)
     run: RunSection = Field(default_factory=RunSection)
-    engines: dict[str, EngineSection] = Field(default_factory=dict)
+    engines: dict[str, AnyEngineSection] = Field(default_factory=dict)
 
     def engine(self, name: str) -> EngineSection:
         if name in self.engines:
             return self.engines[name]
-        if name in BUILTIN_ENGINES:
-            return BUILTIN_ENGINES[name]
-        valid = sorted({*self.engines, *BUILTIN_ENGINES})
+        if name in NAMED_ENGINES:
+            return NAMED_ENGINES[name]
+        valid = sorted({*self.engines, *NAMED_ENGINES})
         raise KvbenchError(f"unknown engine {name!r}; valid engines: {', '.join(valid)}")
 
 

@@ -19,17 +19,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbench.engines.base import BatchShape
+from kvbench.engines.base import BatchShape, causal_pairs
+from kvbench.engines.config import EngineSettings, KVPolicy, engine_config
 from kvbench.engines.costmodel import CostModel
-from kvbench.engines.factory import EngineOptions, build_kv_manager
-from kvbench.engines.hardware import Hardware
-from kvbench.engines.kv.contiguous import RESERVATIONS, ContiguousKVManager
-from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.hardware import DeviceSpec, Hardware
+from kvbench.engines.kv.base import KVManager
+from kvbench.engines.kv.contiguous import RESERVATIONS, ContiguousPolicy
+from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.presets import ModelPreset
-from kvbench.engines.scheduler import SchedulerConfig
+from kvbench.engines.scheduler import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    SchedulerConfig,
+)
 from kvbench.errors import KvbenchError
-from kvbench.run.devices import DeviceSpec, kv_budget_bytes
-from kvbench.run.suite import EngineSection
+from kvbench.run.devices import kv_budget_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +45,8 @@ class Deployment:
     tp: int = 1
     num_gpus: int | None = None  # tp x data-parallel replicas (default: one replica)
     gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.gpus % self.tp:
@@ -74,15 +79,18 @@ class Deployment:
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
         )
 
-    def options(self, block_size: int) -> EngineOptions:
-        return EngineOptions(
+    def kv_manager(self, policy: KVPolicy) -> KVManager:
+        """``policy``'s KV manager over one replica's budget, as ``kvbench run`` builds it."""
+        settings = EngineSettings(
             preset=self.preset, device=self.device, kv_bytes=self.kv_budget_bytes(),
-            block_size=block_size, prefix_caching=False,
+            block_size=DEFAULT_BLOCK_SIZE, prefix_caching=False,
             scheduler=SchedulerConfig(
                 max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
             ),
         )
+        config = engine_config(policy.label(), policy, settings)
+        return config.section.manager(config)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,28 +132,19 @@ class CapacityRow:
         return self.held_tokens / self.reserved_tokens
 
 
-def policies(block_sizes: Sequence[int]) -> list[EngineSection]:
+def policies(block_sizes: Sequence[int]) -> list[KVPolicy]:
     """Every contiguous reservation policy, then paged at each block size."""
-    return [EngineSection(kind="contiguous", reservation=r) for r in RESERVATIONS] + [
-        EngineSection(kind="paged", block_size=bs) for bs in block_sizes
+    return [ContiguousPolicy(reservation=r) for r in RESERVATIONS] + [
+        PagedPolicy(block_size=bs) for bs in block_sizes
     ]
 
 
-def policy_name(section: EngineSection) -> str:
-    if section.kind == "paged":
-        return f"paged/bs{section.block_size}"
-    return f"contiguous/{section.reservation}"
-
-
-def reserved_slots(kv: ContiguousKVManager | PagedKVManager, demand: Demand) -> int:
+def reserved_slots(kv: KVManager, demand: Demand) -> int:
     """KV slots one request of ``demand`` takes in ``kv`` at its longest."""
-    if isinstance(kv, PagedKVManager):
-        blocks = -(-(demand.prompt + demand.n * demand.output) // kv.block_size)
-        return blocks * kv.block_size
-    return demand.n * kv.reserve_len(demand.tokens)
+    return kv.held_tokens(demand.prompt, demand.output, demand.n)
 
 
-def plan(dep: Deployment, sections: Sequence[EngineSection],
+def plan(dep: Deployment, sections: Sequence[KVPolicy],
          demands: Sequence[Demand]) -> list[CapacityRow]:
     """One row per policy for requests like ``demands`` (each must fit max_model_len)."""
     if not demands:
@@ -164,13 +163,12 @@ def plan(dep: Deployment, sections: Sequence[EngineSection],
     prompt = sum(d.prompt for d in demands) // len(demands)
     rows = []
     for section in sections:
-        kv = build_kv_manager(section, dep.options(section.block_size or 16))
-        assert isinstance(kv, ContiguousKVManager | PagedKVManager)
+        kv = dep.kv_manager(section)
         reserved = sum(reserved_slots(kv, d) for d in demands) / len(demands)
         fits = int(kv.capacity_tokens // reserved)
         running = min(fits, dep.max_num_seqs)
         rows.append(CapacityRow(
-            policy=policy_name(section), held_tokens=held, reserved_tokens=reserved,
+            policy=section.label(), held_tokens=held, reserved_tokens=reserved,
             max_concurrent=fits,
             replicas=dep.replicas, kv_bytes_per_token=bpt_rank * dep.tp,
             kv_bytes_per_token_per_rank=bpt_rank, kv_budget_bytes=budget,
@@ -196,21 +194,20 @@ def prefill_s(cost: CostModel, prompt: int, chunk: int) -> float:
         n = min(chunk, prompt - start)
         total += cost.step_time_s(BatchShape(
             num_seqs=1, prefill_tokens=n, context_tokens=start + n,
-            attn_pairs=n * start + n * (n + 1) // 2,
+            attn_pairs=causal_pairs(start, n),
         ))
         start += n
     return total
 
 
-def concurrency_curve(dep: Deployment, section: EngineSection,
+def concurrency_curve(dep: Deployment, section: KVPolicy,
                       lengths: Sequence[int]) -> list[int]:
     """Max concurrent requests (per replica) holding each of ``lengths`` tokens."""
-    kv = build_kv_manager(section, dep.options(section.block_size or 16))
-    assert isinstance(kv, ContiguousKVManager | PagedKVManager)
+    kv = dep.kv_manager(section)
     return [int(kv.capacity_tokens // reserved_slots(kv, Demand(n))) for n in lengths]
 
 
-def write_concurrency_plot(dep: Deployment, sections: Sequence[EngineSection], path: Path,
+def write_concurrency_plot(dep: Deployment, sections: Sequence[KVPolicy], path: Path,
                            mark: int | None = None) -> Path:
     """Max concurrent requests vs tokens per request, one line per policy, as a PNG;
     ``mark`` draws a line at one request length."""
@@ -224,11 +221,9 @@ def write_concurrency_plot(dep: Deployment, sections: Sequence[EngineSection], p
     fig = Figure(figsize=(9, 5.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    styles = {"contiguous": "--", "paged": "-"}
     for section in sections:
         curve = concurrency_curve(dep, section, lengths)
-        ax.step(lengths, curve, where="post", linestyle=styles[section.kind], linewidth=1.6,
-                label=policy_name(section))
+        ax.step(lengths, curve, where="post", linewidth=1.6, label=section.label())
     budget = dep.kv_budget_bytes()
     if mark is not None:
         ax.axvline(mark, color="grey", linestyle=":", linewidth=1.2,

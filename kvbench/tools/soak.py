@@ -29,9 +29,9 @@ def run_soak(
     if waves < 2:
         raise KvbenchError(f"a soak needs at least 2 waves to fit growth per wave, got {waves}")
     records = []
-    for name, section in plan.engines:
+    for name, engine in plan.engines:
         progress = on_engine(name) if on_engine else None
-        run, config = start_and_run(plan, name, section, progress, waves=waves)
+        run, config = start_and_run(plan, engine, progress, waves=waves)
         record = build_record(
             run, command=plan.command, suite=plan.suite.name, engine_config=config,
             model=plan.preset.to_json(), device=plan.device.label, slo=plan.suite.run.slo,

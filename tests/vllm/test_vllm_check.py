@@ -8,12 +8,20 @@ from dataclasses import replace
 import pytest
 from vllm_helpers import BLOCK_BYTES, tiny_opts
 
-from kvbench.engines.vllm import check_vllm
+from kvbench.engines.config import EngineSettings, engine_config
+from kvbench.engines.registry import parse_section
+from kvbench.engines.vllm import VllmSection
 from kvbench.errors import KvbenchError
 from kvbench.run.plan import plan_run
-from kvbench.run.suite import EngineSection, RunSection, Suite
+from kvbench.run.suite import RunSection, Suite
 
-VLLM = EngineSection(kind="vllm")
+VLLM = VllmSection()
+
+
+def check_vllm(section: VllmSection, opts: EngineSettings) -> None:
+    """Resolve ``section`` for ``opts`` and run vLLM's pre-run checks."""
+    config = engine_config("vllm", section, opts)
+    config.section.check(config)
 
 
 def test_a_workable_configuration_passes() -> None:
@@ -24,7 +32,7 @@ def test_cpu_block_size_must_be_a_multiple_of_32() -> None:
     with pytest.raises(KvbenchError, match="--block-size 32 so every paged engine"):
         check_vllm(VLLM, tiny_opts(64, block_size=16))
     with pytest.raises(KvbenchError, match="got 48"):
-        check_vllm(EngineSection(kind="vllm", block_size=48), tiny_opts(64))
+        check_vllm(VllmSection(block_size=48), tiny_opts(64))
 
 
 def test_a_simulated_device_is_refused() -> None:
@@ -39,8 +47,8 @@ def test_a_budget_below_one_block_is_refused() -> None:
 
 
 def test_built_in_only_options_are_refused() -> None:
-    with pytest.raises(KvbenchError, match="vLLM has neither"):
-        check_vllm(EngineSection(kind="vllm", leak_finished=True), tiny_opts(64))
+    with pytest.raises(KvbenchError, match="leak_finished"):
+        parse_section({"kind": "vllm", "leak_finished": True}, "engines.v")
 
 
 def test_missing_vllm_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

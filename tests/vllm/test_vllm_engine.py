@@ -10,24 +10,27 @@ import pytest
 from vllm_helpers import BLOCK, BLOCK_BYTES, mixed_workload, request, tiny_opts
 
 from kvbench.engines.base import KVStats
+from kvbench.engines.config import EngineSection, EngineSettings, engine_config
 from kvbench.engines.costmodel import CostModel
-from kvbench.engines.factory import EngineOptions, build_engine
-from kvbench.engines.vllm import ABSENT_KV_FIELDS, VllmEngine, build_vllm_engine
+from kvbench.engines.kv.paged import PagedPolicy
+from kvbench.engines.registry import build_engine
+from kvbench.engines.vllm import ABSENT_KV_FIELDS, VllmEngine, VllmSection
 from kvbench.results.metrics import summarize
 from kvbench.run.clocks import VirtualClock
 from kvbench.run.harness import EngineRun, run_engine
-from kvbench.run.suite import EngineSection
 from kvbench.workloads.model import Request, Segment, Workload
 
-VLLM = EngineSection(kind="vllm")
-PAGED = EngineSection(kind="paged")
+VLLM = VllmSection()
+PAGED = PagedPolicy()
 # Budgets in blocks of 32 tokens. vLLM refuses to start unless one max_model_len request fits
 # besides its null block: 17 blocks for 512 tokens, 11 for the tight run's 320.
 AMPLE, TIGHT, TIGHT_MAX_LEN = 64, 11, 320
 
 
-def _run(section: EngineSection, workload: Workload, opts: EngineOptions) -> tuple[EngineRun, dict]:
-    engine = build_engine(section.kind, section, opts)
+def _run(
+    section: EngineSection, workload: Workload, opts: EngineSettings
+) -> tuple[EngineRun, dict]:
+    engine = build_engine(engine_config(section.kind, section, opts))
     clock = VirtualClock(CostModel(opts.preset, opts.device.hardware, opts.device.tp))
     run = run_engine(engine, workload, clock)
     assert run.status == "ok", run.error
@@ -51,7 +54,7 @@ def test_a_start_failure_raises_with_vllms_reason() -> None:
     # 16 blocks hold one 512-token request, but not besides vLLM's null block.
     need = f"raise --kv-memory to at least {17 * BLOCK_BYTES} bytes"
     with pytest.raises(RuntimeError, match=rf"did not start \(16 blocks.*max seq len.*{need}"):
-        build_vllm_engine("vllm", VLLM, tiny_opts(16))
+        build_engine(engine_config("vllm", VLLM, tiny_opts(16)))
 
 
 def test_every_request_finishes_with_exactly_its_tokens(ample) -> None:
@@ -129,7 +132,7 @@ def test_multimodal_parallel_and_rejected_requests() -> None:
     image = Request("img", 0.0, (Segment("image", 64, "img/0", 224, 224, rule="vit-l14"),
                                  Segment("text", 20, "own/img")), 5)
     reqs = [image, request("pair", 50, 6, n=2), request("huge", 500, 20)]
-    engine = build_vllm_engine("vllm", VLLM, tiny_opts(AMPLE))
+    engine = build_engine(engine_config("vllm", VLLM, tiny_opts(AMPLE)))
     assert isinstance(engine, VllmEngine)
     run = run_engine(engine, Workload("mm", reqs, seed=0), VirtualClock(
         CostModel(engine.preset, tiny_opts(AMPLE).device.hardware)))
@@ -138,6 +141,6 @@ def test_multimodal_parallel_and_rejected_requests() -> None:
     assert t["img"].output_tokens_emitted == 5 and t["img"].status == "ok"
     assert t["pair"].output_tokens_emitted == 12 and t["pair"].status == "ok"
     assert t["pair"].output_digest.count("+") == 1
-    assert t["huge"].status == "rejected" and "max_model_len 512" in t["huge"].rejected
+    assert t["huge"].status == "rejected" and "max_model_len is 512" in t["huge"].rejected
     assert engine.describe()["multimodal"] == "kv-equivalent"
     assert engine.block_size == BLOCK

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvbench.engines.factory import EngineOptions
+from kvbench.engines.config import EngineSettings
 from kvbench.engines.presets import get_preset
 from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.run.devices import parse_device
@@ -14,9 +14,9 @@ BLOCK_BYTES = BLOCK * TINY.kv_bytes_per_token
 
 
 def tiny_opts(num_blocks: int, *, max_len: int = 512, seqs: int = 4, batched: int = 128,
-              block_size: int = BLOCK, device: str = "cpu") -> EngineOptions:
+              block_size: int = BLOCK, device: str = "cpu") -> EngineSettings:
     """The tiny model with a KV budget of ``num_blocks`` blocks of ``block_size`` tokens."""
-    return EngineOptions(
+    return EngineSettings(
         preset=TINY,
         device=parse_device(device),
         kv_bytes=num_blocks * block_size * TINY.kv_bytes_per_token,

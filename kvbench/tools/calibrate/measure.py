@@ -153,8 +153,8 @@ def measure_cpu_peaks(dtype: str, repeats: int = 5) -> Hardware:
     fitted efficiencies are relative to."""
     import torch
 
+    from kvbench.engines.hardware import CPU_HARDWARE
     from kvbench.engines.torch_device import TORCH_DTYPES
-    from kvbench.run.devices import CPU_HARDWARE
 
     src = torch.ones(32 * 2**20 // 4)  # 32 MiB: past the caches
     dst = torch.empty_like(src)

@@ -1,0 +1,152 @@
+"""Engine configuration, resolved once: a suite's engine section plus the run's settings
+become one :class:`EngineConfig` that the engine reads and nothing re-derives.
+
+An engine section is a pydantic model per engine kind (each KV policy of the built-in
+engine, and external engines such as vLLM), a member of the discriminated union the
+registry builds, so suite files validate per kind. Fields left ``None`` inherit the run's
+value (block size, prefix caching) when the section is resolved.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Self
+
+from pydantic import BaseModel, ConfigDict
+
+from kvbench.engines.hardware import DeviceSpec
+from kvbench.engines.kv.spec import KVSpec, kv_bytes_per_token
+from kvbench.engines.presets import ModelPreset
+from kvbench.engines.scheduler import SchedulerConfig
+from kvbench.errors import KvbenchError
+from kvbench.workloads.model import Request
+
+if TYPE_CHECKING:
+    from kvbench.engines.base import Engine
+    from kvbench.engines.kv.base import KVManager
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """The run's settings every engine section starts from (suite ``[run]`` and flags)."""
+
+    preset: ModelPreset
+    device: DeviceSpec
+    kv_bytes: int
+    block_size: int
+    prefix_caching: bool
+    scheduler: SchedulerConfig
+    weights: str | None = None
+    seed: int = 0
+    attention: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything one engine is built from. ``kv`` is its KV pool's page class and
+    ``num_pages`` how many pages the budget ``kv_bytes`` holds."""
+
+    name: str
+    section: EngineSection
+    preset: ModelPreset
+    device: DeviceSpec
+    kv_bytes: int
+    kv: KVSpec
+    num_pages: int
+    scheduler: SchedulerConfig
+    prefix_caching: bool
+    weights: str | None
+    seed: int
+    attention: str
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.kv.page_tokens
+
+
+class EngineSection(BaseModel):
+    """Base of every engine kind's section. ``summary`` is its one line in `kvbench list`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: str
+    summary: ClassVar[str]
+
+    def resolved(self, settings: EngineSettings) -> Self:
+        """This section with every inherited field filled from ``settings``."""
+        return self
+
+    def page_tokens(self) -> int:
+        """Token slots per page of the KV pool (1: a slot-granular arena)."""
+        return 1
+
+    @property
+    def prefix_caching_enabled(self) -> bool:
+        return False
+
+    def label(self) -> str:
+        """A short name of the kind with its distinguishing options (tables, plots)."""
+        return self.kind
+
+    def check(self, config: EngineConfig) -> None:
+        """Fail before any work when this kind cannot run ``config``."""
+
+    @abstractmethod
+    def build(self, config: EngineConfig) -> Engine:
+        """The engine, started."""
+
+    @abstractmethod
+    def admission(self, config: EngineConfig) -> Callable[[Request], str | None]:
+        """The rule saying why a request can never run on this engine (or None)."""
+
+
+class KVPolicy(EngineSection):
+    """A KV policy of the built-in engine: its manager does the bookkeeping, the built-in
+    scheduler and executors do the rest."""
+
+    @abstractmethod
+    def manager(self, config: EngineConfig) -> KVManager:
+        """A fresh KV manager over ``config``'s pool."""
+
+    def build(self, config: EngineConfig) -> Engine:
+        from kvbench.engines.builtin import BuiltinEngine
+
+        return BuiltinEngine.from_config(config, self.manager(config))
+
+    def admission(self, config: EngineConfig) -> Callable[[Request], str | None]:
+        from kvbench.engines.scheduler import Scheduler
+
+        return Scheduler(config.scheduler, self.manager(config)).rejection
+
+
+def inherit_paging(
+    block_size: int | None, prefix_caching: bool | None, settings: EngineSettings
+) -> dict[str, object]:
+    """A paged section's ``block_size`` and ``prefix_caching``, the run's where it left them
+    unset (a ``model_copy`` update)."""
+    return {
+        "block_size": block_size or settings.block_size,
+        "prefix_caching": settings.prefix_caching if prefix_caching is None else prefix_caching,
+    }
+
+
+def engine_config(name: str, section: EngineSection, settings: EngineSettings) -> EngineConfig:
+    """Resolve ``section`` against the run's ``settings``: the one place an engine's page
+    size, page count and prefix caching are decided."""
+    section = section.resolved(settings)
+    preset, device = settings.preset, settings.device
+    kv = KVSpec(section.page_tokens(), kv_bytes_per_token(preset, device.tp), preset.dtype)
+    num_pages = settings.kv_bytes // kv.page_bytes
+    if num_pages < 1:
+        raise KvbenchError(
+            f"KV budget {settings.kv_bytes} bytes holds no {kv.page_tokens}-token page of "
+            f"{kv.page_bytes} bytes; raise --kv-memory to at least {kv.page_bytes}"
+        )
+    return EngineConfig(
+        name=name, section=section, preset=preset, device=device, kv_bytes=settings.kv_bytes,
+        kv=kv, num_pages=num_pages, scheduler=settings.scheduler,
+        prefix_caching=section.prefix_caching_enabled, weights=settings.weights,
+        seed=settings.seed, attention=settings.attention,
+    )
+

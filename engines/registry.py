@@ -1,0 +1,82 @@
+"""The engine kinds, by name: every KV policy of the built-in engine (its section, manager
+and attention layout) and every external engine. A new policy is one module in
+``engines/kv/`` plus one entry here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import Field, TypeAdapter, ValidationError
+
+from kvbench.engines.base import Engine
+from kvbench.engines.config import EngineConfig, EngineSection
+from kvbench.engines.kv.base import KVManager
+from kvbench.engines.kv.contiguous import ContiguousKVManager, ContiguousPolicy
+from kvbench.engines.kv.paged import PagedKVManager, PagedPolicy
+from kvbench.engines.vllm import VllmSection
+from kvbench.errors import KvbenchError
+from kvbench.kernels.layouts import BlockTables, Extents
+from kvbench.workloads.validation import validation_message
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """A registered engine kind: a KV policy has a manager class and an attention layout;
+    an external engine has neither."""
+
+    section: type[EngineSection]
+    manager: type[KVManager] | None = None
+    layout: type | None = None
+
+    @property
+    def name(self) -> str:
+        return self.section.model_fields["kind"].default
+
+    @property
+    def is_policy(self) -> bool:
+        return self.manager is not None
+
+
+KINDS: dict[str, Kind] = {
+    k.name: k
+    for k in (
+        Kind(PagedPolicy, PagedKVManager, BlockTables),
+        Kind(ContiguousPolicy, ContiguousKVManager, Extents),
+        Kind(VllmSection),
+    )
+}
+
+# A suite's [engines.NAME] table: validated by its kind's model.
+AnyEngineSection = Annotated[
+    PagedPolicy | ContiguousPolicy | VllmSection, Field(discriminator="kind")
+]
+_SECTION = TypeAdapter(AnyEngineSection)
+
+# Engine variants every suite can name without defining them.
+NAMED_ENGINES: dict[str, EngineSection] = {
+    "paged": PagedPolicy(),
+    # Finished sequences' blocks are never recycled: the fault soak runs must catch.
+    "paged-leaky": PagedPolicy(leak_finished=True),
+    "contiguous": ContiguousPolicy(reservation="max_model_len"),
+    "contiguous-request": ContiguousPolicy(reservation="request"),
+    "contiguous-pow2": ContiguousPolicy(reservation="pow2"),
+    "contiguous-compact": ContiguousPolicy(reservation="request", compaction=True),
+    "vllm": VllmSection(),
+}
+
+
+def parse_section(data: dict[str, Any], where: str) -> EngineSection:
+    """An engine section from suite data; ``where`` names it in errors."""
+    try:
+        return _SECTION.validate_python(data)
+    except ValidationError as exc:
+        raise KvbenchError(
+            f"{where}: {validation_message(exc)} (kinds: {', '.join(KINDS)})"
+        ) from None
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """The engine ``config`` describes, started."""
+    return config.section.build(config)
