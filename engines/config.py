@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvbench.engines.hardware import DeviceSpec
 from kvbench.engines.kv.spec import KVSpec, kv_bytes_per_token
@@ -120,15 +120,28 @@ class KVPolicy(EngineSection):
         return Scheduler(config.scheduler, self.manager(config)).rejection
 
 
-def inherit_paging(
-    block_size: int | None, prefix_caching: bool | None, settings: EngineSettings
-) -> dict[str, object]:
-    """A paged section's ``block_size`` and ``prefix_caching``, the run's where it left them
-    unset (a ``model_copy`` update)."""
-    return {
-        "block_size": block_size or settings.block_size,
-        "prefix_caching": settings.prefix_caching if prefix_caching is None else prefix_caching,
-    }
+class Paging(EngineSection):
+    """A section whose KV pool is paged: blocks of ``block_size`` tokens and prefix caching,
+    the run's unless the section sets them."""
+
+    block_size: int | None = Field(default=None, ge=1)
+    prefix_caching: bool | None = None
+
+    def resolved(self, settings: EngineSettings) -> Self:
+        return self.model_copy(update={
+            "block_size": self.block_size or settings.block_size,
+            "prefix_caching": (
+                settings.prefix_caching if self.prefix_caching is None else self.prefix_caching
+            ),
+        })
+
+    def page_tokens(self) -> int:
+        assert self.block_size is not None, "resolve the section first"
+        return self.block_size
+
+    @property
+    def prefix_caching_enabled(self) -> bool:
+        return bool(self.prefix_caching)
 
 
 def engine_config(name: str, section: EngineSection, settings: EngineSettings) -> EngineConfig:

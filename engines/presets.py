@@ -63,11 +63,6 @@ class ModelPreset:
     def weight_bytes(self) -> int:
         return self.num_params * self.dtype_bytes
 
-    @property
-    def matmul_params(self) -> int:
-        """Parameters touched by matmuls per token (layers + LM head, not the embedding lookup)."""
-        return self.num_layers * self.layer_params + self.vocab_size * self.hidden_size
-
     def with_dtype(self, dtype: str) -> ModelPreset:
         if dtype not in DTYPE_BYTES:
             raise KvbenchError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPE_BYTES)}")

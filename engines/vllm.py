@@ -47,8 +47,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
-
 from kvbench.engines.base import (
     BatchShape,
     Finished,
@@ -57,10 +55,10 @@ from kvbench.engines.base import (
     causal_pairs,
     output_digest,
 )
-from kvbench.engines.config import EngineConfig, EngineSection, EngineSettings, inherit_paging
+from kvbench.engines.config import EngineConfig, Paging
+from kvbench.engines.hf_config import hf_config, write_model_dir
 from kvbench.engines.kv.paged import paged_footprint
 from kvbench.engines.kv.spec import never_runs
-from kvbench.engines.vllm_config import hf_config, write_model_dir
 from kvbench.errors import KvbenchError
 from kvbench.workloads.model import Request
 
@@ -102,26 +100,11 @@ def _import_vllm() -> Any:
     return vllm
 
 
-class VllmSection(EngineSection):
+class VllmSection(Paging):
     """Real vLLM with the run's model shapes, KV budget, block size and scheduler limits."""
 
     kind: Literal["vllm"] = "vllm"
     summary = "real vLLM (v1 engine, in-process): same model shapes, KV budget and block size"
-    block_size: int | None = Field(default=None, ge=1)
-    prefix_caching: bool | None = None
-
-    def resolved(self, settings: EngineSettings) -> VllmSection:
-        return self.model_copy(
-            update=inherit_paging(self.block_size, self.prefix_caching, settings)
-        )
-
-    def page_tokens(self) -> int:
-        assert self.block_size is not None, "resolve the section first"
-        return self.block_size
-
-    @property
-    def prefix_caching_enabled(self) -> bool:
-        return bool(self.prefix_caching)
 
     def check(self, config: EngineConfig) -> None:
         check_vllm(config)

@@ -18,16 +18,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from kvbench.engines.hf_config import WeightsError, preset_from_hf_config
 from kvbench.engines.llama import LlamaForCausalLM
-from kvbench.engines.presets import DTYPE_BYTES, ModelPreset
+from kvbench.engines.presets import ModelPreset
 from kvbench.engines.torch_device import ensure_fits
-from kvbench.errors import KvbenchError
 from kvbench.kernels.backend import KernelBackend
 from kvbench.workloads.model import key_hash
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                "Qwen2ForCausalLM": "qwen2"}
 INDEX_FILE = "model.safetensors.index.json"
 INIT_STD = 0.02
 
@@ -37,94 +34,6 @@ _SHAPE_FIELDS = (
     "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
     "intermediate_size", "rope_theta", "rms_eps", "qkv_bias", "tie_embeddings",
 )
-
-
-class WeightsError(KvbenchError):
-    """A checkpoint that cannot be loaded; the message names the file and, where known,
-    the tensor."""
-
-
-def hf_config(preset: ModelPreset) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` of ``preset`` (the inverse of ``preset_from_hf_config``)."""
-    config: dict[str, Any] = {
-        "architectures": [preset.hf_architecture],
-        "model_type": _MODEL_TYPES[preset.hf_architecture],
-        "vocab_size": preset.vocab_size,
-        "hidden_size": preset.hidden_size,
-        "num_hidden_layers": preset.num_layers,
-        "num_attention_heads": preset.num_heads,
-        "num_key_value_heads": preset.num_kv_heads,
-        "head_dim": preset.head_dim,
-        "intermediate_size": preset.intermediate_size,
-        "max_position_embeddings": preset.max_position,
-        "rope_theta": preset.rope_theta,
-        "rope_scaling": None,
-        "rms_norm_eps": preset.rms_eps,
-        "hidden_act": "silu",
-        "tie_word_embeddings": preset.tie_embeddings,
-        "torch_dtype": preset.dtype,
-    }
-    if preset.hf_architecture == "LlamaForCausalLM":
-        config["attention_bias"] = preset.qkv_bias
-        config["mlp_bias"] = False
-    elif preset.hf_architecture == "MistralForCausalLM":
-        config["sliding_window"] = None
-    else:
-        config["use_sliding_window"] = False
-    return config
-
-
-def preset_from_hf_config(config: dict[str, Any], name: str, source: str) -> ModelPreset:
-    """Read a Hugging Face config into a preset; ``source`` names the file in errors."""
-    archs = config.get("architectures") or []
-    arch = archs[0] if archs else None
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise WeightsError(
-            f"{source}: unsupported architecture {arch!r}; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-
-    def unsupported(feature: str) -> WeightsError:
-        return WeightsError(f"{source}: {feature} is not supported by the built-in model")
-
-    if config.get("hidden_act", "silu") != "silu":
-        raise unsupported(f"hidden_act {config['hidden_act']!r}")
-    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise unsupported(f"RoPE scaling {rope!r}")
-    if arch == "LlamaForCausalLM" and (config.get("attention_bias") or config.get("mlp_bias")):
-        raise unsupported("attention_bias/mlp_bias (bias on o_proj and the MLP)")
-    if arch == "MistralForCausalLM" and config.get("sliding_window") is not None:
-        raise unsupported(f"sliding-window attention (sliding_window={config['sliding_window']})")
-    if arch == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
-        raise unsupported("sliding-window attention (use_sliding_window=true)")
-    dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
-    if dtype not in DTYPE_BYTES:
-        raise unsupported(f"dtype {dtype!r}")
-
-    def need(key: str) -> Any:
-        if key not in config:
-            raise WeightsError(f"{source}: missing key {key!r}")
-        return config[key]
-
-    num_heads = need("num_attention_heads")
-    return ModelPreset(
-        name=name,
-        vocab_size=need("vocab_size"),
-        hidden_size=need("hidden_size"),
-        num_layers=need("num_hidden_layers"),
-        num_heads=num_heads,
-        num_kv_heads=config.get("num_key_value_heads") or num_heads,
-        head_dim=config.get("head_dim") or need("hidden_size") // num_heads,
-        intermediate_size=need("intermediate_size"),
-        max_position=need("max_position_embeddings"),
-        rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        rms_eps=float(config.get("rms_norm_eps", 1e-6)),
-        dtype=dtype,
-        qkv_bias=arch == "Qwen2ForCausalLM",
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        hf_architecture=arch,
-    )
 
 
 def read_checkpoint_preset(path: str | Path) -> ModelPreset:

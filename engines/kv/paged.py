@@ -17,10 +17,9 @@ from itertools import islice
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field
 
 from kvbench.engines.base import KVStats
-from kvbench.engines.config import EngineConfig, EngineSettings, KVPolicy, inherit_paging
+from kvbench.engines.config import EngineConfig, KVPolicy, Paging
 from kvbench.engines.kv.base import KVManager, SlotCopy
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
@@ -46,31 +45,16 @@ def paged_footprint(request: Request, block_size: int, num_blocks: int) -> Footp
     )
 
 
-class PagedPolicy(KVPolicy):
+class PagedPolicy(Paging, KVPolicy):
     """Fixed-size blocks with per-sequence block tables; prefix caching and fork + CoW.
     ``leak_finished`` is a deliberate fault: finished sequences' blocks are never returned."""
 
     kind: Literal["paged"] = "paged"
     summary = "fixed-size blocks + block tables, prefix caching (LRU), fork + copy-on-write"
-    block_size: int | None = Field(default=None, ge=1)
-    prefix_caching: bool | None = None
     leak_finished: bool = False
 
-    def resolved(self, settings: EngineSettings) -> PagedPolicy:
-        return self.model_copy(
-            update=inherit_paging(self.block_size, self.prefix_caching, settings)
-        )
-
-    def page_tokens(self) -> int:
-        assert self.block_size is not None, "resolve the section first"
-        return self.block_size
-
-    @property
-    def prefix_caching_enabled(self) -> bool:
-        return bool(self.prefix_caching)
-
     def label(self) -> str:
-        return f"paged/bs{self.block_size}"
+        return f"paged/bs{self.block_size}" if self.block_size else "paged"
 
     def manager(self, config: EngineConfig) -> PagedKVManager:
         return PagedKVManager(

@@ -17,7 +17,6 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvbench.engines.registry import NAMED_ENGINES
 from kvbench.fileio import write_text_atomic
 from kvbench.report.baselines import machine_slug
 from kvbench.report.compare import mad_spread
@@ -33,11 +32,14 @@ CSV_COLUMNS = [
 ]
 
 
+# The two reference layouts lead every table; other engines follow in the order they ran.
+_LEAD = ("paged", "contiguous")
+
+
 def _column_order(f: FoundRecord) -> tuple[int, str, str]:
-    # Built-in engines in their listed order (paged first), other engines in run order.
-    builtin = list(NAMED_ENGINES)
-    rank = builtin.index(f.record.engine) if f.record.engine in builtin else len(builtin)
-    return rank, f.record.created_utc, f.record.engine
+    engine = f.record.engine
+    rank = _LEAD.index(engine) if engine in _LEAD else len(_LEAD)
+    return rank, f.record.created_utc, engine
 
 
 def by_suite(found: Sequence[FoundRecord]) -> dict[str, list[FoundRecord]]:

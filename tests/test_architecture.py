@@ -1,0 +1,113 @@
+"""Dependencies point one way. Every module's imports (function-level ones included) are
+parsed and checked against the layering of DESIGN.md:
+
+- ``workloads`` and ``kernels`` are leaves: they import only themselves and the base modules;
+- ``engines`` never imports the run, results, report, tools or CLI code;
+- record readers (the schema, record sets, repeats) and everything under ``report`` import
+  only the record schema side and the base modules, never the run loop or the engines;
+- nothing but the CLI imports the CLI.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Source folders and the package each is installed as (pyproject's package-dir).
+FOLDERS = {
+    "kvbench": "kvbench",
+    "workloads": "kvbench.workloads",
+    "engines": "kvbench.engines",
+    "kernels": "kvbench.kernels",
+}
+BASE = ("kvbench.errors", "kvbench.units", "kvbench.fileio")
+READERS = ("kvbench.results.schema", "kvbench.results.recordset", "kvbench.results.repeats",
+           "kvbench.results.slo")
+# package prefix -> prefixes it must not import
+FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "kvbench.engines": ("kvbench.run", "kvbench.results", "kvbench.report", "kvbench.tools",
+                        "kvbench.cli"),
+    "kvbench.results": ("kvbench.report", "kvbench.tools", "kvbench.cli"),
+    "kvbench.run": ("kvbench.report.compare", "kvbench.cli"),
+    "kvbench.tools": ("kvbench.cli",),
+}
+# A calibration profile is an input of runs (``--device sim:PROFILE.json``).
+ALLOWED = {"kvbench.run": ("kvbench.tools.calibrate.profile",)}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for folder, package in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                # In a package's __init__, level 1 is the package itself.
+                up = node.level - (path.name == "__init__.py")
+                base = module.rsplit(".", up)[0] if up else module
+                name = f"{base}.{node.module}" if node.module else base
+            else:
+                name = node.module or ""
+            found.add(name)
+            # `from kvbench.cli import regress` imports the module kvbench.cli.regress
+            found.update(f"{name}.{a.name}" for a in node.names if f"{name}.{a.name}" in MODULES)
+    return {n for n in found if n == "kvbench" or n.startswith("kvbench.")}
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _violations(module: str, imports: set[str]) -> list[str]:
+    bad = []
+    leaf = next((p for p in ("kvbench.workloads", "kvbench.kernels") if _under(module, p)), None)
+    reader = module in READERS or _under(module, "kvbench.report")
+    for name in sorted(imports):
+        if leaf is not None:
+            if not (_under(name, leaf) or name in BASE):
+                bad.append(name)
+            continue
+        if reader and not (name in BASE or name in READERS or _under(name, "kvbench.report")
+                           or name == "kvbench"):
+            bad.append(name)
+            continue
+        for prefix, forbidden in FORBIDDEN.items():
+            if _under(module, prefix) and any(_under(name, f) for f in forbidden):
+                allowed = ALLOWED.get(prefix, ())
+                if not any(_under(name, a) for a in allowed):
+                    bad.append(name)
+        if _under(name, "kvbench.cli") and not _under(module, "kvbench.cli"):
+            bad.append(name)
+    return bad
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_one_way(module: str) -> None:
+    imports = _imports(MODULES[module], module)
+    assert not _violations(module, imports), f"{module} imports {_violations(module, imports)}"
+
+
+def test_the_rules_catch_a_violation() -> None:
+    assert _violations("kvbench.engines.builtin", {"kvbench.run.harness"})
+    assert _violations("kvbench.kernels.reference", {"kvbench.engines.kv.base"})
+    assert _violations("kvbench.report.plots", {"kvbench.run.harness"})
+    assert _violations("kvbench.workloads.io", {"kvbench.run.suite"})
+    assert not _violations("kvbench.engines.builtin", {"kvbench.kernels.layouts", "kvbench.errors"})
+    assert "kvbench.run.execute" in MODULES and "kvbench.engines.kv.paged" in MODULES
