@@ -25,7 +25,8 @@ def output_digest(samples: Sequence[Sequence[int]]) -> str:
 
 @dataclass(slots=True)
 class KVStats:
-    """A snapshot of KV-cache memory. Counters (``prefix_*``, ``block_*``) are cumulative."""
+    """A snapshot of KV-cache memory. Counters (``prefix_*``, ``block_*``, ``evictions``,
+    ``copied_bytes`` and the policy counters below) are cumulative; the rest are gauges."""
 
     capacity_bytes: int
     used_bytes: int | None = None
@@ -40,7 +41,20 @@ class KVStats:
     prefix_query_tokens: int | None = None
     block_allocs: int | None = None
     block_frees: int | None = None
+    # Bytes of KV copied between slots (copy-on-write, compaction, migration).
     copied_bytes: int | None = None
+    # Entries of the address-translation structures live sequences hold (block-table
+    # entries, extent descriptors, mapped pages): what the layout costs to look up.
+    page_table_entries: int | None = None
+    # Cached prefix blocks evicted to make room.
+    evictions: int | None = None
+    # Page merges and splits, and bytes moved to make pages mergeable (mixed page sizes).
+    merges: int | None = None
+    splits: int | None = None
+    migrated_bytes: int | None = None
+    # Virtual-memory mapping operations (virtually contiguous KV).
+    map_ops: int | None = None
+    unmap_ops: int | None = None
 
 
 def causal_pairs(start: int, num_tokens: int) -> int:

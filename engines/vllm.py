@@ -13,7 +13,8 @@ in this process so that each step reports the same StepReport fields:
   ``largest_free_bytes`` = free blocks (cached but unreferenced blocks count as free, as in
   the built-in paged manager; any free block serves any request), ``used_bytes`` = token slots
   holding computed KV in blocks of live requests (each block once), ``copied_bytes`` = blocks
-  copied on write; prefix hits and queries from vLLM's prefix-cache stats.
+  copied on write, ``page_table_entries`` = blocks in running requests' block tables; prefix
+  hits and queries from vLLM's prefix-cache stats.
 
 Fields vLLM cannot provide stay None (never 0):
 
@@ -21,7 +22,8 @@ Fields vLLM cannot provide stay None (never 0):
   prefix-cache hit, so the built-in definition (several holders, or a holder that got it
   from a hit) cannot be reproduced;
 - ``block_allocs`` / ``block_frees``: vLLM counts neither; allocations and frees within a
-  step cancel out in any before/after difference, so they cannot be derived either.
+  step cancel out in any before/after difference, so they cannot be derived either;
+- ``evictions``: vLLM evicts cached blocks inside its block pool without counting them.
 
 vLLM reserves one block of the pool as its "null block", so it holds one block fewer for
 requests than a built-in paged engine with the same budget: ``capacity_bytes`` is the same,
@@ -73,7 +75,7 @@ INSTALL_HINT = (
 CPU_BLOCK_MULTIPLE = 32
 _GIB = 2**30
 # KVStats fields this adapter leaves None (see the module docstring for why).
-ABSENT_KV_FIELDS = ("shared_bytes", "block_allocs", "block_frees")
+ABSENT_KV_FIELDS = ("shared_bytes", "block_allocs", "block_frees", "evictions")
 
 
 def _set_vllm_env() -> None:
@@ -419,8 +421,10 @@ class VllmEngine:
         # Computed token slots per block of live requests; a block shared by several
         # requests counts once, with its fullest holder.
         filled: dict[int, int] = {}
+        entries = 0
         for req in sched.running:
             blocks = manager.get_block_ids(req.request_id)[0]
+            entries += len(blocks)
             n = req.num_computed_tokens
             full, part = divmod(n, bs)
             filled.update(dict.fromkeys(blocks[:full], bs))
@@ -438,6 +442,7 @@ class VllmEngine:
             prefix_hit_tokens=self._prefix_hits if self.prefix_caching else None,
             prefix_query_tokens=self._prefix_queries if self.prefix_caching else None,
             copied_bytes=self._copied_bytes,
+            page_table_entries=entries,
         )
 
 

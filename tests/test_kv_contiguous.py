@@ -37,7 +37,7 @@ def check_invariants(kv: ContiguousKVManager, driver: KVDriver) -> None:
     ahead = sum(min(e.length, e.final_len) - e.num_committed for e in extents)
     assert 0 <= s.reserved_ahead_bytes == ahead * BPT <= s.reserved_bytes - s.used_bytes
     assert s.largest_free_bytes == max((n for _, n in kv.arena.holes), default=0) * BPT
-    assert s.block_allocs - s.block_frees == len(extents)
+    assert s.block_allocs - s.block_frees == len(extents) == s.page_table_entries
     driver.check_contents()
 
 

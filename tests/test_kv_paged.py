@@ -52,6 +52,7 @@ def check_invariants(kv: PagedKVManager, driver: KVDriver) -> None:
     assert s.block_allocs - s.block_frees == s.reserved_bytes // block_bytes
     assert s.shared_bytes >= sum(1 for r in refs.values() if r > 1) * block_bytes
     assert s.largest_free_bytes == s.free_bytes
+    assert s.page_table_entries == sum(len(kv.block_table(seq)) for seq in driver.running)
     assert 0 <= s.reserved_ahead_bytes <= s.reserved_bytes - s.used_bytes
     if s.prefix_hit_tokens is not None:
         assert 0 <= s.prefix_hit_tokens <= s.prefix_query_tokens
@@ -158,7 +159,9 @@ def test_cached_blocks_survive_free_and_are_evicted_lru():
     assert kv.lookup_prefix(make_seq(3, 1, 1, prefix=("old", 8))) == 8
     # Three fresh blocks: the two plain ones, then the least recently freed cached block,
     # which is the tail of the sequence freed first.
+    assert kv.stats().evictions == 0
     assert d.admit(make_seq(4, 9, 1), 100)
+    assert kv.stats().evictions == 1
     assert kv.lookup_prefix(make_seq(5, 1, 1, prefix=("old", 8))) == 4
     assert kv.lookup_prefix(make_seq(6, 1, 1, prefix=("new", 8))) == 8
 

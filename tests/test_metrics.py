@@ -143,6 +143,8 @@ def test_curves_agree_with_summary(engine: str) -> None:
         assert c["t_s"][-1] == pytest.approx(s["duration_s"])
         turnover = (c["block_allocs"][-1] + c["block_frees"][-1]) / s["duration_s"]
         assert turnover == pytest.approx(s["page_turnover_per_s"])
+        assert max(c["page_table_entries"]) == s["peak_page_table_entries"]
+        assert c["kv_copied_bytes"][-1] == s["kv_copied_bytes"]
     assert s["kv_waste_pct"] == pytest.approx(100 * (1 - s["mean_kv_utilization"]))
     if s["kv_reservation_waste_pct"] is not None:
         assert s["kv_reservation_waste_pct"] + s["kv_internal_waste_pct"] == pytest.approx(
@@ -150,6 +152,17 @@ def test_curves_agree_with_summary(engine: str) -> None:
         )
         assert s["kv_reservation_waste_pct"] >= 0 and s["kv_internal_waste_pct"] >= -1e-9
     assert s["kv_retained_bytes"] == 0
+    assert 0 < s["mean_page_table_entries"] <= s["peak_page_table_entries"]
+    assert s["peak_page_table_bytes"] == 8 * s["peak_page_table_entries"]
+
+
+def test_page_tables_cost_more_entries_than_extents() -> None:
+    paged, contig = summarize(_sim_run("paged")), summarize(_sim_run("contiguous"))
+    # One entry per 16-token block vs one descriptor per request.
+    assert contig["peak_page_table_entries"] <= contig["max_concurrent_requests"]
+    assert paged["peak_page_table_entries"] > 5 * paged["max_concurrent_requests"]
+    assert paged["kv_evictions"] is not None and contig["kv_evictions"] is None
+    assert paged["kv_merges"] is None and contig["kv_map_ops"] is None
 
 
 def test_paged_wastes_less_and_shares_prefixes() -> None:

@@ -53,6 +53,7 @@ class BlockPool:
         "block_size",
         "num_allocs",
         "num_blocks",
+        "num_evictions",
         "num_frees",
         "num_shared",
         "ref",
@@ -71,6 +72,7 @@ class BlockPool:
         self._leaked: set[int] = set()
         self.num_shared = 0
         self.num_allocs = 0
+        self.num_evictions = 0
         self.num_frees = 0
 
     @property
@@ -94,6 +96,7 @@ class BlockPool:
                 _consume(map(cached.__delitem__, evicted))
                 _consume(map(by_hash.__delitem__, map(hashes.__getitem__, evicted)))
             _fill(hashes, evicted, None)
+            self.num_evictions += len(evicted)
             out += evicted
         _fill(self.ref, out, 1)
         self.num_allocs += n

@@ -250,6 +250,8 @@ class ContiguousKVManager(KVManager):
             block_allocs=self._allocs,
             block_frees=self._frees,
             copied_bytes=self._copied_bytes,
+            # One (start, length) descriptor per extent, spares for forks included.
+            page_table_entries=self._allocs - self._frees,
         )
 
     def describe(self) -> dict[str, Any]:

@@ -122,6 +122,7 @@ class PagedKVManager(KVManager):
         self._sum_committed = 0
         self._forked: set[int] = set()
         self._used_tokens = 0
+        self._table_entries = 0
         self._copied_bytes = 0
         self._hit_tokens = 0
         self._query_tokens = 0
@@ -158,6 +159,7 @@ class PagedKVManager(KVManager):
             return False
         self._used_tokens += self.pool.touch(hits) * bs
         table = hits + self.pool.take(num_fresh)
+        self._table_entries += len(table)
         state = _SeqBlocks(table, num_cached, len(hits), seq.max_tokens - 1)
         self._seqs[seq.seq_id] = state
         self._sum_limit += self._limit(state)
@@ -193,6 +195,7 @@ class PagedKVManager(KVManager):
         if num_fresh:
             limit = self._limit(state)
             table += self.pool.take(num_fresh)
+            self._table_entries += num_fresh
             self._sum_limit += self._limit(state) - limit
         return True
 
@@ -225,6 +228,7 @@ class PagedKVManager(KVManager):
             return
         self._sum_limit -= self._limit(state)
         self._sum_committed -= state.num_committed
+        self._table_entries -= len(state.table)
         self._forked.discard(seq.seq_id)
         if finished and self.leak_finished:
             self._used_tokens -= self.pool.leak(state.table, state.num_committed)
@@ -242,6 +246,7 @@ class PagedKVManager(KVManager):
             shared, state.num_committed, min(state.num_indexed, len(shared)), state.final_len
         )
         self._seqs[child.seq_id] = child_state
+        self._table_entries += len(shared)
         self._sum_limit += self._limit(child_state)
         self._sum_committed += child_state.num_committed
         self._forked.update((parent.seq_id, child.seq_id))
@@ -298,6 +303,8 @@ class PagedKVManager(KVManager):
             block_allocs=pool.num_allocs,
             block_frees=pool.num_frees,
             copied_bytes=self._copied_bytes,
+            page_table_entries=self._table_entries,
+            evictions=pool.num_evictions if caching else None,
         )
 
     def describe(self) -> dict[str, Any]:

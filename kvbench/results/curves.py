@@ -22,6 +22,7 @@ _MAX_COLS = (
     "kv_capacity_bytes", "kv_reserved_bytes", "kv_used_bytes", "kv_reserved_ahead_bytes",
     "kv_shared_bytes", "running",
     "waiting", "prefix_hit_tokens", "block_allocs", "block_frees", "num_tokens",
+    "kv_copied_bytes", "page_table_entries",
 )
 _MIN_COLS = ("kv_free_bytes", "kv_largest_free_bytes")
 _SUM_COLS = ("preempted",)

@@ -45,6 +45,13 @@ KV memory (from the engine's KVStats after every step):
   ``shared_block_ratio``: time-integral of KV referenced by more than one sequence /
   time-integral of KV reserved, over busy steps.
 - ``kv_retained_bytes``: KV still reserved after the run drained (0 unless blocks leak).
+- ``peak_page_table_entries`` / ``mean_page_table_entries``: entries of the translation
+  structures live sequences hold (block-table entries, extent descriptors, mapped pages),
+  peak and time-weighted mean; ``peak_page_table_bytes`` at 8 bytes an entry.
+- ``kv_copied_bytes``: KV bytes copied between slots over the run (copy-on-write,
+  compaction, migration); ``kv_evictions``, ``kv_merges``, ``kv_splits``,
+  ``kv_migrated_bytes``, ``kv_map_ops``, ``kv_unmap_ops``: counters of the policies that keep
+  them (None for the others).
 
 Process and device memory (telemetry; RSS and NVML readings are rate-limited, and are also
 taken when warm-up ends and when the run ends):
@@ -161,6 +168,12 @@ def summarize(run: EngineRun, slo: SLO | None = None) -> dict[str, Any]:
     return summary
 
 
+# KVStats counters that only some KV policies keep (None elsewhere), as summary kv_<name>.
+POLICY_COUNTERS = ("evictions", "merges", "splits", "migrated_bytes", "map_ops", "unmap_ops")
+# A page-table entry as an engine stores it: one 64-bit physical page number or descriptor.
+PAGE_TABLE_ENTRY_BYTES = 8
+
+
 def _full(values: list) -> np.ndarray | None:
     """A KVStats column as floats, or None when the engine left any step's value absent."""
     if not values or any(v is None for v in values):
@@ -188,6 +201,11 @@ def kv_metrics(run: EngineRun) -> dict[str, Any]:
         "prefix_hit_rate": None,
         "shared_block_ratio": None,
         "kv_retained_bytes": None,
+        "peak_page_table_entries": None,
+        "mean_page_table_entries": None,
+        "peak_page_table_bytes": None,
+        "kv_copied_bytes": kv.copied_bytes if kv else None,
+        **{f"kv_{name}": getattr(kv, name) if kv else None for name in POLICY_COUNTERS},
     }
     if not len(s):
         return out
@@ -212,6 +230,11 @@ def kv_metrics(run: EngineRun) -> dict[str, Any]:
         shared = _full(s.kv_shared_bytes)
         if shared is not None and denom > 0:
             out["shared_block_ratio"] = float((shared[busy] * dt[busy]).sum()) / denom
+    entries = _full(s.page_table_entries)
+    if entries is not None:
+        out["peak_page_table_entries"] = int(entries.max())
+        out["mean_page_table_entries"] = _weighted_mean(entries, dt)
+        out["peak_page_table_bytes"] = int(entries.max()) * PAGE_TABLE_ENTRY_BYTES
     free, largest = _full(s.kv_free_bytes), _full(s.kv_largest_free_bytes)
     if free is not None and largest is not None:
         mask = free > 0

@@ -75,6 +75,8 @@ class StepLog:
     prefix_hit_tokens: list[int | None] = field(default_factory=list)
     block_allocs: list[int | None] = field(default_factory=list)
     block_frees: list[int | None] = field(default_factory=list)
+    kv_copied_bytes: list[int | None] = field(default_factory=list)
+    page_table_entries: list[int | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.t_s)
@@ -261,3 +263,5 @@ def _log_step(run: EngineRun, report: StepReport, t0: float, t1: float) -> None:
         s.prefix_hit_tokens.append(kv.prefix_hit_tokens)
         s.block_allocs.append(kv.block_allocs)
         s.block_frees.append(kv.block_frees)
+        s.kv_copied_bytes.append(kv.copied_bytes)
+        s.page_table_entries.append(kv.page_table_entries)
