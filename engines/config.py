@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar, Self
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvbench.engines.hardware import DeviceSpec
-from kvbench.engines.kv.spec import KVSpec, kv_bytes_per_token
+from kvbench.engines.kv.spec import Footprint, KVSpec, kv_bytes_per_token, never_runs
 from kvbench.engines.presets import ModelPreset
 from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.errors import KvbenchError
@@ -89,6 +89,10 @@ class EngineSection(BaseModel):
         """A short name of the kind with its distinguishing options (tables, plots)."""
         return self.kind
 
+    def block_multiple(self, device: DeviceSpec) -> int:
+        """What the run's block size must be a multiple of for this kind on ``device``."""
+        return 1
+
     def check(self, config: EngineConfig) -> None:
         """Fail before any work when this kind cannot run ``config``."""
 
@@ -109,15 +113,24 @@ class KVPolicy(EngineSection):
     def manager(self, config: EngineConfig) -> KVManager:
         """A fresh KV manager over ``config``'s pool."""
 
+    @abstractmethod
+    def footprint(self, config: EngineConfig, request: Request) -> Footprint:
+        """What ``request`` needs in an empty pool of ``config`` (the manager's answer,
+        without building one)."""
+
     def build(self, config: EngineConfig) -> Engine:
         from kvbench.engines.builtin import BuiltinEngine
 
         return BuiltinEngine.from_config(config, self.manager(config))
 
     def admission(self, config: EngineConfig) -> Callable[[Request], str | None]:
-        from kvbench.engines.scheduler import Scheduler
+        sched = config.scheduler
 
-        return Scheduler(config.scheduler, self.manager(config)).rejection
+        def rejection(request: Request) -> str | None:
+            return never_runs(request, sched.max_model_len, self.footprint(config, request),
+                              config.kv.bytes_per_token, sched.max_num_seqs)
+
+        return rejection
 
 
 class Paging(EngineSection):

@@ -12,6 +12,7 @@ device profiled by ``kvbench calibrate``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -56,11 +57,16 @@ class CostCoefficients:
         for name in ("flops_efficiency", "bandwidth_efficiency", "attention_flops_efficiency",
                      "attention_bandwidth_efficiency"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise KvbenchError(f"cost coefficient {name} must be positive")
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise KvbenchError(
+                    f"cost coefficient {name} must be a positive number, not {value}"
+                )
         for name in ("overhead_s", "per_seq_s"):
-            if getattr(self, name) < 0:
-                raise KvbenchError(f"cost coefficient {name} must not be negative")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise KvbenchError(
+                    f"cost coefficient {name} must be a non-negative number, not {value}"
+                )
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +84,15 @@ class Hardware:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Hardware:
+        """The figures of a saved device, checked: every peak finite and positive."""
         coef = CostCoefficients(**data.get("coef", {}))
         coef.validate()
-        return cls(**{**data, "coef": coef})
+        hw = cls(**{**data, "coef": coef})
+        for name in ("memory_bytes", "hbm_bytes_per_s", "flops_per_s", "link_bytes_per_s"):
+            value = getattr(hw, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise KvbenchError(f"{name} must be a positive number, not {value}")
+        return hw
 
 
 _GPUS: dict[str, Hardware] = {

@@ -63,6 +63,21 @@ class ModelPreset:
     def weight_bytes(self) -> int:
         return self.num_params * self.dtype_bytes
 
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Refuse a tensor-parallel degree that splits no head evenly: it must divide the
+        attention heads, and divide the KV heads or be a multiple of them (replicated KV
+        heads, as vLLM does)."""
+        ok_kv = self.num_kv_heads % tp == 0 or tp % self.num_kv_heads == 0
+        if tp >= 1 and self.num_heads % tp == 0 and ok_kv:
+            return
+        valid = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0
+                 and (self.num_kv_heads % d == 0 or d % self.num_kv_heads == 0)]
+        raise KvbenchError(
+            f"tensor parallelism {tp} cannot split {self.name}'s {self.num_heads} attention "
+            f"heads and {self.num_kv_heads} KV heads evenly; use one of "
+            f"{', '.join(map(str, valid))}"
+        )
+
     def with_dtype(self, dtype: str) -> ModelPreset:
         if dtype not in DTYPE_BYTES:
             raise KvbenchError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPE_BYTES)}")

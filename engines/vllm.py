@@ -58,6 +58,7 @@ from kvbench.engines.base import (
     output_digest,
 )
 from kvbench.engines.config import EngineConfig, Paging
+from kvbench.engines.hardware import DeviceSpec
 from kvbench.engines.hf_config import hf_config, write_model_dir
 from kvbench.engines.kv.paged import paged_footprint
 from kvbench.engines.kv.spec import never_runs
@@ -107,6 +108,9 @@ class VllmSection(Paging):
 
     kind: Literal["vllm"] = "vllm"
     summary = "real vLLM (v1 engine, in-process): same model shapes, KV budget and block size"
+
+    def block_multiple(self, device: DeviceSpec) -> int:
+        return CPU_BLOCK_MULTIPLE if device.kind == "cpu" else 1
 
     def check(self, config: EngineConfig) -> None:
         check_vllm(config)

@@ -44,12 +44,39 @@ class ContiguousPolicy(KVPolicy):
     def label(self) -> str:
         return f"contiguous/{self.reservation}" + ("+compact" if self.compaction else "")
 
+    def footprint(self, config: EngineConfig, request: Request) -> Footprint:
+        return extent_footprint(request, self.reservation, config.scheduler.max_model_len,
+                                config.capacity_tokens)
+
     def manager(self, config: EngineConfig) -> ContiguousKVManager:
         return ContiguousKVManager(
             config.capacity_tokens, config.kv.bytes_per_token, config.scheduler.max_model_len,
             reservation=self.reservation, fit=self.fit, compaction=self.compaction,
             dtype=config.kv.dtype,
         )
+
+
+def reserve_len(reservation: Reservation, num_tokens: int, max_model_len: int) -> int:
+    """Extent length ``reservation`` reserves for a sample that will hold ``num_tokens``."""
+    if reservation == "max_model_len":
+        return max_model_len
+    if reservation == "request":
+        return num_tokens
+    return min(1 << (num_tokens - 1).bit_length(), max_model_len)
+
+
+def extent_footprint(request: Request, reservation: Reservation, max_model_len: int,
+                     capacity_tokens: int) -> Footprint:
+    """All of ``request``'s extents (they are reserved together, so must fit together)."""
+    length = reserve_len(reservation, request.prompt_tokens + request.output_tokens,
+                         max_model_len)
+    samples = f"{request.n} samples x " if request.n > 1 else ""
+    return Footprint(
+        tokens=request.n * length, capacity_tokens=capacity_tokens,
+        what=f"extents of {samples}{length} tokens (reservation={reservation})",
+        capacity=f"{capacity_tokens} tokens",
+        hint=" or use a tighter reservation policy" if reservation != "request" else "",
+    )
 
 
 @dataclass(slots=True)
@@ -115,22 +142,11 @@ class ContiguousKVManager(KVManager):
 
     def reserve_len(self, num_tokens: int) -> int:
         """Extent length reserved for a sample that will hold ``num_tokens`` tokens."""
-        if self.reservation == "max_model_len":
-            return self.max_model_len
-        if self.reservation == "request":
-            return num_tokens
-        return min(1 << (num_tokens - 1).bit_length(), self.max_model_len)
+        return reserve_len(self.reservation, num_tokens, self.max_model_len)
 
     def footprint(self, request: Request) -> Footprint:
-        # All samples' extents are reserved together, so all must fit together.
-        length = self.reserve_len(request.prompt_tokens + request.output_tokens)
-        samples = f"{request.n} samples x " if request.n > 1 else ""
-        return Footprint(
-            tokens=request.n * length, capacity_tokens=self.capacity_tokens,
-            what=f"extents of {samples}{length} tokens (reservation={self.reservation})",
-            capacity=f"{self.capacity_tokens} tokens",
-            hint=" or use a tighter reservation policy" if self.reservation != "request" else "",
-        )
+        return extent_footprint(request, self.reservation, self.max_model_len,
+                                self.capacity_tokens)
 
     def held_tokens(self, prompt: int, output: int, n: int = 1) -> int:
         return n * self.reserve_len(prompt + output)

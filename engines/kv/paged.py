@@ -56,6 +56,9 @@ class PagedPolicy(Paging, KVPolicy):
     def label(self) -> str:
         return f"paged/bs{self.block_size}" if self.block_size else "paged"
 
+    def footprint(self, config: EngineConfig, request: Request) -> Footprint:
+        return paged_footprint(request, config.kv.page_tokens, config.num_pages)
+
     def manager(self, config: EngineConfig) -> PagedKVManager:
         return PagedKVManager(
             config.num_pages, config.kv.page_tokens, config.kv.bytes_per_token,

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 from rich.table import Table
 
 from kvbench.cli import regress, scale, telemetry
+from kvbench.cli.options import (
+    command_line,
+    console,
+    err_console,
+    exit_for,
+    interruptible,
+    note,
+    progress_bar,
+    run_flags,
+    warn,
+)
 from kvbench.errors import KvbenchError
-from kvbench.run.overrides import TRACE_KINDS
+from kvbench.run.overrides import TRACE_KINDS, RunFlags
 
 app = typer.Typer(
     add_completion=False,
@@ -27,65 +36,43 @@ app.add_typer(workload_app, name="workload")
 regress.register(app)
 scale.register(app)
 telemetry.register(app)
-console = Console()
-err_console = Console(stderr=True)
 
 
 
 @app.command()
+@run_flags()
 def run(
     suite: Annotated[str | None, typer.Argument(help="Suite TOML file or name (default: the embedded default).")] = None,
-    engines: Annotated[str | None, typer.Option(help="Comma-separated engines, e.g. paged,contiguous.")] = None,
-    workload: Annotated[str | None, typer.Option(help="Workload preset, FILE.jsonl or KIND:TRACE_PATH (azure|mooncake|sharegpt).")] = None,
-    num_requests: Annotated[int | None, typer.Option(help="Number of requests (first N of a file or trace).")] = None,
-    seed: Annotated[int | None, typer.Option(help="Workload seed.")] = None,
-    model: Annotated[str | None, typer.Option(help="Model preset.")] = None,
-    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda[:N] | sim:GPU[xTP].")] = None,
-    clock: Annotated[str | None, typer.Option(help="wall | virtual (default: virtual for sim, else wall).")] = None,
-    kv_memory: Annotated[str | None, typer.Option(help="KV budget, e.g. 64MiB (default: from device memory).")] = None,
-    block_size: Annotated[int | None, typer.Option(help="Paged KV block size in tokens.")] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(help="Most sequences running at once.")] = None,
-    max_num_batched_tokens: Annotated[int | None, typer.Option(help="Token budget per step.")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="Context limit per sequence.")] = None,
-    chunked_prefill: Annotated[bool | None, typer.Option("--chunked-prefill/--no-chunked-prefill")] = None,
-    prefix_caching: Annotated[bool | None, typer.Option("--prefix-caching/--no-prefix-caching")] = None,
     out: Annotated[Path | None, typer.Option(help="Output folder (default: runs/<suite>-<time>).")] = None,
+    force: Annotated[bool, typer.Option(help="Replace the records an existing --out folder holds.")] = False,
     repeat: Annotated[int, typer.Option(help="Run every engine N times; records hold medians and each repeat's values.")] = 1,
     shard: Annotated[str | None, typer.Option(help="Run only share I/N of the suite's engines (for CI matrices).")] = None,
-    slo: Annotated[str | None, typer.Option(help="Goodput SLO in ms, e.g. ttft:500,tpot:50[,e2el:MS].")] = None,
-    cpu_threads: Annotated[int | None, typer.Option(help="Intra-op threads of real compute on a CPU (default: torch's).")] = None,
-    attention: Annotated[str | None, typer.Option(help="Attention kernels of real compute: auto (triton on CUDA when installed, else reference) | triton | reference.")] = None,
+    *,
+    flags: RunFlags,
 ) -> None:
     """Run a suite: every engine on the same workload; print and write a comparison."""
     from kvbench.report.tables import table_rows
     from kvbench.run.execute import execute_plan
-    from kvbench.run.overrides import RunFlags, resolve_suite
+    from kvbench.run.overrides import resolve_suite
     from kvbench.run.plan import plan_run
     from kvbench.run.sharding import Shard
 
-    the_suite, base = resolve_suite(suite, RunFlags(
-        engines, workload, num_requests, seed, model, device, clock, kv_memory, block_size,
-        max_num_seqs, max_num_batched_tokens, max_model_len, chunked_prefill, prefix_caching,
-        slo, cpu_threads, attention,
-    ))
-    command = "kvbench " + shlex.join(sys.argv[1:])
+    the_suite, base = resolve_suite(suite, flags)
     the_shard = Shard.parse(shard) if shard is not None else None
-    plan = plan_run(the_suite, base, out, command, repeats=repeat, shard=the_shard)
+    plan = plan_run(the_suite, base, out, command_line(), repeats=repeat, shard=the_shard,
+                    force=force)
     if not plan.engines:
         console.print(f"shard {the_shard} of {the_suite.name} has no engines to run")
         return
-    for warning in plan.warnings:
-        err_console.print(f"[yellow]warning:[/] {warning}")
+    warn(plan.warnings)
+    note(plan.notes)
     n_warnings = len(plan.warnings)
     console.print(
         f"[bold]{the_suite.name}[/]: {len(plan.workload)} requests ({plan.workload.name}, "
         f"digest {plan.workload.digest}), model {plan.preset.name}, device {plan.device.label}, "
         f"clock {plan.clock}, engines {', '.join(n for n, _ in plan.engines)}"
     )
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err_console, transient=True,
-    ) as progress:
+    with interruptible() as interrupts, progress_bar() as progress:
 
         def on_engine(name: str):
             task = progress.add_task(name, total=len(plan.workload))
@@ -99,16 +86,9 @@ def run(
     for row in table_rows(records):
         table.add_row(*row)
     console.print(table)
-    for rec in records:
-        if rec.error:
-            err_console.print(f"[red]{rec.engine} {rec.status}:[/] {rec.error.splitlines()[0]}")
-    for warning in plan.warnings[n_warnings:]:
-        err_console.print(f"[yellow]warning:[/] {warning}")
+    warn(plan.warnings[n_warnings:])
     console.print(f"records, summary.md and figures written to {plan.out_dir}")
-    if any(rec.status == "interrupted" for rec in records):
-        raise typer.Exit(130)
-    if any(rec.status != "ok" for rec in records):
-        raise typer.Exit(1)
+    exit_for(records, interrupts)
 
 
 @workload_app.command("gen")
@@ -219,8 +199,12 @@ def main() -> None:
     try:
         app()
     except KvbenchError as exc:
-        err_console.print(f"[red]error:[/] {exc}", highlight=False)
+        err_console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
         sys.exit(2)
+    except KeyboardInterrupt:
+        # Before any work started (a run's own interrupts end inside the command).
+        err_console.print("[red]interrupted[/]")
+        sys.exit(130)
 
 
 if __name__ == "__main__":

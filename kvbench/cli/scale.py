@@ -8,21 +8,16 @@ from __future__ import annotations
 import csv
 import io
 import itertools
-import shlex
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvbench.cli.options import command_line, console, err_console
 from kvbench.errors import KvbenchError
 from kvbench.tools.capacity import CapacityRow, Deployment
-
-console = Console()
-err_console = Console(stderr=True)
 
 
 def calibrate(
@@ -48,7 +43,7 @@ def calibrate(
             raise KvbenchError("--repeats must be at least 1")
         grid = replace(grid, repeats=repeats)
     out = output or Path(f"calibration-{device.replace(':', '')}-{model}.json")
-    command = "kvbench " + shlex.join(sys.argv[1:])
+    command = command_line()
     with Progress(
         TextColumn("timing steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=err_console, transient=True,
@@ -161,7 +156,7 @@ def capacity(
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         writer.writerow(["command", *header])
-        command = "kvbench " + shlex.join(sys.argv[1:])
+        command = command_line()
         writer.writerows([command, *row] for row in rows)
         write_text_atomic(csv_out, buf.getvalue())
         console.print(f"rows written to {csv_out}")

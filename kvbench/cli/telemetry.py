@@ -5,16 +5,24 @@
 from __future__ import annotations
 
 import datetime as dt
-import shlex
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 from rich.table import Table
 
+from kvbench.cli.options import (
+    command_line,
+    console,
+    err_console,
+    exit_for,
+    interruptible,
+    note,
+    progress_bar,
+    run_flags,
+    warn,
+)
 from kvbench.errors import KvbenchError
 from kvbench.results.leaks import DEFAULT_NOISE_BYTES, DEFAULT_NOISE_PCT
 from kvbench.run.overrides import RunFlags, resolve_suite
@@ -22,41 +30,12 @@ from kvbench.run.overrides import RunFlags, resolve_suite
 if TYPE_CHECKING:
     from kvbench.results.schema import RunRecord
 
-console = Console()
-err_console = Console(stderr=True)
-
-# The `kvbench run` flags, shared by every command that runs a suite.
-SuiteArg = Annotated[str | None, typer.Argument(help="Suite TOML file or name (default: the embedded default).")]
-Engines = Annotated[str | None, typer.Option(help="Comma-separated engines, e.g. paged,contiguous.")]
-WorkloadOpt = Annotated[str | None, typer.Option("--workload", help="Workload preset, FILE.jsonl or KIND:TRACE_PATH (azure|mooncake|sharegpt).")]
-NumRequests = Annotated[int | None, typer.Option(help="Number of requests (first N of a file or trace).")]
-Seed = Annotated[int | None, typer.Option(help="Workload seed.")]
-Model = Annotated[str | None, typer.Option(help="Model preset.")]
-Device = Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N | sim:GPU | sim:GPUxTP (e.g. sim:a100-80gbx8).")]
-ClockOpt = Annotated[str | None, typer.Option("--clock", help="wall | virtual (default: virtual for sim, else wall).")]
-BlockSize = Annotated[int | None, typer.Option(help="Paged KV block size in tokens.")]
-MaxNumSeqs = Annotated[int | None, typer.Option(help="Most sequences running at once.")]
-MaxBatched = Annotated[int | None, typer.Option(help="Token budget per step.")]
-MaxModelLen = Annotated[int | None, typer.Option(help="Context limit per sequence.")]
-Chunked = Annotated[bool | None, typer.Option("--chunked-prefill/--no-chunked-prefill")]
-PrefixCaching = Annotated[bool | None, typer.Option("--prefix-caching/--no-prefix-caching")]
-Slo = Annotated[str | None, typer.Option(help="Goodput SLO in ms, e.g. ttft:500,tpot:50[,e2el:MS].")]
 Out = Annotated[Path | None, typer.Option(help="Output folder (default: runs/<suite>-<command>-<time>).")]
-
-
-def _command() -> str:
-    return "kvbench " + shlex.join(sys.argv[1:])
+Force = Annotated[bool, typer.Option(help="Replace the records an existing output folder holds.")]
 
 
 def _default_out(suite: str, what: str) -> Path:
     return Path("runs") / f"{suite}-{what}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-
-
-def _progress() -> Progress:
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err_console, transient=True,
-    )
 
 
 def _print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
@@ -68,107 +47,86 @@ def _print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     console.print(table)
 
 
-def _warn(messages: list[str]) -> None:
-    for msg in messages:
-        err_console.print(f"[yellow]warning:[/] {msg}", highlight=False)
-
-
-def _exit_for(records: list) -> None:
-    for rec in records:
-        if rec.error:
-            err_console.print(f"[red]{rec.engine} {rec.status}:[/] {rec.error.splitlines()[0]}")
-    if any(r.status == "interrupted" for r in records):
-        raise typer.Exit(130)
-    if any(r.status != "ok" for r in records):
-        raise typer.Exit(1)
-
-
+@run_flags()
 def soak(
-    suite: SuiteArg = None,
+    suite: Annotated[str | None, typer.Argument(help="Suite TOML file or name (default: the embedded default).")] = None,
     waves: Annotated[int, typer.Option(help="Times the workload is sent through one engine instance.")] = 5,
     noise_pct: Annotated[float, typer.Option(help="RSS/device growth over the soak counts as a leak only above this % of the first wave's reading...")] = DEFAULT_NOISE_PCT,
     noise_mib: Annotated[float, typer.Option(help="...and above this many MiB (KV growth is exact: any counts).")] = DEFAULT_NOISE_BYTES / 2**20,
-    engines: Engines = None, workload: WorkloadOpt = None, num_requests: NumRequests = None,
-    seed: Seed = None, model: Model = None, device: Device = None, clock: ClockOpt = None,
-    kv_memory: Annotated[str | None, typer.Option(help="KV budget, e.g. 64MiB.")] = None,
-    block_size: BlockSize = None, max_num_seqs: MaxNumSeqs = None,
-    max_num_batched_tokens: MaxBatched = None, max_model_len: MaxModelLen = None,
-    chunked_prefill: Chunked = None, prefix_caching: PrefixCaching = None, slo: Slo = None,
     out: Out = None,
+    force: Force = False,
+    *,
+    flags: RunFlags,
 ) -> None:
     """Send the workload in WAVES through the same engine instance and check that memory is
     given back after each wave drains. Exits 1 when a leak is found."""
     from kvbench.run.plan import plan_run
     from kvbench.tools.soak import SOAK_HEADER, run_soak, soak_findings, soak_rows
 
-    flags = RunFlags(engines, workload, num_requests, seed, model, device, clock, kv_memory,
-                     block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
-                     chunked_prefill, prefix_caching, slo)
     the_suite, base = resolve_suite(suite, flags)
-    plan = plan_run(the_suite, base, out or _default_out(the_suite.name, "soak"), _command())
-    _warn(plan.warnings)
+    plan = plan_run(the_suite, base, out or _default_out(the_suite.name, "soak"),
+                    command_line(), force=force)
+    warn(plan.warnings)
+    note(plan.notes)
     plan.warnings.clear()
     console.print(
         f"[bold]{the_suite.name}[/] soak: {waves} waves of {len(plan.workload)} requests, "
         f"model {plan.preset.name}, device {plan.device.label}, clock {plan.clock}, "
         f"engines {', '.join(n for n, _ in plan.engines)}"
     )
-    with _progress() as progress:
+    with interruptible() as interrupts, progress_bar() as progress:
 
         def on_engine(name: str):
             task = progress.add_task(name, total=waves * len(plan.workload))
             return lambda done: progress.update(task, completed=done)
 
         records = run_soak(plan, waves, noise_pct, int(noise_mib * 2**20), on_engine)
-    _warn(plan.warnings)
+    warn(plan.warnings)
     _print_table(f"{the_suite.name} soak ({plan.device.label}): memory after each drain, first → last wave", SOAK_HEADER, soak_rows(records))
     for finding in soak_findings(records):
         console.print(f"- {finding}", highlight=False)
     console.print(f"records, summary.md and figures written to {plan.out_dir}")
-    _exit_for(records)
+    exit_for(records, interrupts)
     if any(r.soak and r.soak.leak_detected for r in records):
         leaky = ", ".join(r.engine for r in records if r.soak and r.soak.leak_detected)
         err_console.print(f"[red]leak detected:[/] {leaky}")
         raise typer.Exit(1)
 
 
+@run_flags(exclude=("kv_memory",))
 def sweep(
-    suite: SuiteArg = None,
+    suite: Annotated[str | None, typer.Argument(help="Suite TOML file or name (default: the embedded default).")] = None,
     kv_memory: Annotated[str, typer.Option(help="KV budgets to run at, e.g. 4MiB,8MiB,16MiB.")] = "4MiB,8MiB,16MiB,32MiB",
-    engines: Engines = None, workload: WorkloadOpt = None, num_requests: NumRequests = None,
-    seed: Seed = None, model: Model = None, device: Device = None, clock: ClockOpt = None,
-    block_size: BlockSize = None, max_num_seqs: MaxNumSeqs = None,
-    max_num_batched_tokens: MaxBatched = None, max_model_len: MaxModelLen = None,
-    chunked_prefill: Chunked = None, prefix_caching: PrefixCaching = None, slo: Slo = None,
     out: Out = None,
+    force: Force = False,
+    *,
+    flags: RunFlags,
 ) -> None:
     """Run the suite at each KV budget: how many requests fit at once, per engine."""
     from kvbench.tools.sweep import SWEEP_COLUMNS, parse_budgets, run_sweep, sweep_rows
 
     budgets = parse_budgets(kv_memory)
-    flags = RunFlags(engines, workload, num_requests, seed, model, device, clock, None,
-                     block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
-                     chunked_prefill, prefix_caching, slo)
     the_suite, base = resolve_suite(suite, flags)
     out_dir = out or _default_out(the_suite.name, "sweep")
     console.print(
         f"[bold]{the_suite.name}[/] sweep over KV budgets {', '.join(budgets)}: engines "
         f"{', '.join(the_suite.run.engines)}"
     )
-    with _progress() as progress:
+    with interruptible() as interrupts, progress_bar() as progress:
 
         def on_engine(budget: str, name: str):
             task = progress.add_task(f"{name} @ {budget}", total=None)
             return lambda done: progress.update(task, completed=done)
 
-        result = run_sweep(the_suite, base, budgets, out_dir, _command(), on_engine)
-    _warn(result.warnings)
+        result = run_sweep(the_suite, base, budgets, out_dir, command_line(), on_engine,
+                           force=force)
+    warn(result.warnings)
     for skipped in result.skipped:
-        err_console.print(f"[yellow]skipped:[/] {skipped}", highlight=False)
+        err_console.print(f"[yellow]skipped:[/] {escape(skipped)}", highlight=False)
     header = ["engine", "KV budget", *[label for _, label in SWEEP_COLUMNS]]
     _print_table(f"{the_suite.name}: KV budget sweep", header, sweep_rows(result.records))
     console.print(f"per-budget runs, sweep.md and sweep.png written to {out_dir}")
-    _exit_for(result.records)
+    exit_for(result.records, interrupts)
 
 
 def load_run_dirs(run_dirs: list[Path]) -> list[RunRecord]:
@@ -206,7 +164,7 @@ def report(
     if any(len(b) > 1 for b in budgets.values()):
         extra.append(("sweep.png", plot_sweep))
     written, errors = write_plots(records, output, extra)
-    _warn(errors)
+    warn(errors)
     names = labels(records)
     named = [r.model_copy(update={"engine": n}) for r, n in zip(records, names, strict=True)]
     lines = ["# kvbench report", "", "Runs: " + ", ".join(f"`{d}`" for d in run_dirs), ""]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvbench.errors import KvbenchError
@@ -14,9 +16,9 @@ class SLO(BaseModel):
     requests with more than one output token, where it is defined)."""
 
     model_config = ConfigDict(extra="forbid")
-    ttft_ms: float | None = Field(default=None, gt=0)
-    tpot_ms: float | None = Field(default=None, gt=0)
-    e2el_ms: float | None = Field(default=None, gt=0)
+    ttft_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    tpot_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    e2el_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     def label(self) -> str:
         return ",".join(
@@ -39,7 +41,11 @@ def parse_slo(text: str) -> SLO:
             ms = float(value)
         except ValueError:
             raise KvbenchError(f"SLO {name}: {value!r} is not a number of milliseconds") from None
-        if ms <= 0:
-            raise KvbenchError(f"SLO {name}: the limit must be positive, got {ms:g} ms")
+        if not math.isfinite(ms) or ms <= 0:
+            raise KvbenchError(
+                f"SLO {name}: the limit must be a positive number of ms, not {value.strip()!r}"
+            )
+        if f"{name}_ms" in limits:
+            raise KvbenchError(f"SLO {name} is given twice in {text!r}: give each limit once")
         limits[f"{name}_ms"] = ms
     return SLO(**limits)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 from kvbench.engines.config import EngineConfig
 from kvbench.engines.costmodel import CostModel
@@ -16,9 +17,10 @@ from kvbench.results.build import build_record
 from kvbench.results.repeats import fold_repeats
 from kvbench.results.schema import RunRecord
 from kvbench.run.clocks import Clock, VirtualClock, WallClock
-from kvbench.run.harness import EngineRun, RequestTiming, StepLog, run_engine
+from kvbench.run.harness import EngineRun, RequestTiming, RunStatus, StepLog, run_engine
 from kvbench.run.machine import machine_info
 from kvbench.run.plan import RunPlan
+from kvbench.run.signals import interrupt_reason
 from kvbench.run.telemetry import Telemetry
 
 
@@ -35,32 +37,63 @@ def make_clock(plan: RunPlan) -> Clock:
     return VirtualClock(CostModel(plan.preset, plan.device.hardware, plan.device.tp))
 
 
+def _not_run(plan: RunPlan, config: EngineConfig, status: RunStatus, error: str,
+             waves: int = 1) -> EngineRun:
+    """The run of an engine that never stepped (it failed to start or was never reached)."""
+    timings = {r.id: RequestTiming(r) for r in plan.workload.requests}
+    run = EngineRun(config.name, plan.workload, plan.clock, timings, StepLog(), waves=waves)
+    run.status, run.error = status, error
+    return run
+
+
 def start_and_run(
     plan: RunPlan,
     config: EngineConfig,
     progress: Callable[[int], None] | None,
     waves: int = 1,
 ) -> tuple[EngineRun, dict]:
-    """Build one engine and drive it through the workload. An engine that fails to start
-    yields a failed run (its record is still written); a configuration error propagates."""
+    """Build one engine and drive it through the workload. An engine that fails to start, or
+    is interrupted while starting, yields a run with that status (its record is still
+    written); a configuration error propagates."""
     section = {"kind": config.section.kind, **config.section.model_dump()}
     try:
         engine = build_engine(config)
     except KvbenchError:
         raise
+    except KeyboardInterrupt as exc:
+        reason = f"{interrupt_reason(exc)} while the engine was starting"
+        return _not_run(plan, config, "interrupted", reason, waves), section
     except Exception as exc:
-        timings = {r.id: RequestTiming(r) for r in plan.workload.requests}
-        run = EngineRun(config.name, plan.workload, plan.clock, timings, StepLog(), waves=waves)
-        run.status, run.error = "failed", f"engine failed to start: {type(exc).__name__}: {exc}"
-        return run, section
+        reason = f"engine failed to start: {type(exc).__name__}: {exc}"
+        return _not_run(plan, config, "failed", reason, waves), section
     described = {**section, **engine.describe()}
     run = run_engine(
         engine, plan.workload, make_clock(plan), progress,
-        telemetry=make_telemetry(plan), waves=waves,
+        telemetry=make_telemetry(plan), waves=waves, max_concurrency=plan.max_concurrency,
     )
     # Facts learned while running (vLLM's kv-equivalent multimodal inputs) complete it.
     described.update((k, v) for k, v in engine.describe().items() if k not in described)
     return run, described
+
+
+def record_of(plan: RunPlan, run: EngineRun, config: dict, **extra: Any) -> RunRecord:
+    return build_record(
+        run, command=plan.command, suite=plan.suite.name, engine_config=config,
+        model=plan.preset.to_json(), device=plan.device.label, slo=plan.suite.run.slo, **extra,
+    )
+
+
+def record_unstarted(plan: RunPlan, done: set[str], reason: str) -> list[RunRecord]:
+    """Records, with ``status`` interrupted and no metrics, of the plan's engines not in
+    ``done``: an interrupted run says what it never reached."""
+    out = []
+    for name, config in plan.engines:
+        if name not in done:
+            section = {"kind": config.section.kind, **config.section.model_dump()}
+            record = record_of(plan, _not_run(plan, config, "interrupted", reason), section)
+            record.write(plan.out_dir / f"{name}.json")
+            out.append(record)
+    return out
 
 
 def execute_plan(
@@ -69,30 +102,30 @@ def execute_plan(
 ) -> list[RunRecord]:
     """Run every engine in turn, ``plan.repeats`` rounds of all engines (so that slow drift
     hits every engine alike); each record is written as soon as its engine ends, folded over
-    its repeats so far. A failed engine does not stop the others and is not repeated; Ctrl-C
-    writes the current engine's record and stops."""
+    its repeats so far. A failed engine does not stop the others and is not repeated. An
+    interrupt (Ctrl-C, SIGTERM) stops the run: the current engine's record says where,
+    engines not yet started get interrupted records, and the summary is still written."""
     if plan.suite.run.cpu_threads is not None and plan.device.kind == "cpu":
         import torch
 
         torch.set_num_threads(plan.suite.run.cpu_threads)
     runs: dict[str, list[RunRecord]] = {}
+    stopped: str | None = None
     for repeat, (name, engine) in itertools.product(range(plan.repeats), plan.engines):
         if any(r.status != "ok" for r in runs.get(name, [])):
             continue
         label = name if plan.repeats == 1 else f"{name} ({repeat + 1}/{plan.repeats})"
         progress = on_engine(label) if on_engine else None
         run, config = start_and_run(plan, engine, progress)
-        record = build_record(
-            run, command=plan.command, suite=plan.suite.name, engine_config=config,
-            model=plan.preset.to_json(), device=plan.device.label, slo=plan.suite.run.slo,
-        )
-        runs.setdefault(name, []).append(record)
+        runs.setdefault(name, []).append(record_of(plan, run, config))
         fold_repeats(runs[name]).write(plan.out_dir / f"{name}.json")
         if run.status == "interrupted":
+            stopped = run.error
             break
     records = [fold_repeats(rs) for rs in runs.values()]
+    if stopped is not None:
+        records += record_unstarted(plan, set(runs), f"not started: the run was {stopped}")
     write_text_atomic(plan.out_dir / "summary.md", summary_markdown(records))
     # After the records: a figure that fails to draw costs only itself.
     plan.warnings += write_plots(records, plan.out_dir)[1]
     return records
-

@@ -18,6 +18,7 @@ from typing import Literal
 
 from kvbench.engines.base import Engine, KVStats, StepReport
 from kvbench.run.clocks import Clock
+from kvbench.run.signals import interrupt_reason
 from kvbench.run.telemetry import OK, RssProbe, Telemetry
 from kvbench.workloads.model import Request, Workload
 
@@ -131,10 +132,16 @@ def run_engine(
     *,
     telemetry: Telemetry | None = None,
     waves: int = 1,
+    max_concurrency: int | None = None,
 ) -> EngineRun:
     """Drive ``engine`` through ``workload`` (``waves`` times in a row). Never raises for
     engine failures or Ctrl-C: the returned run carries ``status`` and ``error``; the caller
-    decides what follows. ``telemetry`` defaults to process RSS only."""
+    decides what follows. ``telemetry`` defaults to process RSS only.
+
+    With ``max_concurrency``, at most that many requests are in flight: a request arriving
+    while the limit is reached waits client-side and is sent when one finishes, and its
+    latencies count from sending, as ``vllm bench serve --max-concurrency`` measures them
+    (its record's ``arrival_s`` is the send time)."""
     if waves < 1:
         raise ValueError(f"waves must be at least 1, got {waves}")
     tel = telemetry if telemetry is not None else Telemetry([RssProbe()], {"rss": OK})
@@ -146,7 +153,8 @@ def run_engine(
     steps = StepLog()
     run = EngineRun(engine.name, workload, clock.name, timings, steps, telemetry=tel, waves=waves)
     warmup_done = max(1, math.ceil(WARMUP_FRACTION * len(timings)))
-    done = idle = 0
+    done = idle = in_flight = 0
+    limit = max_concurrency or len(timings) + 1
     wall0 = time.perf_counter()
     clock.start()
     try:
@@ -157,8 +165,13 @@ def run_engine(
             n, idx = len(requests), 0
             while idx < n or engine.has_unfinished():
                 now = clock.now()
-                while idx < n and requests[idx].arrival_s <= now:
-                    engine.add(requests[idx])
+                while idx < n and requests[idx].arrival_s <= now and in_flight < limit:
+                    request = requests[idx]
+                    if max_concurrency is not None and request.arrival_s < now:
+                        request = dataclasses.replace(request, arrival_s=now)
+                        timings[request.id].request = request
+                    engine.add(request)
+                    in_flight += 1
                     idx += 1
                 if not engine.has_unfinished():
                     clock.wait_until(requests[idx].arrival_s)
@@ -169,6 +182,7 @@ def run_engine(
                 clock.after_step(report)
                 t1 = clock.now()
                 ended = _record_requests(run, report, t0, t1)
+                in_flight -= ended
                 w1 = time.perf_counter()
                 _log_step(run, report, t0, t1)
                 step = len(steps) - 1
@@ -197,8 +211,8 @@ def run_engine(
                 run.wave_ends.append(
                     WaveEnd(len(steps) - 1, steps.t_s[-1], run.last_kv, tel.latest())
                 )
-    except KeyboardInterrupt:
-        run.status, run.error = "interrupted", "interrupted by the user (Ctrl-C)"
+    except KeyboardInterrupt as exc:
+        run.status, run.error = "interrupted", interrupt_reason(exc)
     except Exception as exc:
         run.status = "failed"
         run.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"

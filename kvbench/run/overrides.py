@@ -1,9 +1,17 @@
-"""Command-line overrides of a suite's fields, shared by the commands that run suites."""
+"""Command-line overrides of a suite's fields: the run flags every run-shaped command takes
+(``run``, ``soak``, ``sweep``), declared once here with their help, and applied to a suite.
+
+Each :class:`RunFlags` field names the suite field it overrides (``target``); the CLI builds
+its options from these fields, so a new flag is one field here.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
 
 from kvbench.errors import KvbenchError
 from kvbench.results.slo import parse_slo
@@ -12,42 +20,85 @@ from kvbench.run.suite import Suite, load_suite
 TRACE_KINDS = ("azure", "mooncake", "sharegpt")
 
 
+def _flag(target: str, help: str, decls: tuple[str, ...] = ()) -> Any:
+    return field(default=None, metadata={"target": target, "help": help, "decls": decls})
+
+
 @dataclass(slots=True)
 class RunFlags:
-    """The ``kvbench run`` flags; None leaves the suite's value."""
+    """The run flags; None leaves the suite's value."""
 
-    engines: str | None = None
-    workload: str | None = None
-    num_requests: int | None = None
-    seed: int | None = None
-    model: str | None = None
-    device: str | None = None
-    clock: str | None = None
-    kv_memory: str | None = None
-    block_size: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    chunked_prefill: bool | None = None
-    prefix_caching: bool | None = None
-    slo: str | None = None
-    cpu_threads: int | None = None
-    attention: str | None = None
+    engines: str | None = _flag("run.engines", "Comma-separated engines, e.g. paged,contiguous.")
+    workload: str | None = _flag(
+        "workload", "Workload preset, FILE.jsonl or KIND:TRACE_PATH (azure|mooncake|sharegpt)."
+    )
+    num_requests: int | None = _flag(
+        "workload.num_requests", "Number of requests (first N of a file or trace)."
+    )
+    seed: int | None = _flag("workload.seed", "Workload seed (a non-negative integer).")
+    model: str | None = _flag("model.preset", "Model preset.")
+    device: str | None = _flag(
+        "run.device", "auto | cpu | cuda[:N] | sim:GPU[xTP] (e.g. sim:a100-80gbx8) | "
+        "sim:PROFILE.json."
+    )
+    clock: str | None = _flag(
+        "run.clock", "wall | virtual (default: virtual for sim, else wall)."
+    )
+    kv_memory: str | None = _flag(
+        "run.kv_memory", "KV budget, e.g. 64MiB (default: from device memory)."
+    )
+    block_size: int | None = _flag("run.block_size", "Paged KV block size in tokens.")
+    max_num_seqs: int | None = _flag("run.max_num_seqs", "Most sequences running at once.")
+    max_num_batched_tokens: int | None = _flag(
+        "run.max_num_batched_tokens", "Token budget per step."
+    )
+    max_model_len: int | None = _flag("run.max_model_len", "Context limit per sequence.")
+    chunked_prefill: bool | None = _flag(
+        "run.chunked_prefill", "Split long prompts over steps.",
+        ("--chunked-prefill/--no-chunked-prefill",),
+    )
+    prefix_caching: bool | None = _flag(
+        "run.prefix_caching", "Reuse cached KV of shared prompt prefixes.",
+        ("--prefix-caching/--no-prefix-caching",),
+    )
+    slo: str | None = _flag(
+        "run.slo", "Goodput SLO in ms, e.g. ttft:500,tpot:50[,e2el:MS]."
+    )
+    cpu_threads: int | None = _flag(
+        "run.cpu_threads", "Intra-op threads of real compute on a CPU (default: torch's)."
+    )
+    attention: str | None = _flag(
+        "run.attention", "Attention kernels of real compute: auto (triton on CUDA when "
+        "installed, else reference) | triton | reference."
+    )
+    max_concurrency: int | None = _flag(
+        "run.max_concurrency", "Most requests in flight at once: later arrivals wait "
+        "client-side until one finishes (as vllm bench serve --max-concurrency)."
+    )
 
 
-def _csv(text: str | None) -> list[str] | None:
-    return None if text is None else [x.strip() for x in text.split(",") if x.strip()]
+def flag_name(name: str) -> str:
+    """The command-line spelling of a :class:`RunFlags` field."""
+    return "--" + name.replace("_", "-")
+
+
+_BY_TARGET = {f.metadata["target"]: f.name for f in fields(RunFlags)}
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def resolve_suite(ref: str | None, flags: RunFlags) -> tuple[Suite, Path | None]:
-    """Load ``ref`` and apply ``flags``, re-validated as if written in the suite file."""
+    """Load ``ref`` and apply ``flags``, re-validated as if written in the suite file; a bad
+    value is reported against the flag that gave it."""
     suite, base = load_suite(ref)
     r, w, m = suite.run, suite.workload, suite.model
     # Suite values chosen for the suite's own workload, model or device are dropped when
     # that is overridden, unless given again.
     if flags.workload is not None:
         w.num_requests = None
-        w.preset = w.file = w.trace = w.path = None
+        w.preset = w.file = w.trace = w.path = w.spec = None
         kind, _, rest = flags.workload.partition(":")
         if kind in TRACE_KINDS and rest:
             w.trace, w.path = kind, rest  # type: ignore[assignment]
@@ -60,19 +111,33 @@ def resolve_suite(ref: str | None, flags: RunFlags) -> tuple[Suite, Path | None]
         r.max_model_len, r.kv_memory, m.dtype = None, None, None
     if flags.device is not None:
         r.clock, r.kv_memory = "auto", None
-    if flags.clock is not None and flags.clock not in ("wall", "virtual", "auto"):
-        raise KvbenchError(f"unknown clock {flags.clock!r}; use wall or virtual")
-    for obj, key, value in (
-        (w, "num_requests", flags.num_requests), (w, "seed", flags.seed),
-        (m, "preset", flags.model), (r, "device", flags.device), (r, "clock", flags.clock),
-        (r, "kv_memory", flags.kv_memory), (r, "block_size", flags.block_size),
-        (r, "max_num_seqs", flags.max_num_seqs),
-        (r, "max_num_batched_tokens", flags.max_num_batched_tokens),
-        (r, "max_model_len", flags.max_model_len), (r, "chunked_prefill", flags.chunked_prefill),
-        (r, "prefix_caching", flags.prefix_caching), (r, "engines", _csv(flags.engines)),
-        (r, "slo", parse_slo(flags.slo) if flags.slo is not None else None),
-        (r, "cpu_threads", flags.cpu_threads), (r, "attention", flags.attention),
-    ):
-        if value is not None:
-            setattr(obj, key, value)
-    return type(suite).model_validate(suite.model_dump()), base
+    data = suite.model_dump()
+    for f in fields(RunFlags):
+        value = getattr(flags, f.name)
+        target = f.metadata["target"]
+        if value is None or target == "workload":
+            continue
+        if f.name == "engines":
+            value = _csv(value)
+        elif f.name == "slo":
+            value = parse_slo(value).model_dump()
+        section, key = target.split(".")
+        data[section][key] = value
+    try:
+        return type(suite).model_validate(data), base
+    except ValidationError as exc:
+        raise KvbenchError(_flag_errors(exc, suite.name)) from None
+
+
+def _flag_errors(exc: ValidationError, suite: str) -> str:
+    """One clause per bad value, naming the flag that set it (or the suite field)."""
+    parts = []
+    for e in exc.errors():
+        loc = [str(x) for x in e["loc"]]
+        target = ".".join(loc[:2])
+        name = _BY_TARGET.get(target)
+        where = flag_name(name) if name else f"suite {suite}: {'.'.join(loc)}"
+        value = e.get("input")
+        shown = f" {value!r}" if name and not isinstance(value, dict | list) else ""
+        parts.append(f"{where}{shown}: {e['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)

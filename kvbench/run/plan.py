@@ -4,18 +4,20 @@ before any work starts."""
 from __future__ import annotations
 
 import datetime as dt
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbench.engines.config import EngineConfig, EngineSettings, engine_config
+from kvbench.engines.config import EngineConfig, EngineSection, EngineSettings, engine_config
 from kvbench.engines.hardware import DeviceSpec
 from kvbench.engines.presets import ModelPreset, get_preset
 from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.errors import KvbenchError
 from kvbench.run.devices import kv_budget_bytes, parse_device
+from kvbench.run.outdir import prepare_out_dir
 from kvbench.run.sharding import Shard
 from kvbench.run.suite import Suite
-from kvbench.units import parse_bytes
+from kvbench.units import format_bytes, parse_bytes
 from kvbench.workloads.model import Workload
 
 
@@ -31,15 +33,23 @@ class RunPlan:
     out_dir: Path
     command: str
     warnings: list[str] = field(default_factory=list)
+    # Choices made for the user, each worth one line of output.
+    notes: list[str] = field(default_factory=list)
     repeats: int = 1
+    max_concurrency: int | None = None
 
 
 def load_workload(suite: Suite, base: Path | None) -> Workload:
     from kvbench.workloads.io import load_workload as load_jsonl
     from kvbench.workloads.presets import generate_preset
+    from kvbench.workloads.spec import generate, parse_spec
     from kvbench.workloads.traces import import_trace
 
     w = suite.workload
+    if w.spec is not None:
+        spec = parse_spec(w.spec, f"suite {suite.name}: [workload.spec]")
+        return generate(spec, num_requests=w.num_requests, seed=w.seed, name=f"{suite.name}-spec",
+                        source=f"suite {suite.name}")
     resolve = (lambda p: Path(p)) if base is None else (lambda p: (base / p))
     if w.file is not None:
         wl = load_jsonl(resolve(w.file))
@@ -54,9 +64,10 @@ def load_workload(suite: Suite, base: Path | None) -> Workload:
 
 def plan_run(
     suite: Suite, base: Path | None, out_dir: Path | None, command: str,
-    *, repeats: int = 1, shard: Shard | None = None,
+    *, repeats: int = 1, shard: Shard | None = None, force: bool = False,
 ) -> RunPlan:
-    """``shard`` keeps its share of the suite's engines (possibly none)."""
+    """``shard`` keeps its share of the suite's engines (possibly none); ``force`` lets the
+    run replace the records an existing ``out_dir`` holds."""
     if repeats < 1:
         raise KvbenchError(f"--repeat must be at least 1, not {repeats}")
     run = suite.run
@@ -64,6 +75,7 @@ def plan_run(
     if suite.model.dtype:
         preset = preset.with_dtype(suite.model.dtype)
     device = parse_device(run.device)
+    preset.check_tensor_parallel(device.tp)
     clock = run.clock
     if clock == "auto":
         clock = "virtual" if device.kind == "sim" else "wall"
@@ -83,7 +95,14 @@ def plan_run(
         chunked_prefill=run.chunked_prefill,
     )
     sched.validate()
+    notes: list[str] = []
     kv_memory = parse_bytes(run.kv_memory) if run.kv_memory else None
+    warnings = _check_kv_memory(kv_memory, device)
+    if not run.engines:
+        raise KvbenchError("no engines selected: pass --engines, e.g. --engines paged,contiguous")
+    sections = [(name, suite.engine(name)) for name in run.engines]
+    block_size = _block_size(run.block_size, "block_size" in run.model_fields_set,
+                             [s for _, s in sections], device, notes)
     settings = EngineSettings(
         preset=preset,
         device=device,
@@ -92,16 +111,14 @@ def plan_run(
             gpu_memory_utilization=run.gpu_memory_utilization,
             max_num_batched_tokens=run.max_num_batched_tokens, max_num_seqs=run.max_num_seqs,
         ),
-        block_size=run.block_size,
+        block_size=block_size,
         prefix_caching=run.prefix_caching,
         scheduler=sched,
         weights=suite.model.weights,
         seed=suite.workload.seed,
         attention=run.attention,
     )
-    if not run.engines:
-        raise KvbenchError("no engines selected: pass --engines, e.g. --engines paged,contiguous")
-    engines = [(name, engine_config(name, suite.engine(name), settings)) for name in run.engines]
+    engines = [(name, engine_config(name, section, settings)) for name, section in sections]
     if shard is not None:
         engines = shard.select(engines)
     workload = load_workload(suite, base)
@@ -112,7 +129,7 @@ def plan_run(
         out_dir = Path("runs") / f"{suite.name}-{stamp}"
     plan = RunPlan(
         suite, workload, preset, device, clock, settings, engines, out_dir, command,
-        repeats=repeats,
+        warnings=warnings, notes=notes, repeats=repeats, max_concurrency=run.max_concurrency,
     )
     if device.profile is not None:
         from kvbench.tools.calibrate.profile import load_profile
@@ -125,7 +142,43 @@ def plan_run(
             )
     for name, config in engines:
         _precheck(plan, name, config)
+    prepare_out_dir(out_dir, force)
     return plan
+
+
+def _check_kv_memory(kv_memory: int | None, device: DeviceSpec) -> list[str]:
+    """A KV budget larger than the device cannot exist: an error on a simulated device, a
+    warning on a real one (whose allocation will then fail or swap)."""
+    if kv_memory is None:
+        return []
+    memory = device.hardware.memory_bytes * device.tp
+    if kv_memory <= memory:
+        return []
+    msg = (
+        f"--kv-memory {format_bytes(kv_memory)} exceeds {device.label}'s memory of "
+        f"{format_bytes(memory)}"
+    )
+    if device.kind == "sim":
+        raise KvbenchError(f"{msg}: give a smaller budget, or more GPUs (sim:GPUxTP)")
+    return [f"{msg}: the KV pool will not fit; give a smaller --kv-memory"]
+
+
+def _block_size(
+    block_size: int, explicit: bool, sections: list[EngineSection], device: DeviceSpec,
+    notes: list[str],
+) -> int:
+    """The run's block size, raised to the multiple an engine needs on ``device`` when the
+    user did not choose it (every paged engine shares it, so their layouts compare)."""
+    multiple = math.lcm(*(s.block_multiple(device) for s in sections))
+    if block_size % multiple == 0 or explicit:
+        return block_size
+    chosen = -(-block_size // multiple) * multiple
+    needs = ", ".join(sorted({s.kind for s in sections if s.block_multiple(device) > 1}))
+    notes.append(
+        f"block size {chosen} for every paged engine: {needs} on {device.label} needs a "
+        f"multiple of {multiple} (give --block-size to choose another)"
+    )
+    return chosen
 
 
 def _precheck(plan: RunPlan, name: str, config: EngineConfig) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.resources
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -20,7 +20,9 @@ from kvbench.engines.scheduler import (
     DEFAULT_MAX_NUM_SEQS,
 )
 from kvbench.errors import InputFileError, KvbenchError
+from kvbench.fileio import read_text
 from kvbench.results.slo import SLO
+from kvbench.workloads.validation import validation_message
 
 DEFAULT_SUITE = "default"
 
@@ -30,21 +32,25 @@ class _Strict(BaseModel):
 
 
 class WorkloadSection(_Strict):
-    """Exactly one source: a generator ``preset``, a workload ``file`` (.jsonl) or a
-    ``trace`` of kind azure | mooncake | sharegpt at ``path``."""
+    """At most one source: a generator ``preset``, a workload ``file`` (.jsonl), a ``trace``
+    of kind azure | mooncake | sharegpt at ``path``, or a generator ``spec`` inline (none:
+    the ``mixed-text`` preset)."""
 
     preset: str | None = None
     file: str | None = None
     trace: Literal["azure", "mooncake", "sharegpt"] | None = None
     path: str | None = None
+    # A full generator spec inline (`[workload.spec]`: classes, arrival, images, ...).
+    spec: dict[str, Any] | None = None
     num_requests: int | None = Field(default=None, ge=1)
-    seed: int = 0
+    # numpy's generators take no negative seed.
+    seed: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _one_source(self) -> WorkloadSection:
-        sources = [x for x in (self.preset, self.file, self.trace) if x is not None]
+        sources = [x for x in (self.preset, self.file, self.trace, self.spec) if x is not None]
         if len(sources) > 1:
-            raise ValueError("give only one of preset, file or trace")
+            raise ValueError("give only one of preset, file, trace or spec")
         if self.trace is not None and self.path is None:
             raise ValueError("a trace needs a path")
         return self
@@ -74,6 +80,8 @@ class RunSection(_Strict):
     cpu_threads: int | None = Field(default=None, ge=1)
     # Kernels of real compute: auto = Triton on CUDA when installed, else the torch reference.
     attention: Literal["auto", "reference", "triton"] = "auto"
+    # Most requests in flight at once (client-side, as vllm bench serve's): None, no limit.
+    max_concurrency: int | None = Field(default=None, ge=1)
 
 
 class Suite(_Strict):
@@ -105,8 +113,8 @@ def load_suite(ref: str | None) -> tuple[Suite, Path | None]:
     """
     ref = ref or DEFAULT_SUITE
     path = Path(ref)
-    if path.suffix == ".toml" and path.exists():
-        text, base = path.read_text(encoding="utf-8"), path.parent
+    if path.suffix == ".toml" or path.is_dir():
+        text, base = read_text(path, "suite file (.toml)"), path.parent
     else:
         res = importlib.resources.files("kvbench.suites") / f"{ref}.toml"
         if not res.is_file():
@@ -119,11 +127,13 @@ def load_suite(ref: str | None) -> tuple[Suite, Path | None]:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InputFileError(path, f"invalid TOML: {exc}") from None
+    if not data:
+        raise InputFileError(
+            path, "the suite file is empty; give at least [run] engines = [...] or name a "
+            f"built-in suite ({', '.join(suite_names())})"
+        )
     data.setdefault("name", path.stem)
     try:
         return Suite.model_validate(data), base
     except ValidationError as exc:
-        msgs = "; ".join(
-            f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()
-        )
-        raise InputFileError(path, f"invalid suite: {msgs}") from None
+        raise InputFileError(path, f"invalid suite: {validation_message(exc)}") from None

@@ -10,10 +10,9 @@ from kvbench.errors import KvbenchError
 from kvbench.fileio import write_text_atomic
 from kvbench.report.plots import plot_soak, write_plots
 from kvbench.report.tables import summary_markdown
-from kvbench.results.build import build_record
 from kvbench.results.leaks import KV_KIND, analyze_soak
 from kvbench.results.schema import RunRecord
-from kvbench.run.execute import start_and_run
+from kvbench.run.execute import record_of, record_unstarted, start_and_run
 from kvbench.run.plan import RunPlan
 from kvbench.units import format_bytes
 
@@ -32,14 +31,13 @@ def run_soak(
     for name, engine in plan.engines:
         progress = on_engine(name) if on_engine else None
         run, config = start_and_run(plan, engine, progress, waves=waves)
-        record = build_record(
-            run, command=plan.command, suite=plan.suite.name, engine_config=config,
-            model=plan.preset.to_json(), device=plan.device.label, slo=plan.suite.run.slo,
-            soak=analyze_soak(run, noise_pct, noise_bytes),
-        )
+        record = record_of(plan, run, config, soak=analyze_soak(run, noise_pct, noise_bytes))
         record.write(plan.out_dir / f"{name}.json")
         records.append(record)
         if run.status == "interrupted":
+            records += record_unstarted(
+                plan, {r.engine for r in records}, f"not started: the run was {run.error}"
+            )
             break
     write_text_atomic(plan.out_dir / "summary.md", soak_markdown(records))
     plan.warnings += write_plots(records, plan.out_dir, extra=[("soak.png", plot_soak)])[1]

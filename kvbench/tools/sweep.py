@@ -42,6 +42,8 @@ def run_sweep(
     out_dir: Path,
     command: str,
     on_engine: Callable[[str, str], Callable[[int], None] | None] | None = None,
+    *,
+    force: bool = False,
 ) -> SweepResult:
     """Run ``suite`` at every budget into ``out_dir/kv-<budget>/``. An engine that can run
     none of the requests at a budget is skipped there (and listed), not fatal."""
@@ -62,7 +64,7 @@ def run_sweep(
         if not runnable:
             continue
         at.run.engines = runnable
-        plan = plan_run(at, base, out_dir / f"kv-{budget}", command)
+        plan = plan_run(at, base, out_dir / f"kv-{budget}", command, force=force)
         result.records += execute_plan(
             plan, (lambda name, b=budget: on_engine(b, name)) if on_engine else None
         )

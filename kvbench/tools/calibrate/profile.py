@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvbench.engines.hardware import CostCoefficients, Hardware
 from kvbench.errors import InputFileError, KvbenchError
-from kvbench.fileio import write_text_atomic
+from kvbench.fileio import read_text, write_text_atomic
 from kvbench.workloads.validation import validation_message
 
 PROFILE_VERSION = 1
@@ -76,14 +76,15 @@ class Profile(_Strict):
 
 def load_profile(path: str | Path) -> Profile:
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not path.exists():
         raise KvbenchError(
             f"no calibration profile at {path}: write one with kvbench calibrate -o {path}"
-        ) from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputFileError(path, f"not a readable JSON profile: {exc}") from None
+        )
+    text = read_text(path, "calibration profile (.json from kvbench calibrate)")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputFileError(path, f"not a readable JSON profile: {exc}", exc.lineno) from None
     try:
         profile = Profile.model_validate(data)
         profile.hardware_spec()
