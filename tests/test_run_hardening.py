@@ -253,3 +253,22 @@ def test_an_interrupt_while_an_engine_starts_is_recorded(tmp_path, monkeypatch) 
     assert "not started" in records[1].error
     assert (tmp_path / "out" / "summary.md").is_file()
     assert REPO.is_dir()
+
+
+# --- vLLM's CPU block size chosen for the user (item 14) -----------------------------------
+
+def test_vllms_cpu_block_multiple_is_chosen_unless_the_user_chose() -> None:
+    from kvbench.engines.kv.paged import PagedPolicy
+    from kvbench.engines.vllm import VllmSection
+    from kvbench.run.devices import parse_device
+    from kvbench.run.plan import _block_size
+
+    cpu, sim = parse_device("cpu"), parse_device("sim:h200")
+    notes: list[str] = []
+    sections = [PagedPolicy(), VllmSection()]
+    assert _block_size(16, False, sections, cpu, notes) == 32
+    assert len(notes) == 1 and "block size 32" in notes[0] and "vllm" in notes[0]
+    assert _block_size(16, True, sections, cpu, notes) == 16  # vLLM's check then refuses it
+    assert _block_size(16, False, sections, sim, []) == 16
+    assert _block_size(16, False, [PagedPolicy()], cpu, []) == 16
+    assert _block_size(64, False, sections, cpu, []) == 64

@@ -69,3 +69,12 @@ def test_the_run_plan_fails_before_any_engine_runs(tmp_path) -> None:
     with pytest.raises(KvbenchError, match="--block-size 32"):
         plan_run(suite, None, tmp_path / "out", "kvbench run")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_default_block_size_becomes_32_on_the_cpu(tmp_path) -> None:
+    suite = Suite(name="t", run=RunSection(device="cpu", engines=["paged", "vllm"],
+                                           kv_memory="4MiB", max_model_len=512))
+    plan = plan_run(suite, None, tmp_path / "out", "kvbench run")
+    assert plan.settings.block_size == 32
+    assert [c.kv.page_tokens for _, c in plan.engines] == [32, 32]
+    assert any("block size 32" in n for n in plan.notes)
