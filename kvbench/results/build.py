@@ -23,16 +23,13 @@ def request_rows(run: EngineRun) -> list[RequestRow]:
     rows = []
     for t in run.timings.values():
         r = t.request
-        out = r.output_tokens
-        tpot = None
-        if t.finish_s is not None and t.first_token_s is not None and out > 1:
-            tpot = (t.finish_s - t.first_token_s) / (out - 1)
+        tpot = t.tpot_s
         rows.append(
             RequestRow(
                 id=r.id,
                 arrival_s=r.arrival_s,
                 prompt_tokens=r.prompt_tokens,
-                output_tokens=out,
+                output_tokens=r.output_tokens,
                 n=r.n,
                 status=t.status,  # type: ignore[arg-type]
                 queue_ms=_since(t.first_scheduled_s, r.arrival_s),

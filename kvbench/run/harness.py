@@ -55,6 +55,15 @@ class RequestTiming:
     def output_tokens_emitted(self) -> int:
         return len(self.token_times_s)
 
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (finish - first token) / (output - 1), for
+        completed requests with more than one output token (``vllm bench serve``'s TPOT)."""
+        out = self.request.output_tokens
+        if self.finish_s is None or self.first_token_s is None or out < 2:
+            return None
+        return (self.finish_s - self.first_token_s) / (out - 1)
+
 
 @dataclass(slots=True)
 class StepLog:
