@@ -173,17 +173,26 @@ def sweep(
 
 def load_run_dirs(run_dirs: list[Path]) -> list[RunRecord]:
     """Every record in the given folders; a folder without records is searched one level
-    down (a sweep's per-budget folders)."""
-    from kvbench.results.schema import load_record
+    down (a sweep's per-budget folders). Other JSON files are passed over; one that cannot
+    be read as JSON (a truncated record) is an error naming it."""
+    from kvbench.results.recordset import read_folder_record
+
+    def records_in(d: Path, pattern: str) -> list[RunRecord]:
+        found = []
+        for p in sorted(d.glob(pattern)):
+            if p.is_file() and not p.name.startswith(".") and (
+                    rec := read_folder_record(p)) is not None:
+                found.append(rec)
+        return found
 
     records = []
     for d in run_dirs:
         if not d.is_dir():
             raise KvbenchError(f"{d}: not a folder of run records")
-        paths = sorted(d.glob("*.json")) or sorted(d.glob("*/*.json"))
-        if not paths:
+        found = records_in(d, "*.json") or records_in(d, "*/*.json")
+        if not found:
             raise KvbenchError(f"{d}: holds no run records (*.json)")
-        records += [load_record(p) for p in paths]
+        records += found
     return records
 
 

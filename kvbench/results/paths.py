@@ -1,0 +1,30 @@
+"""Paths at kvbench's edges: input files read with messages that name them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvbench.errors import InputFileError
+
+
+def read_input_text(path: str | Path, what: str) -> str:
+    """The UTF-8 text of an input file (a byte-order mark is dropped), or an InputFileError
+    naming the file and saying what is wrong with it."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputFileError(path, f"is a folder; name a {what} file")
+    if path.exists() and not path.is_file():
+        raise InputFileError(path, f"is not a regular file; name a {what} file")
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise InputFileError(path, f"no such {what} file") from None
+    except OSError as exc:
+        raise InputFileError(path, f"cannot read {what}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InputFileError(
+            path, f"not a {what}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+            f"{exc.start}); is it a binary or damaged file?"
+        ) from None
