@@ -107,7 +107,7 @@ def test_failed_run_is_a_regression(tmp_path: Path) -> None:
 
 # --- the noise rule ---------------------------------------------------------------------
 
-RULE = MetricRule(direction="lower", kind="timing", tolerance=0.02)
+RULE = MetricRule(tolerance=0.02)  # median_ttft_ms: lower is better (the metric table)
 TH = Thresholds(metrics={"median_ttft_ms": RULE})
 # median 100, |deviations| 0,10,10,5,5 -> MAD 5 -> spread 7.41 -> band 3 x 7.41 = 22.2 ms
 NOISY_BASE = [100.0, 110.0, 90.0, 105.0, 95.0]

@@ -13,13 +13,12 @@ from kvbench.errors import KvbenchError
 
 console = Console()
 err_console = Console(stderr=True)
-DEFAULT_THRESHOLDS = Path("ci/thresholds.toml")
 
 
 def compare(
     new: Annotated[Path, typer.Argument(help="New record file or folder (searched recursively: many runs, shards or machines).")],
     baseline: Annotated[Path, typer.Argument(help="Baseline record file or folder, e.g. results/baselines.")],
-    thresholds: Annotated[Path, typer.Option(help="Thresholds TOML.")] = DEFAULT_THRESHOLDS,
+    thresholds: Annotated[Path | None, typer.Option(help="Thresholds TOML (default: the thresholds built into kvbench).")] = None,
     markdown: Annotated[Path | None, typer.Option(help="Write the Markdown summary here.")] = None,
     junit: Annotated[Path | None, typer.Option(help="Write JUnit XML here.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write every comparison as JSON here.")] = None,
@@ -29,18 +28,18 @@ def compare(
     from kvbench.fileio import write_text_atomic
     from kvbench.report.compare import INPUT_ROW, CompareResult, Row, compare_records
     from kvbench.report.gate_outputs import json_report, junit_xml, markdown_summary
-    from kvbench.report.thresholds import load_thresholds
+    from kvbench.report.thresholds import DEFAULT_LABEL, load_thresholds
     from kvbench.results.recordset import load_records
 
-    th = load_thresholds(thresholds)
+    label = str(thresholds) if thresholds is not None else DEFAULT_LABEL
     try:
         result = compare_records(
-            load_records([new]), load_records([baseline]), th, strict=strict,
-            thresholds_path=str(thresholds),
+            load_records([new]), load_records([baseline]), load_thresholds(thresholds),
+            strict=strict, thresholds_path=label,
         )
     except KvbenchError as exc:
         # Still write the reports, so that CI shows why the gate could not judge.
-        result = CompareResult(strict=strict, thresholds=str(thresholds), rows=[
+        result = CompareResult(strict=strict, thresholds=label, rows=[
             Row(suite="", engine="", metric=INPUT_ROW, verdict="unusable", detail=str(exc))
         ])
     text = markdown_summary(result)

@@ -4,8 +4,9 @@ Records are matched by (suite, engine). Where a baseline folder holds several re
 one pair (baselines of many machines), the one from this record's machine is used, else the
 machine-independent virtual-clock one.
 
-Each rule's kind resolves to *deterministic* or *timing* for a pair (see
-:mod:`kvbench.report.thresholds`), and a change counts only beyond an allowed band:
+Each gated metric's kind (from :mod:`kvbench.results.metric_table`) resolves to
+*deterministic* or *timing* for a pair, and a change counts only beyond an allowed band
+(tolerances from :mod:`kvbench.report.thresholds`):
 
 - deterministic: ``band = exact_tolerance x |baseline|`` (any real change counts);
 - timing: with ``b`` the baseline's per-repeat values and ``m = median(b)``,
@@ -41,7 +42,14 @@ import numpy as np
 from pydantic import BaseModel
 
 from kvbench.report.baselines import machine_slug
-from kvbench.report.thresholds import CurveRule, MetricRule, Thresholds
+from kvbench.report.thresholds import MetricRule, Thresholds
+from kvbench.results.metric_table import (
+    CURVE_BY_NAME,
+    CURVE_ROW_PREFIX,
+    CURVE_TIME,
+    METRIC_BY_NAME,
+    Kind,
+)
 from kvbench.results.recordset import FoundRecord
 from kvbench.results.repeats import metric_values
 from kvbench.results.schema import RunRecord
@@ -113,10 +121,10 @@ def mad_spread(values: Sequence[float]) -> float:
     return MAD_TO_SIGMA * statistics.median(abs(v - m) for v in values)
 
 
-def resolve_kind(rule: MetricRule, clock: str) -> Literal["deterministic", "timing"]:
-    if rule.kind == "clock":
+def resolve_kind(kind: Kind, clock: str) -> Literal["deterministic", "timing"]:
+    if kind == "clock":
         return "deterministic" if clock == "virtual" else "timing"
-    return rule.kind
+    return kind
 
 
 def judge(worse_by: float, band: float) -> Verdict:
@@ -139,10 +147,11 @@ def compare_metric(
     else:
         band = max(rule.tolerance * abs(b), rule.abs_tolerance, th.gate.noise_k * spread)
     change = n - b
-    worse_by = change if rule.direction == "lower" else -change
+    direction = METRIC_BY_NAME[name].direction
+    worse_by = change if direction == "lower" else -change
     return Row(
         suite="", engine="", metric=name, verdict=judge(worse_by, band), kind=kind,  # type: ignore[arg-type]
-        direction=rule.direction, baseline=b, new=n, change=change, allowed=band,
+        direction=direction, baseline=b, new=n, change=change, allowed=band,
         baseline_spread=spread, baseline_repeats=len(base), new_repeats=len(new),
     )
 
@@ -173,18 +182,19 @@ def _window(a: np.ndarray, width: int, op) -> np.ndarray:
 
 
 def compare_curve(
-    name: str, rule: CurveRule, kind: str, base: RunRecord, new: RunRecord, th: Thresholds
+    name: str, rule: MetricRule, kind: str, base: RunRecord, new: RunRecord, th: Thresholds
 ) -> Row:
     points = th.gate.curve_points
-    b = slice_max(base.curves[rule.time], base.curves[name], points)
-    n = slice_max(new.curves[rule.time], new.curves[name], points)
+    b = slice_max(base.curves[CURVE_TIME], base.curves[name], points)
+    n = slice_max(new.curves[CURVE_TIME], new.curves[name], points)
     peak = float(np.max(np.abs(b))) if len(b) else 0.0
     if kind == "deterministic":
         band, width = th.gate.exact_tolerance * peak, 0
     else:
         band = max(rule.tolerance * peak, rule.abs_tolerance)
         width = math.ceil(th.gate.curve_time_slack * points)
-    sign = 1.0 if rule.direction == "lower" else -1.0
+    direction = CURVE_BY_NAME[name].direction
+    sign = 1.0 if direction == "lower" else -1.0
     # Worse: beyond the most lenient baseline value within the slack; better: beyond the
     # least lenient one.
     lenient = _window(b, width, np.max if sign > 0 else np.min)
@@ -200,8 +210,8 @@ def compare_curve(
         verdict = "improvement"
     i = i_worse if verdict == "regression" or worse[i_worse] >= better[i_better] else i_better
     return Row(
-        suite="", engine="", metric=f"curve:{name}", verdict=verdict, kind=kind,  # type: ignore[arg-type]
-        direction=rule.direction, baseline=float(b[i]), new=float(n[i]),
+        suite="", engine="", metric=f"{CURVE_ROW_PREFIX}{name}", verdict=verdict, kind=kind,  # type: ignore[arg-type]
+        direction=direction, baseline=float(b[i]), new=float(n[i]),
         change=float(n[i] - b[i]), allowed=band,
         detail=f"values at {100 * (i + 0.5) / points:.0f}% of the run, the largest difference; "
         "allowed relative to the baseline curve's peak",
@@ -260,6 +270,10 @@ def _notes(new: RunRecord, base: RunRecord, same_machine: bool) -> list[str]:
     return notes
 
 
+def _has_curve(rec: RunRecord, name: str) -> bool:
+    return bool(rec.curves.get(name)) and CURVE_TIME in rec.curves
+
+
 def compare_pair(new: RunRecord, base: RunRecord, th: Thresholds) -> tuple[list[Row], list[str]]:
     """Rows for one (suite, engine) pair and notes about it."""
     def row(**kw) -> Row:
@@ -276,7 +290,7 @@ def compare_pair(new: RunRecord, base: RunRecord, th: Thresholds) -> tuple[list[
         detail = f"run ended {new.status!r} {error}".strip()
         return [row(metric="status", verdict="regression", detail=detail)], []
     for name, rule in th.metrics.items():
-        kind = resolve_kind(rule, new.clock)
+        kind = resolve_kind(METRIC_BY_NAME[name].kind, new.clock)
         b, n = metric_values(base, name), metric_values(new, name)
         if b is None and n is None:
             continue
@@ -293,15 +307,13 @@ def compare_pair(new: RunRecord, base: RunRecord, th: Thresholds) -> tuple[list[
             rows.append(compare_metric(name, rule, kind, b, n, th).model_copy(
                 update={"suite": new.suite, "engine": new.engine}))
     for name, rule in th.curves.items():
-        kind = resolve_kind(rule, new.clock)
-        has_b = name in base.curves and rule.time in base.curves and base.curves[name]
-        has_n = name in new.curves and rule.time in new.curves and new.curves[name]
-        metric = f"curve:{name}"
-        if not has_b:
+        kind = resolve_kind(CURVE_BY_NAME[name].kind, new.clock)
+        metric = f"{CURVE_ROW_PREFIX}{name}"
+        if not _has_curve(base, name):
             continue
-        if not has_n:
+        if not _has_curve(new, name):
             rows.append(row(metric=metric, verdict="unusable", kind=kind,
-                            detail=f"missing curve: the baseline has {name} over {rule.time}, "
+                            detail=f"missing curve: the baseline has {name} over {CURVE_TIME}, "
                             "the new record does not"))
         elif kind == "timing" and not same_machine:
             rows.append(row(metric=metric, verdict="skipped", kind=kind,

@@ -7,6 +7,7 @@ import json
 import xml.etree.ElementTree as ET
 
 from kvbench.report.compare import CompareResult, Row
+from kvbench.results.metric_table import spec_for_row
 from kvbench.units import format_bytes
 
 _HEADLINE = {0: "PASS", 1: "REGRESSION", 2: "UNUSABLE INPUT"}
@@ -19,9 +20,12 @@ _LEGEND = (
 
 
 def format_value(metric: str, value: float | None) -> str:
+    """A value of the gate row ``metric`` (a metric or ``curve:NAME``): sizes in binary
+    units, other numbers plain (changes and bands of fractions are no percentages)."""
     if value is None:
         return "-"
-    if metric.endswith("_bytes"):
+    spec = spec_for_row(metric)
+    if spec is not None and spec.unit == "bytes":
         return format_bytes(value)
     if float(value).is_integer() and abs(value) < 1e15:
         return str(int(value))

@@ -21,22 +21,23 @@ from kvbench.fileio import write_text_atomic
 from kvbench.report.baselines import machine_slug
 from kvbench.report.compare import mad_spread
 from kvbench.report.tables import table_rows
+from kvbench.results.metric_table import METRIC_BY_NAME
 from kvbench.results.recordset import FoundRecord
 from kvbench.results.repeats import REPEATS_KEY, metric_values, repeat_count
 from kvbench.results.schema import RunRecord
-from kvbench.run.suite import BUILTIN_ENGINES
 
 MARKDOWN_FILE, CSV_FILE, HTML_FILE = "tables.md", "tables.csv", "index.html"
 CSV_COLUMNS = [
     "suite", "column", "engine", "machine", "device", "clock", "workload", "workload_digest",
-    "kvbench_version", "git_commit", "metric", "value", "repeats", "spread",
+    "kvbench_version", "git_commit", "metric", "value", "repeats", "spread", "unit",
 ]
+# Engine kinds in column order (paged first); other kinds follow, each in run order.
+_KIND_ORDER = ("paged", "contiguous", "vllm")
 
 
 def _column_order(f: FoundRecord) -> tuple[int, str, str]:
-    # Built-in engines in their listed order (paged first), other engines in run order.
-    builtin = list(BUILTIN_ENGINES)
-    rank = builtin.index(f.record.engine) if f.record.engine in builtin else len(builtin)
+    kind = f.record.engine_config.get("kind")
+    rank = _KIND_ORDER.index(kind) if kind in _KIND_ORDER else len(_KIND_ORDER)
     return rank, f.record.created_utc, f.record.engine
 
 
@@ -139,10 +140,12 @@ def csv_table(groups: dict[str, list[FoundRecord]]) -> str:
                 values = metric_values(r, metric)
                 if values is None:
                     continue
+                spec = METRIC_BY_NAME.get(metric)
                 writer.writerow([
                     suite, label, r.engine, machine_slug(r.machine), r.device, r.clock,
                     r.workload.name, r.workload.digest, r.kvbench_version, r.git_commit or "",
                     metric, repr(r.summary[metric]), len(values), f"{mad_spread(values):.6g}",
+                    spec.unit if spec else "",
                 ])
     return out.getvalue()
 
