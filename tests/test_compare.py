@@ -233,12 +233,16 @@ def test_records_from_shards_merge_and_overlap_is_unusable(tmp_path: Path) -> No
     assert code == 2 and "duplicate" in out
 
 
-def test_missing_engine_in_new_is_unusable(tmp_path: Path) -> None:
+def test_missing_engine_in_new_fails_unless_allowed(tmp_path: Path) -> None:
     base = tmp_path / "base"
     write(make_record("paged"), base)
     write(make_record("contiguous"), base)
-    code, out = run_compare(write(make_record("paged"), tmp_path / "new"), base)
-    assert code == 2 and "no new record for this engine" in out
+    new = write(make_record("paged"), tmp_path / "new")
+    code, out = run_compare(new, base)
+    assert code == 1 and "no new record for this engine" in out
+    assert "MISSING" in out and "contiguous" in out and "--allow-missing" in out
+    code, out = run_compare(new, base, "--allow-missing")
+    assert code == 0 and "PASS" in out, out
 
 
 def test_junit_and_json_outputs(tmp_path: Path) -> None:

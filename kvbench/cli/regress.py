@@ -23,8 +23,9 @@ def compare(
     junit: Annotated[Path | None, typer.Option(help="Write JUnit XML here.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write every comparison as JSON here.")] = None,
     strict: Annotated[bool, typer.Option(help="Improvements beyond tolerance fail too (refresh the baselines).")] = False,
+    allow_missing: Annotated[bool, typer.Option(help="An engine the baseline has but the new run lacks is skipped instead of failing.")] = False,
 ) -> None:
-    """Gate NEW against BASELINE: exit 0 pass, 1 regression, 2 unusable input."""
+    """Gate NEW against BASELINE: exit 0 pass, 1 regression or missing engine, 2 unusable input."""
     from kvbench.fileio import write_text_atomic
     from kvbench.report.compare import INPUT_ROW, CompareResult, Row, compare_records
     from kvbench.report.gate_outputs import json_report, junit_xml, markdown_summary
@@ -35,7 +36,7 @@ def compare(
     try:
         result = compare_records(
             load_records([new]), load_records([baseline]), load_thresholds(thresholds),
-            strict=strict, thresholds_path=label,
+            strict=strict, allow_missing=allow_missing, thresholds_path=label,
         )
     except KvbenchError as exc:
         # Still write the reports, so that CI shows why the gate could not judge.

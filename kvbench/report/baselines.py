@@ -8,6 +8,7 @@ records are stored per machine, named by :func:`machine_slug`.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 from kvbench.errors import KvbenchError
 from kvbench.results.recordset import FoundRecord
+from kvbench.results.schema import REPEATS_KEY, RunRecord, is_number
 
 DEFAULT_ROOT = Path("results/baselines")
 ANY_MACHINE = "any"
@@ -55,6 +57,20 @@ def baseline_machine(found: FoundRecord, machine: str | None) -> str:
     return slugify(machine) if machine else machine_slug(found.record.machine)
 
 
+def _non_finite(record: RunRecord) -> str | None:
+    """The first metric or curve holding NaN or an infinity. Stored JSON would hold null
+    there, and the gate would then skip the metric instead of failing it."""
+    summary = {k: v for k, v in record.summary.items() if k != REPEATS_KEY}
+    repeats = record.summary.get(REPEATS_KEY) or {}
+    for where, columns in (("metric", {k: [v] for k, v in summary.items()}),
+                           ("repeat values of metric", repeats), ("curve", record.curves)):
+        for name, values in columns.items():
+            bad = next((v for v in values if is_number(v) and not math.isfinite(v)), None)
+            if bad is not None:
+                return f"{where} {name} is {bad}"
+    return None
+
+
 def save_baselines(
     found: Sequence[FoundRecord], root: Path = DEFAULT_ROOT, machine: str | None = None
 ) -> list[Path]:
@@ -68,6 +84,10 @@ def save_baselines(
             raise KvbenchError(
                 f"{f.path}: {f.record.engine} ended {f.record.status!r}; only a complete run "
                 "can be a baseline"
+            )
+        if bad := _non_finite(f.record):
+            raise KvbenchError(
+                f"{f.path}: {bad}; a baseline must hold measured numbers, save another run"
             )
         path = root / baseline_machine(f, machine) / f.record.suite / f"{f.record.engine}.json"
         if path in targets:

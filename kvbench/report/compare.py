@@ -20,8 +20,11 @@ Each gated metric's kind (from :mod:`kvbench.results.metric_table`) resolves to
 A change beyond the band in the worse direction is a regression (exit 1); in the better
 direction an improvement (passes, fails with ``strict`` so that baselines get refreshed).
 Input the gate cannot judge -- baseline not ``ok``, different workload digest, clock,
-device or model, a metric or curve the baseline has and the new record lacks, a duplicate
-record -- is *unusable* (exit 2) and says which.
+device or model, a metric or curve the baseline has and the new record lacks, a NaN or
+infinite baseline value, a curve whose length differs from its time axis, a duplicate
+record -- is *unusable* (exit 2) and says which. A NaN or infinite value in the new record
+is a regression. An engine the baseline has for a suite the new run covers, but the new run
+lacks, is *missing* (exit 1; skipped with ``allow_missing``).
 
 Curves are compared as functions of the fraction of the run elapsed (a run that only takes
 longer is judged by its time metrics): both are cut into ``curve_points`` slices holding
@@ -54,7 +57,7 @@ from kvbench.results.recordset import FoundRecord
 from kvbench.results.repeats import metric_values
 from kvbench.results.schema import RunRecord
 
-Verdict = Literal["pass", "regression", "improvement", "skipped", "unusable"]
+Verdict = Literal["pass", "regression", "improvement", "missing", "skipped", "unusable"]
 MAD_TO_SIGMA = 1.4826
 # Row name for findings about a pair's inputs rather than one metric.
 INPUT_ROW = "input"
@@ -104,7 +107,9 @@ class CompareResult(BaseModel):
         return sum(r.verdict == verdict for r in self.rows)
 
     def failing(self, row: Row) -> bool:
-        return row.verdict == "regression" or (self.strict and row.verdict == "improvement")
+        return row.verdict in ("regression", "missing") or (
+            self.strict and row.verdict == "improvement"
+        )
 
     @property
     def exit_code(self) -> int:
@@ -270,8 +275,23 @@ def _notes(new: RunRecord, base: RunRecord, same_machine: bool) -> list[str]:
     return notes
 
 
+def _non_finite(values: Sequence[float]) -> str | None:
+    """How a value among ``values`` is not a finite number ("nan", "inf"), if one is."""
+    bad = next((v for v in values if not math.isfinite(v)), None)
+    return None if bad is None else str(bad)
+
+
 def _has_curve(rec: RunRecord, name: str) -> bool:
     return bool(rec.curves.get(name)) and CURVE_TIME in rec.curves
+
+
+def _curve_shape(rec: RunRecord, which: str, name: str) -> str | None:
+    """Why a record's curve does not fit its time axis, if it does not."""
+    values, times = rec.curves[name], rec.curves[CURVE_TIME]
+    if len(values) == len(times):
+        return None
+    return (f"the {which} record's curve {name} has {len(values)} points but its time axis "
+            f"{CURVE_TIME} has {len(times)}")
 
 
 def compare_pair(new: RunRecord, base: RunRecord, th: Thresholds) -> tuple[list[Row], list[str]]:
@@ -300,6 +320,13 @@ def compare_pair(new: RunRecord, base: RunRecord, th: Thresholds) -> tuple[list[
         elif n is None:
             rows.append(row(metric=name, verdict="unusable", kind=kind,
                             detail="missing metric: the baseline has it, the new record does not"))
+        elif (bad := _non_finite(b)) is not None:
+            rows.append(row(metric=name, verdict="unusable", kind=kind,
+                            detail=f"the baseline's value is {bad}, which cannot be compared; "
+                            "save a baseline from a run that measured it"))
+        elif (bad := _non_finite(n)) is not None:
+            rows.append(row(metric=name, verdict="regression", kind=kind,
+                            detail=f"the new value is {bad}: the run measured no usable number"))
         elif kind == "timing" and not same_machine:
             rows.append(row(metric=name, verdict="skipped", kind=kind,
                             detail="timing metric from another machine"))
@@ -315,6 +342,15 @@ def compare_pair(new: RunRecord, base: RunRecord, th: Thresholds) -> tuple[list[
             rows.append(row(metric=metric, verdict="unusable", kind=kind,
                             detail=f"missing curve: the baseline has {name} over {CURVE_TIME}, "
                             "the new record does not"))
+        elif problem := _curve_shape(base, "baseline", name) or _curve_shape(new, "new", name):
+            rows.append(row(metric=metric, verdict="unusable", kind=kind, detail=problem))
+        elif (bad := _non_finite([*base.curves[name], *base.curves[CURVE_TIME]])) is not None:
+            rows.append(row(metric=metric, verdict="unusable", kind=kind,
+                            detail=f"the baseline curve holds {bad}; save a new baseline"))
+        elif (bad := _non_finite([*new.curves[name], *new.curves[CURVE_TIME]])) is not None:
+            rows.append(row(metric=metric, verdict="regression", kind=kind,
+                            detail=f"the new curve holds {bad}: the run measured no usable "
+                            "number"))
         elif kind == "timing" and not same_machine:
             rows.append(row(metric=metric, verdict="skipped", kind=kind,
                             detail="timing curve from another machine"))
@@ -352,8 +388,10 @@ def pick_baseline(
 
 def compare_records(
     new: Sequence[FoundRecord], baseline: Sequence[FoundRecord], th: Thresholds,
-    *, strict: bool = False, thresholds_path: str = "",
+    *, strict: bool = False, allow_missing: bool = False, thresholds_path: str = "",
 ) -> CompareResult:
+    """Every new record against its baseline. ``allow_missing``: a baseline engine the new
+    run lacks is skipped instead of failing."""
     result = CompareResult(strict=strict, thresholds=thresholds_path)
     new_by_key: dict[tuple[str, str], list[FoundRecord]] = defaultdict(list)
     base_by_key: dict[tuple[str, str], list[FoundRecord]] = defaultdict(list)
@@ -391,9 +429,13 @@ def compare_records(
     for key in sorted(base_by_key):
         if key[0] in new_suites and key not in new_by_key:
             paths = ", ".join(str(f.path) for f in base_by_key[key])
-            result.rows.append(Row(suite=key[0], engine=key[1], metric=INPUT_ROW,
-                                   verdict="unusable",
-                                   detail=f"no new record for this engine (baseline: {paths})"))
+            detail = f"no new record for this engine (baseline: {paths})"
+            result.rows.append(Row(
+                suite=key[0], engine=key[1], metric=INPUT_ROW,
+                verdict="skipped" if allow_missing else "missing",
+                detail=detail + ("; allowed by --allow-missing" if allow_missing else
+                                 "; run it, or pass --allow-missing if it was dropped on purpose"),
+            ))
     if not result.rows:
         result.rows.append(Row(suite="", engine="", metric=INPUT_ROW, verdict="unusable",
                                detail="no new record has a baseline: nothing was compared"))

@@ -149,8 +149,11 @@ class RunRecord(BaseModel):
                 )
         return summary
 
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=1) + "\n"
+
     def write(self, path: str | Path) -> Path:
-        return write_text_atomic(path, self.model_dump_json(indent=1) + "\n")
+        return write_text_atomic(path, self.to_json())
 
 
 def is_number(v: Any) -> bool:
