@@ -3,7 +3,9 @@
 A baseline is a run record without its per-request rows (the gate reads the summary, the
 repeats and the curves; the full record stays with the run's artifacts). Virtual-clock
 records are the same on every machine, so they are stored once under ``any``; wall-clock
-records are stored per machine, named by :func:`machine_slug`.
+records are stored per machine, named by :func:`machine_slug`. Suite, engine and machine
+names become path components, so each must be one plain name
+(:func:`kvbench.results.paths.check_path_component`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.errors import KvbenchError
+from kvbench.results.paths import check_path_component
 from kvbench.results.recordset import FoundRecord
 from kvbench.results.schema import REPEATS_KEY, RunRecord, is_number
 
@@ -71,6 +74,17 @@ def _non_finite(record: RunRecord) -> str | None:
     return None
 
 
+def baseline_path(root: Path, f: FoundRecord, machine: str | None) -> Path:
+    """Where ``f`` is stored; a KvbenchError if a name would not be one path component."""
+    r = f.record
+    try:
+        return (root / check_path_component(baseline_machine(f, machine), "machine")
+                / check_path_component(r.suite, "suite")
+                / f"{check_path_component(r.engine, 'engine')}.json")
+    except KvbenchError as exc:
+        raise KvbenchError(f"{f.path}: {exc}; the record cannot be stored as a baseline") from None
+
+
 def save_baselines(
     found: Sequence[FoundRecord], root: Path = DEFAULT_ROOT, machine: str | None = None
 ) -> list[Path]:
@@ -89,7 +103,7 @@ def save_baselines(
             raise KvbenchError(
                 f"{f.path}: {bad}; a baseline must hold measured numbers, save another run"
             )
-        path = root / baseline_machine(f, machine) / f.record.suite / f"{f.record.engine}.json"
+        path = baseline_path(root, f, machine)
         if path in targets:
             raise KvbenchError(
                 f"two records would both be the baseline at {path}: {targets[path].path} and "

@@ -1,10 +1,30 @@
-"""Paths at kvbench's edges: input files read with messages that name them."""
+"""Paths at kvbench's edges: names that become path components, and input files read with
+messages that name them."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from kvbench.errors import InputFileError
+from kvbench.errors import InputFileError, KvbenchError
+
+_COMPONENT = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def check_path_component(name: str, what: str) -> str:
+    """``name`` if it can be one file or folder name under a kvbench folder, else a
+    KvbenchError saying why. ``what`` names it in the message ("suite", "engine").
+
+    Only letters, digits, ``.``, ``_`` and ``-``: no separators, so no way out of the
+    folder (``../x``) or into an absolute path. No leading ``.``: besides ``.`` and ``..``,
+    record folders skip hidden names, so such a file would be written but never read.
+    """
+    if not isinstance(name, str) or not _COMPONENT.fullmatch(name) or name.startswith("."):
+        raise KvbenchError(
+            f"{what} {name!r} cannot be a file or folder name: use only letters, digits, "
+            "'.', '_' and '-', not starting with '.'"
+        )
+    return name
 
 
 def read_input_text(path: str | Path, what: str) -> str:
