@@ -83,6 +83,7 @@ def machine(
 def publish(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run folders or record files (any number of runs, shards and machines).")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output folder.")],
+    include_host: Annotated[bool, typer.Option(help="Show hostnames and absolute paths (traces, weights, output folders) as recorded; by default they are left out.")] = False,
 ) -> None:
     """Comparison tables for publication: Markdown, CSV and a self-contained HTML page."""
     from kvbench.report.publish import publish as write_tables
@@ -93,7 +94,7 @@ def publish(
     for f in bad:
         err_console.print(f"[yellow]warning:[/] {f.path}: {f.record.engine} ended "
                           f"{f.record.status}", highlight=False)
-    for path in write_tables(found, output):
+    for path in write_tables(found, output, include_host=include_host):
         console.print(f"wrote {path}", highlight=False)
 
 

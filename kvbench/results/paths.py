@@ -1,9 +1,11 @@
-"""Paths at kvbench's edges: names that become path components, and input files read with
-messages that name them."""
+"""Paths at kvbench's edges: names that become path components, input files read with
+messages that name them, and paths kept out of published text."""
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from kvbench.errors import InputFileError, KvbenchError
@@ -48,3 +50,34 @@ def read_input_text(path: str | Path, what: str) -> str:
             path, f"not a {what}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
             f"{exc.start}); is it a binary or damaged file?"
         ) from None
+
+
+def redact_home(text: str, home: str | None = None) -> str:
+    """``text`` (a command line, a path) with the user's home folder written as ``~``."""
+    home = (home if home is not None else os.path.expanduser("~")).rstrip("/")
+    if not home or home == "~":
+        return text
+    return re.sub(re.escape(home) + r"(?=/|$|[\s'\"])", "~", text)
+
+
+# An absolute path: a "/" that starts a token (at the start, after whitespace, a quote, "=",
+# ":" or "," as in --out=/x or mooncake:/x) followed by a name, or a Windows drive path.
+# "1/2", "used/reserved" and an already cut "…/name" are no absolute paths.
+_ABSOLUTE_PATH = re.compile(
+    r"(?<![^\s'\"`=:,(\[])/[^\s'\"`,;|()<>]*[^\s'\"`,;|()<>/.:]"
+    r"|(?<![\w])[A-Za-z]:\\[^\s'\"`,;|()<>]*[^\s'\"`,;|()<>\\.:]"
+)
+
+
+def _last_name(path: str) -> str:
+    return re.split(r"[/\\]", path)[-1]
+
+
+def redact_paths(text: str, hostnames: Iterable[str] = ()) -> str:
+    """``text`` for publication: absolute paths cut to ``…/<last name>``, and each hostname
+    (of three or more characters, where it stands as a name of its own) written ``{host}``."""
+    text = _ABSOLUTE_PATH.sub(lambda m: "…/" + _last_name(m.group(0)), text)
+    names = {n for host in hostnames if host for n in (host, host.split(".")[0]) if len(n) > 2}
+    for name in sorted(names, key=len, reverse=True):
+        text = re.sub(rf"(?<![\w-]){re.escape(name)}(?![\w-])", "{host}", text)
+    return text
