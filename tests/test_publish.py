@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from cli_main import cli
 from record_factory import MACHINE, changed, make_record, write
 from typer.testing import CliRunner
 
@@ -137,3 +138,30 @@ def test_publish_include_host_shows_them(tmp_path: Path) -> None:
     text = _published(tmp_path, "--include-host")
     assert f"{HOST}.lab.example.com: Test CPU x4" in text
     assert COMMAND in text and f"{HOST}/memory.png" in text
+
+
+def test_publish_writes_nothing_when_a_table_cannot_be_rendered(
+    tmp_path: Path, monkeypatch
+) -> None:
+    write(make_record(), tmp_path / "run")
+    out = tmp_path / "tables"
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("kvbench.report.publish.html_page", interrupted)
+    result = CliRunner().invoke(app, ["publish", str(tmp_path / "run"), "-o", str(out)])
+    assert result.exit_code == 130  # Ctrl-C
+    # The Markdown and CSV tables were ready, but nothing is written before all are.
+    assert not out.exists()
+
+
+def test_publish_names_an_unreadable_figure(capsys, monkeypatch, tmp_path: Path) -> None:
+    kvbench = cli(capsys, monkeypatch)
+    write(make_record(), tmp_path / "run")
+    (tmp_path / "run" / "memory.png").symlink_to(tmp_path / "gone.png")
+    out = tmp_path / "tables"
+    code, output = kvbench("publish", tmp_path / "run", "-o", out)
+    assert code == 2 and "Traceback" not in output
+    assert "memory.png: cannot read figure" in output
+    assert not out.exists()

@@ -30,7 +30,7 @@ def _record_json(record, **summary: object) -> str:
 
 
 DAMAGE = {
-    "truncated": (lambda: make_record().model_dump_json()[:300].encode(),
+    "truncated": (lambda: make_record().to_json()[:300].encode(),
                   "a truncated or damaged run record"),
     "empty": (lambda: b"", "not valid JSON"),
     "binary": (lambda: PNG, "not UTF-8 text (byte 0x89"),
@@ -101,7 +101,7 @@ def test_other_json_in_a_folder_is_not_a_record(kvbench, tmp_path: Path) -> None
 
 def test_a_record_with_a_byte_order_mark_loads(kvbench, tmp_path: Path) -> None:
     path = tmp_path / "paged.json"
-    path.write_bytes(b"\xef\xbb\xbf" + make_record().model_dump_json().encode())
+    path.write_bytes(b"\xef\xbb\xbf" + make_record().to_json().encode())
     code, out = kvbench("compare", path, path)
     assert code == 0, out
 

@@ -26,12 +26,16 @@ def compare(
     allow_missing: Annotated[bool, typer.Option(help="An engine the baseline has but the new run lacks is skipped instead of failing.")] = False,
 ) -> None:
     """Gate NEW against BASELINE: exit 0 pass, 1 regression or missing engine, 2 unusable input."""
-    from kvbench.fileio import write_text_atomic
     from kvbench.report.compare import INPUT_ROW, CompareResult, Row, compare_records
     from kvbench.report.gate_outputs import json_report, junit_xml, markdown_summary
+    from kvbench.report.outputs import check_output_file, write_outputs
     from kvbench.report.thresholds import DEFAULT_LABEL, load_thresholds
     from kvbench.results.recordset import load_records
 
+    outputs = [(path, what) for path, what in ((markdown, "--markdown"), (junit, "--junit"),
+                                                (json_out, "--json")) if path is not None]
+    for path, what in outputs:
+        check_output_file(path, what)
     label = str(thresholds) if thresholds is not None else DEFAULT_LABEL
     try:
         result = compare_records(
@@ -43,11 +47,8 @@ def compare(
         result = CompareResult(strict=strict, thresholds=label, rows=[
             Row(suite="", engine="", metric=INPUT_ROW, verdict="unusable", detail=str(exc))
         ])
-    text = markdown_summary(result)
-    for path, content in ((markdown, text), (junit, junit_xml(result)),
-                          (json_out, json_report(result))):
-        if path is not None:
-            write_text_atomic(path, content)
+    render = {"--markdown": markdown_summary, "--junit": junit_xml, "--json": json_report}
+    write_outputs([(path, render[what](result), what) for path, what in outputs])
     # Plain output: the summary is Markdown meant to be copied, not re-wrapped.
     typer.echo(markdown_summary(result, details=False))
     raise typer.Exit(result.exit_code)

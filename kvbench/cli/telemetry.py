@@ -201,10 +201,11 @@ def report(
     output: Annotated[Path, typer.Option("-o", "--output", help="Folder for report.md and the figures.")],
 ) -> None:
     """Tables and figures from existing run records, several runs side by side."""
-    from kvbench.fileio import write_text_atomic
+    from kvbench.report.outputs import check_output_dir, write_outputs
     from kvbench.report.plots import labels, plot_soak, plot_sweep, write_plots
     from kvbench.report.tables import markdown_table, table_rows
 
+    check_output_dir(output, "--output")
     records = load_run_dirs(run_dirs)
     extra = []
     if any(r.soak for r in records):
@@ -221,7 +222,7 @@ def report(
     lines = ["# kvbench report", "", "Runs: " + ", ".join(f"`{d}`" for d in run_dirs), ""]
     lines += [markdown_table(named), ""]
     lines += [f"![{p.stem}]({p.name})" for p in written]
-    write_text_atomic(output / "report.md", "\n".join(lines) + "\n")
+    write_outputs([(output / "report.md", "\n".join(lines) + "\n", "the report")])
     _print_table("report", ["metric", *names], table_rows(records))
     console.print(f"report.md and {len(written)} figures written to {output}")
 

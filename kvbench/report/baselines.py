@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.errors import KvbenchError
+from kvbench.report.outputs import check_output_dir, write_outputs
 from kvbench.results.paths import check_path_component
 from kvbench.results.recordset import FoundRecord
 from kvbench.results.schema import REPEATS_KEY, RunRecord, is_number
@@ -92,6 +93,7 @@ def save_baselines(
     a bad input writes nothing."""
     if machine is not None and not slugify(machine):
         raise KvbenchError(f"machine name {machine!r} has no letters or digits")
+    check_output_dir(root, "baselines folder")
     targets: dict[Path, FoundRecord] = {}
     for f in found:
         if f.record.status != "ok":
@@ -110,6 +112,7 @@ def save_baselines(
                 f"{f.path}; save them one run folder at a time"
             )
         targets[path] = f
-    for path, f in targets.items():
-        f.record.model_copy(update={"requests": []}).write(path)
-    return list(targets)
+    return write_outputs([
+        (path, f.record.model_copy(update={"requests": []}).to_json(), f"the baseline of {f.path}")
+        for path, f in targets.items()
+    ])

@@ -22,9 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbench.fileio import write_text_atomic
+from kvbench.errors import InputFileError
 from kvbench.report.baselines import machine_slug
 from kvbench.report.compare import mad_spread
+from kvbench.report.outputs import check_output_dir, write_outputs
 from kvbench.report.tables import table_rows
 from kvbench.results.metric_table import METRIC_BY_NAME
 from kvbench.results.paths import redact_paths
@@ -197,6 +198,13 @@ code{background:#f6f6f6;padding:0 .2rem}figure{margin:1rem 0}img{max-width:100%}
 """
 
 
+def _png_data(png: Path) -> str:
+    try:
+        return base64.b64encode(png.read_bytes()).decode("ascii")
+    except OSError as exc:
+        raise InputFileError(png, f"cannot read figure: {exc.strerror or exc}") from None
+
+
 def html_page(groups: dict[str, list[FoundRecord]], public: Privacy) -> str:
     def e(text: str) -> str:
         return html.escape(public(text))
@@ -220,7 +228,7 @@ def html_page(groups: dict[str, list[FoundRecord]], public: Privacy) -> str:
         if any(repeat_count(f.record) > 1 for f in found):
             parts.append("<p>Values are medians over the repeats.</p>")
         for png in find_plots(found):
-            data = base64.b64encode(png.read_bytes()).decode("ascii")
+            data = _png_data(png)
             parts.append(f"<figure><img alt='{e(png.name)}' src='data:image/png;base64,{data}'>"
                          f"<figcaption>{e(png.parent.name + '/' + png.name)}</figcaption></figure>")
     parts.append("</body></html>\n")
@@ -230,10 +238,12 @@ def html_page(groups: dict[str, list[FoundRecord]], public: Privacy) -> str:
 def publish(
     found: Sequence[FoundRecord], out_dir: Path, *, include_host: bool = False
 ) -> list[Path]:
+    """Write the three files; all are rendered before any is written."""
+    check_output_dir(out_dir, "output folder")
     groups = by_suite(found)
     public = Privacy.of(found, include_host)
-    return [
-        write_text_atomic(out_dir / MARKDOWN_FILE, markdown_tables(groups, public)),
-        write_text_atomic(out_dir / CSV_FILE, csv_table(groups, public)),
-        write_text_atomic(out_dir / HTML_FILE, html_page(groups, public)),
-    ]
+    return write_outputs([
+        (out_dir / MARKDOWN_FILE, markdown_tables(groups, public), "the Markdown tables"),
+        (out_dir / CSV_FILE, csv_table(groups, public), "the CSV table"),
+        (out_dir / HTML_FILE, html_page(groups, public), "the HTML page"),
+    ])
