@@ -8,10 +8,10 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from kvbench.errors import KvbenchError
 
-console = Console()
 err_console = Console(stderr=True)
 
 
@@ -64,7 +64,7 @@ def baseline_save(
     from kvbench.results.recordset import load_records
 
     for path in save_baselines(load_records(run_dirs), root, machine):
-        console.print(f"baseline {path}", highlight=False)
+        typer.echo(f"baseline {path}")
 
 
 def machine(
@@ -93,10 +93,10 @@ def publish(
     found = load_records(run_dirs)
     bad = [f for f in found if f.record.status != "ok"]
     for f in bad:
-        err_console.print(f"[yellow]warning:[/] {f.path}: {f.record.engine} ended "
-                          f"{f.record.status}", highlight=False)
+        err_console.print(f"[yellow]warning:[/] {escape(str(f.path))}: {escape(f.record.engine)} "
+                          f"ended {f.record.status}", highlight=False, soft_wrap=True)
     for path in write_tables(found, output, include_host=include_host):
-        console.print(f"wrote {path}", highlight=False)
+        typer.echo(f"wrote {path}")
 
 
 def register(app: typer.Typer) -> None:

@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from kvbench.errors import KvbenchError
 from kvbench.results.leaks import DEFAULT_NOISE_BYTES, DEFAULT_NOISE_PCT
@@ -60,12 +61,14 @@ def _progress() -> Progress:
 
 
 def _print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    table = Table(title=title)
+    from kvbench.report.tables import print_table
+
+    table = Table(title=Text(title))
     for i, col in enumerate(header):
-        table.add_column(col, justify="left" if i == 0 else "right")
+        table.add_column(Text(col), justify="left" if i == 0 else "right")
     for row in rows:
-        table.add_row(*row)
-    console.print(table)
+        table.add_row(*map(Text, row))  # cells are data, not rich markup
+    print_table(console, table)
 
 
 def _warn(messages: list[str]) -> None:
@@ -224,7 +227,7 @@ def report(
     lines += [f"![{p.stem}]({p.name})" for p in written]
     write_outputs([(output / "report.md", "\n".join(lines) + "\n", "the report")])
     _print_table("report", ["metric", *names], table_rows(records))
-    console.print(f"report.md and {len(written)} figures written to {output}")
+    console.print(f"report.md and {len(written)} figures written to {output}", soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,8 +1,13 @@
-"""Side-by-side comparison tables of run records (terminal and Markdown)."""
+"""Side-by-side comparison tables of run records (terminal and Markdown), and the one way
+commands print rich tables."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
 
 from kvbench.results.metric_table import report_metrics
 from kvbench.results.schema import RunRecord
@@ -13,6 +18,28 @@ def table_rows(records: Sequence[RunRecord]) -> list[list[str]]:
     for spec in report_metrics():
         rows.append([spec.label, *[spec.format(r.summary.get(spec.name)) for r in records]])
     return rows
+
+
+def _is_tty(console: Console) -> bool:
+    # The file itself: FORCE_COLOR makes rich treat a CI log as a terminal of 80 columns.
+    try:
+        return console.file.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def print_table(console: Console, table: Table) -> None:
+    """Print ``table`` whole. A terminal gets it fitted to its width; anything else (CI logs,
+    pipes, files) gets it at its natural width, since rich would otherwise fit it to 80
+    columns and cut cell text ("contigu…")."""
+    if _is_tty(console):
+        console.print(table)
+        return
+    natural = Measurement.get(console, console.options.update_width(1 << 20), table).maximum
+    wide = Console(file=console.file, width=max(natural, console.width),
+                   force_terminal=console.is_terminal, color_system=console.color_system,
+                   highlight=False)
+    wide.print(table)
 
 
 def markdown_table(records: Sequence[RunRecord]) -> str:
