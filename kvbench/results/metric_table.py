@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,13 +35,8 @@ from kvbench.units import format_bytes
 
 Direction = Literal["lower", "higher", "none"]
 Kind = Literal["deterministic", "clock", "timing"]
+# What a metric needs to have a value: a goodput SLO (--slo), a soak run, a CUDA device.
 Need = Literal["slo", "soak", "cuda"]
-
-NEED_TEXT: dict[Need, str] = {
-    "slo": "a goodput SLO (--slo)",
-    "soak": "a soak run (kvbench soak)",
-    "cuda": "a CUDA device",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +225,7 @@ def spec_for_row(row_name: str) -> MetricSpec | None:
     return METRIC_BY_NAME.get(row_name)
 
 
-def closest(name: str, candidates: list[str] | dict[str, Any]) -> str | None:
+def closest(name: str, candidates: Iterable[str]) -> str | None:
     """The candidate a misspelt ``name`` most likely meant, if any is close."""
     match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return match[0] if match else None
