@@ -28,26 +28,26 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 
 
 def read_text(path: str | Path, what: str) -> str:
-    """The text of the UTF-8 input file ``path`` (``what`` it should be, for messages), a
-    leading byte-order mark dropped. A folder, a missing or unreadable file and bytes that
-    are not UTF-8 text each get a message naming the file and what to give instead."""
+    """The UTF-8 text of the input file ``path`` (``what`` it should be, e.g. "suite", for
+    messages), a leading byte-order mark dropped. A folder or other non-file, a missing or
+    unreadable file and bytes that are not UTF-8 each get an InputFileError naming the file
+    and saying what is wrong."""
     path = Path(path)
     if path.is_dir():
-        raise InputFileError(path, f"is a folder; give the path of a {what}")
+        raise InputFileError(path, f"is a folder; name a {what} file")
+    if path.exists() and not path.is_file():
+        raise InputFileError(path, f"is not a regular file; name a {what} file")
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise InputFileError(path, f"no such file; give the path of a {what}") from None
+        raise InputFileError(path, f"no such {what} file") from None
     except OSError as exc:
-        raise InputFileError(path, f"cannot read it ({exc.strerror or exc})") from None
+        raise InputFileError(path, f"cannot read {what}: {exc.strerror or exc}") from None
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
         raise InputFileError(
-            path, f"is not UTF-8 text (byte {exc.start}); give a {what} saved as UTF-8", line
+            path, f"not a {what}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+            f"{exc.start}); is it a binary or damaged file?"
         ) from None
-    if "\x00" in text:
-        line = text.count("\n", 0, text.index("\x00")) + 1
-        raise InputFileError(path, f"holds binary data (a NUL byte), not a {what}", line)
-    return text.removeprefix("\ufeff")
+    return text

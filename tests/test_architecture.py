@@ -25,7 +25,7 @@ FOLDERS = {
 }
 BASE = ("kvbench.errors", "kvbench.units", "kvbench.fileio")
 READERS = ("kvbench.results.schema", "kvbench.results.recordset", "kvbench.results.repeats",
-           "kvbench.results.slo")
+           "kvbench.results.slo", "kvbench.results.metric_table", "kvbench.results.paths")
 # package prefix -> prefixes it must not import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "kvbench.engines": ("kvbench.run", "kvbench.results", "kvbench.report", "kvbench.tools",

@@ -9,10 +9,12 @@ import re
 from pathlib import Path
 
 import pytest
+from cli_main import cli
 from record_factory import MACHINE, changed, make_record, write
 from typer.testing import CliRunner
 
 from kvbench.cli.app import app
+from kvbench.results.paths import redact_home, redact_paths
 from kvbench.results.repeats import fold_repeats
 
 # A 1x1 PNG.
@@ -71,3 +73,95 @@ def test_publish_reports_repeats(tmp_path: Path) -> None:
     (ttft,) = [r for r in rows if r["metric"] == "median_ttft_ms"]
     assert float(ttft["value"]) == 100.0 and ttft["repeats"] == "3"
     assert float(ttft["spread"]) == pytest.approx(1.4826 * 10)
+
+
+# --- privacy ------------------------------------------------------------------------------
+
+HOST = "build-host-42"
+PRIVATE = {**MACHINE, "hostname": f"{HOST}.lab.example.com"}
+COMMAND = (f"kvbench run --workload mooncake:/home/alice/traces/mooncake.jsonl "
+           f"--out /mnt/{HOST}/runs/sim --shard 1/2")
+
+
+def _private_run(tmp_path: Path) -> Path:
+    rec = make_record("paged", suite="sim", machine=PRIVATE)
+    wl = rec.workload.model_copy(update={"source": "mooncake /home/alice/traces/mooncake.jsonl"})
+    folder = tmp_path / "runs" / HOST
+    write(rec.model_copy(update={"command": COMMAND, "workload": wl}), folder)
+    (folder / "memory.png").write_bytes(PNG)
+    return folder
+
+
+def _published(tmp_path: Path, *extra: str) -> str:
+    out = tmp_path / "tables"
+    result = CliRunner().invoke(app, ["publish", str(tmp_path / "runs"), "-o", str(out), *extra],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return "\n".join((out / name).read_text() for name in ("tables.md", "tables.csv",
+                                                             "index.html"))
+
+
+@pytest.mark.parametrize(("text", "public"), [
+    ("--workload mooncake:/home/alice/t.jsonl --out=/mnt/x/runs/", "--workload mooncake:…/t.jsonl "
+     "--out=…/runs/"),
+    ("C:\\Users\\alice\\trace.csv", "…/trace.csv"),
+    ("100 requests, 1000 prompt / 1000 output tokens", None),
+    ("KV utilization (used/reserved), shard 1/2, ~/traces/t.csv", None),
+    ("runs/build-host-42/x and build-host-42.lab.example.com", "runs/{host}/x and {host}"),
+    ("build-host-421 rebuild-host-42", None),
+])
+def test_redact_paths(text: str, public: str | None) -> None:
+    hosts = ["build-host-42.lab.example.com"]
+    assert redact_paths(text, hosts) == (text if public is None else public)
+    assert redact_paths(redact_paths(text, hosts), hosts) == redact_paths(text, hosts)
+
+
+def test_redact_home() -> None:
+    cmd = "kvbench run --out /home/alice/runs --workload azure:/home/alice/t.csv /home/alice2/x"
+    assert redact_home(cmd, "/home/alice") == (
+        "kvbench run --out ~/runs --workload azure:~/t.csv /home/alice2/x"
+    )
+
+
+def test_publish_leaves_out_hostname_and_absolute_paths(tmp_path: Path) -> None:
+    _private_run(tmp_path)
+    text = _published(tmp_path)
+    assert HOST not in text and "/home/alice" not in text and "/mnt/" not in text
+    assert str(tmp_path) not in text
+    # What stays is what a reader needs to rerun it.
+    assert "mooncake:…/mooncake.jsonl" in text and "--out …/sim --shard 1/2" in text
+    assert "{host}/memory.png" in text
+
+
+def test_publish_include_host_shows_them(tmp_path: Path) -> None:
+    _private_run(tmp_path)
+    text = _published(tmp_path, "--include-host")
+    assert f"{HOST}.lab.example.com: Test CPU x4" in text
+    assert COMMAND in text and f"{HOST}/memory.png" in text
+
+
+def test_publish_writes_nothing_when_a_table_cannot_be_rendered(
+    tmp_path: Path, monkeypatch
+) -> None:
+    write(make_record(), tmp_path / "run")
+    out = tmp_path / "tables"
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("kvbench.report.publish.html_page", interrupted)
+    result = CliRunner().invoke(app, ["publish", str(tmp_path / "run"), "-o", str(out)])
+    assert result.exit_code == 130  # Ctrl-C
+    # The Markdown and CSV tables were ready, but nothing is written before all are.
+    assert not out.exists()
+
+
+def test_publish_names_an_unreadable_figure(capsys, monkeypatch, tmp_path: Path) -> None:
+    kvbench = cli(capsys, monkeypatch)
+    write(make_record(), tmp_path / "run")
+    (tmp_path / "run" / "memory.png").symlink_to(tmp_path / "gone.png")
+    out = tmp_path / "tables"
+    code, output = kvbench("publish", tmp_path / "run", "-o", out)
+    assert code == 2 and "Traceback" not in output
+    assert "memory.png: cannot read figure" in output
+    assert not out.exists()

@@ -73,7 +73,7 @@ def test_every_run_shaped_command_takes_the_same_flags(capsys, tmp_path) -> None
     (b"", ["empty", "[run] engines"]),
     (b"# only a comment\n", ["empty"]),
     (b"\xff\xfe[run]\n", ["not UTF-8"]),
-    (b"[run]\x00engines = []", ["binary"]),
+    (b"[run]\x00engines = []", ["invalid TOML"]),
     (b"[run]\nblock_size = 0\n", ["suite.toml", "run.block_size"]),
     (b"[run]\nengines = ['paged']\nturbo = true\n", ["suite.toml", "turbo"]),
     (b"[engines.x]\nkind = 'paged'\nreservation = 'request'\n", ["suite.toml", "reservation"]),
@@ -95,7 +95,7 @@ def test_a_suite_file_with_a_bom_loads(tmp_path) -> None:
 
 def test_a_folder_or_missing_file_as_suite(capsys, tmp_path) -> None:
     _fails(capsys, ["run", str(tmp_path)], "is a folder")
-    _fails(capsys, ["run", str(tmp_path / "nope.toml")], "no such file")
+    _fails(capsys, ["run", str(tmp_path / "nope.toml")], "no such suite")
 
 
 def test_an_inline_generator_spec_runs(tmp_path) -> None:

@@ -8,46 +8,47 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from kvbench.errors import KvbenchError
 
-console = Console()
 err_console = Console(stderr=True)
-DEFAULT_THRESHOLDS = Path("ci/thresholds.toml")
 
 
 def compare(
     new: Annotated[Path, typer.Argument(help="New record file or folder (searched recursively: many runs, shards or machines).")],
     baseline: Annotated[Path, typer.Argument(help="Baseline record file or folder, e.g. results/baselines.")],
-    thresholds: Annotated[Path, typer.Option(help="Thresholds TOML.")] = DEFAULT_THRESHOLDS,
+    thresholds: Annotated[Path | None, typer.Option(help="Thresholds TOML (default: the thresholds built into kvbench).")] = None,
     markdown: Annotated[Path | None, typer.Option(help="Write the Markdown summary here.")] = None,
     junit: Annotated[Path | None, typer.Option(help="Write JUnit XML here.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write every comparison as JSON here.")] = None,
     strict: Annotated[bool, typer.Option(help="Improvements beyond tolerance fail too (refresh the baselines).")] = False,
+    allow_missing: Annotated[bool, typer.Option(help="An engine the baseline has but the new run lacks is skipped instead of failing.")] = False,
 ) -> None:
-    """Gate NEW against BASELINE: exit 0 pass, 1 regression, 2 unusable input."""
-    from kvbench.fileio import write_text_atomic
+    """Gate NEW against BASELINE: exit 0 pass, 1 regression or missing engine, 2 unusable input."""
     from kvbench.report.compare import INPUT_ROW, CompareResult, Row, compare_records
     from kvbench.report.gate_outputs import json_report, junit_xml, markdown_summary
-    from kvbench.report.thresholds import load_thresholds
+    from kvbench.report.outputs import check_output_file, write_outputs
+    from kvbench.report.thresholds import DEFAULT_LABEL, load_thresholds
     from kvbench.results.recordset import load_records
 
-    th = load_thresholds(thresholds)
+    outputs = [(path, what) for path, what in ((markdown, "--markdown"), (junit, "--junit"),
+                                                (json_out, "--json")) if path is not None]
+    for path, what in outputs:
+        check_output_file(path, what)
+    label = str(thresholds) if thresholds is not None else DEFAULT_LABEL
     try:
         result = compare_records(
-            load_records([new]), load_records([baseline]), th, strict=strict,
-            thresholds_path=str(thresholds),
+            load_records([new]), load_records([baseline]), load_thresholds(thresholds),
+            strict=strict, allow_missing=allow_missing, thresholds_path=label,
         )
     except KvbenchError as exc:
         # Still write the reports, so that CI shows why the gate could not judge.
-        result = CompareResult(strict=strict, thresholds=str(thresholds), rows=[
+        result = CompareResult(strict=strict, thresholds=label, rows=[
             Row(suite="", engine="", metric=INPUT_ROW, verdict="unusable", detail=str(exc))
         ])
-    text = markdown_summary(result)
-    for path, content in ((markdown, text), (junit, junit_xml(result)),
-                          (json_out, json_report(result))):
-        if path is not None:
-            write_text_atomic(path, content)
+    render = {"--markdown": markdown_summary, "--junit": junit_xml, "--json": json_report}
+    write_outputs([(path, render[what](result), what) for path, what in outputs])
     # Plain output: the summary is Markdown meant to be copied, not re-wrapped.
     typer.echo(markdown_summary(result, details=False))
     raise typer.Exit(result.exit_code)
@@ -63,7 +64,7 @@ def baseline_save(
     from kvbench.results.recordset import load_records
 
     for path in save_baselines(load_records(run_dirs), root, machine):
-        console.print(f"baseline {path}", highlight=False)
+        typer.echo(f"baseline {path}")
 
 
 def machine(
@@ -83,6 +84,7 @@ def machine(
 def publish(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run folders or record files (any number of runs, shards and machines).")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output folder.")],
+    include_host: Annotated[bool, typer.Option(help="Show hostnames and absolute paths (traces, weights, output folders) as recorded; by default they are left out.")] = False,
 ) -> None:
     """Comparison tables for publication: Markdown, CSV and a self-contained HTML page."""
     from kvbench.report.publish import publish as write_tables
@@ -91,10 +93,10 @@ def publish(
     found = load_records(run_dirs)
     bad = [f for f in found if f.record.status != "ok"]
     for f in bad:
-        err_console.print(f"[yellow]warning:[/] {f.path}: {f.record.engine} ended "
-                          f"{f.record.status}", highlight=False)
-    for path in write_tables(found, output):
-        console.print(f"wrote {path}", highlight=False)
+        err_console.print(f"[yellow]warning:[/] {escape(str(f.path))}: {escape(f.record.engine)} "
+                          f"ended {f.record.status}", highlight=False, soft_wrap=True)
+    for path in write_tables(found, output, include_host=include_host):
+        typer.echo(f"wrote {path}")
 
 
 def register(app: typer.Typer) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from kvbench.cli.options import (
     command_line,
@@ -39,12 +40,14 @@ def _default_out(suite: str, what: str) -> Path:
 
 
 def _print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    table = Table(title=title)
+    from kvbench.report.tables import print_table
+
+    table = Table(title=Text(title))
     for i, col in enumerate(header):
-        table.add_column(col, justify="left" if i == 0 else "right")
+        table.add_column(Text(col), justify="left" if i == 0 else "right")
     for row in rows:
-        table.add_row(*row)
-    console.print(table)
+        table.add_row(*map(Text, row))  # cells are data, not rich markup
+    print_table(console, table)
 
 
 @run_flags()
@@ -131,17 +134,26 @@ def sweep(
 
 def load_run_dirs(run_dirs: list[Path]) -> list[RunRecord]:
     """Every record in the given folders; a folder without records is searched one level
-    down (a sweep's per-budget folders)."""
-    from kvbench.results.schema import load_record
+    down (a sweep's per-budget folders). Other JSON files are passed over; one that cannot
+    be read as JSON (a truncated record) is an error naming it."""
+    from kvbench.results.recordset import read_folder_record
+
+    def records_in(d: Path, pattern: str) -> list[RunRecord]:
+        found = []
+        for p in sorted(d.glob(pattern)):
+            if p.is_file() and not p.name.startswith(".") and (
+                    rec := read_folder_record(p)) is not None:
+                found.append(rec)
+        return found
 
     records = []
     for d in run_dirs:
         if not d.is_dir():
             raise KvbenchError(f"{d}: not a folder of run records")
-        paths = sorted(d.glob("*.json")) or sorted(d.glob("*/*.json"))
-        if not paths:
+        found = records_in(d, "*.json") or records_in(d, "*/*.json")
+        if not found:
             raise KvbenchError(f"{d}: holds no run records (*.json)")
-        records += [load_record(p) for p in paths]
+        records += found
     return records
 
 
@@ -150,10 +162,11 @@ def report(
     output: Annotated[Path, typer.Option("-o", "--output", help="Folder for report.md and the figures.")],
 ) -> None:
     """Tables and figures from existing run records, several runs side by side."""
-    from kvbench.fileio import write_text_atomic
+    from kvbench.report.outputs import check_output_dir, write_outputs
     from kvbench.report.plots import labels, plot_soak, plot_sweep, write_plots
     from kvbench.report.tables import markdown_table, table_rows
 
+    check_output_dir(output, "--output")
     records = load_run_dirs(run_dirs)
     extra = []
     if any(r.soak for r in records):
@@ -170,9 +183,9 @@ def report(
     lines = ["# kvbench report", "", "Runs: " + ", ".join(f"`{d}`" for d in run_dirs), ""]
     lines += [markdown_table(named), ""]
     lines += [f"![{p.stem}]({p.name})" for p in written]
-    write_text_atomic(output / "report.md", "\n".join(lines) + "\n")
+    write_outputs([(output / "report.md", "\n".join(lines) + "\n", "the report")])
     _print_table("report", ["metric", *names], table_rows(records))
-    console.print(f"report.md and {len(written)} figures written to {output}")
+    console.print(f"report.md and {len(written)} figures written to {output}", soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -3,18 +3,24 @@
 A baseline is a run record without its per-request rows (the gate reads the summary, the
 repeats and the curves; the full record stays with the run's artifacts). Virtual-clock
 records are the same on every machine, so they are stored once under ``any``; wall-clock
-records are stored per machine, named by :func:`machine_slug`.
+records are stored per machine, named by :func:`machine_slug`. Suite, engine and machine
+names become path components, so each must be one plain name
+(:func:`kvbench.results.paths.check_path_component`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvbench.errors import KvbenchError
+from kvbench.report.outputs import check_output_dir, write_outputs
+from kvbench.results.paths import check_path_component
 from kvbench.results.recordset import FoundRecord
+from kvbench.results.schema import REPEATS_KEY, RunRecord, is_number
 
 DEFAULT_ROOT = Path("results/baselines")
 ANY_MACHINE = "any"
@@ -55,6 +61,31 @@ def baseline_machine(found: FoundRecord, machine: str | None) -> str:
     return slugify(machine) if machine else machine_slug(found.record.machine)
 
 
+def _non_finite(record: RunRecord) -> str | None:
+    """The first metric or curve holding NaN or an infinity. Stored JSON would hold null
+    there, and the gate would then skip the metric instead of failing it."""
+    summary = {k: v for k, v in record.summary.items() if k != REPEATS_KEY}
+    repeats = record.summary.get(REPEATS_KEY) or {}
+    for where, columns in (("metric", {k: [v] for k, v in summary.items()}),
+                           ("repeat values of metric", repeats), ("curve", record.curves)):
+        for name, values in columns.items():
+            bad = next((v for v in values if is_number(v) and not math.isfinite(v)), None)
+            if bad is not None:
+                return f"{where} {name} is {bad}"
+    return None
+
+
+def baseline_path(root: Path, f: FoundRecord, machine: str | None) -> Path:
+    """Where ``f`` is stored; a KvbenchError if a name would not be one path component."""
+    r = f.record
+    try:
+        return (root / check_path_component(baseline_machine(f, machine), "machine")
+                / check_path_component(r.suite, "suite")
+                / f"{check_path_component(r.engine, 'engine')}.json")
+    except KvbenchError as exc:
+        raise KvbenchError(f"{f.path}: {exc}; the record cannot be stored as a baseline") from None
+
+
 def save_baselines(
     found: Sequence[FoundRecord], root: Path = DEFAULT_ROOT, machine: str | None = None
 ) -> list[Path]:
@@ -62,6 +93,7 @@ def save_baselines(
     a bad input writes nothing."""
     if machine is not None and not slugify(machine):
         raise KvbenchError(f"machine name {machine!r} has no letters or digits")
+    check_output_dir(root, "baselines folder")
     targets: dict[Path, FoundRecord] = {}
     for f in found:
         if f.record.status != "ok":
@@ -69,13 +101,18 @@ def save_baselines(
                 f"{f.path}: {f.record.engine} ended {f.record.status!r}; only a complete run "
                 "can be a baseline"
             )
-        path = root / baseline_machine(f, machine) / f.record.suite / f"{f.record.engine}.json"
+        if bad := _non_finite(f.record):
+            raise KvbenchError(
+                f"{f.path}: {bad}; a baseline must hold measured numbers, save another run"
+            )
+        path = baseline_path(root, f, machine)
         if path in targets:
             raise KvbenchError(
                 f"two records would both be the baseline at {path}: {targets[path].path} and "
                 f"{f.path}; save them one run folder at a time"
             )
         targets[path] = f
-    for path, f in targets.items():
-        f.record.model_copy(update={"requests": []}).write(path)
-    return list(targets)
+    return write_outputs([
+        (path, f.record.model_copy(update={"requests": []}).to_json(), f"the baseline of {f.path}")
+        for path, f in targets.items()
+    ])

@@ -4,8 +4,9 @@ Records are matched by (suite, engine). Where a baseline folder holds several re
 one pair (baselines of many machines), the one from this record's machine is used, else the
 machine-independent virtual-clock one.
 
-Each rule's kind resolves to *deterministic* or *timing* for a pair (see
-:mod:`kvbench.report.thresholds`), and a change counts only beyond an allowed band:
+Each gated metric's kind (from :mod:`kvbench.results.metric_table`) resolves to
+*deterministic* or *timing* for a pair, and a change counts only beyond an allowed band
+(tolerances from :mod:`kvbench.report.thresholds`):
 
 - deterministic: ``band = exact_tolerance x |baseline|`` (any real change counts);
 - timing: with ``b`` the baseline's per-repeat values and ``m = median(b)``,
@@ -19,8 +20,11 @@ Each rule's kind resolves to *deterministic* or *timing* for a pair (see
 A change beyond the band in the worse direction is a regression (exit 1); in the better
 direction an improvement (passes, fails with ``strict`` so that baselines get refreshed).
 Input the gate cannot judge -- baseline not ``ok``, different workload digest, clock,
-device or model, a metric or curve the baseline has and the new record lacks, a duplicate
-record -- is *unusable* (exit 2) and says which.
+device or model, a metric or curve the baseline has and the new record lacks, a NaN or
+infinite baseline value, a curve whose length differs from its time axis, a duplicate
+record -- is *unusable* (exit 2) and says which. A NaN or infinite value in the new record
+is a regression. An engine the baseline has for a suite the new run covers, but the new run
+lacks, is *missing* (exit 1; skipped with ``allow_missing``).
 
 Curves are compared as functions of the fraction of the run elapsed (a run that only takes
 longer is judged by its time metrics): both are cut into ``curve_points`` slices holding
@@ -41,12 +45,19 @@ import numpy as np
 from pydantic import BaseModel
 
 from kvbench.report.baselines import machine_slug
-from kvbench.report.thresholds import CurveRule, MetricRule, Thresholds
+from kvbench.report.thresholds import MetricRule, Thresholds
+from kvbench.results.metric_table import (
+    CURVE_BY_NAME,
+    CURVE_ROW_PREFIX,
+    CURVE_TIME,
+    METRIC_BY_NAME,
+    Kind,
+)
 from kvbench.results.recordset import FoundRecord
 from kvbench.results.repeats import metric_values
 from kvbench.results.schema import RunRecord
 
-Verdict = Literal["pass", "regression", "improvement", "skipped", "unusable"]
+Verdict = Literal["pass", "regression", "improvement", "missing", "skipped", "unusable"]
 MAD_TO_SIGMA = 1.4826
 # Row name for findings about a pair's inputs rather than one metric.
 INPUT_ROW = "input"
@@ -96,7 +107,9 @@ class CompareResult(BaseModel):
         return sum(r.verdict == verdict for r in self.rows)
 
     def failing(self, row: Row) -> bool:
-        return row.verdict == "regression" or (self.strict and row.verdict == "improvement")
+        return row.verdict in ("regression", "missing") or (
+            self.strict and row.verdict == "improvement"
+        )
 
     @property
     def exit_code(self) -> int:
@@ -113,10 +126,10 @@ def mad_spread(values: Sequence[float]) -> float:
     return MAD_TO_SIGMA * statistics.median(abs(v - m) for v in values)
 
 
-def resolve_kind(rule: MetricRule, clock: str) -> Literal["deterministic", "timing"]:
-    if rule.kind == "clock":
+def resolve_kind(kind: Kind, clock: str) -> Literal["deterministic", "timing"]:
+    if kind == "clock":
         return "deterministic" if clock == "virtual" else "timing"
-    return rule.kind
+    return kind
 
 
 def judge(worse_by: float, band: float) -> Verdict:
@@ -139,10 +152,11 @@ def compare_metric(
     else:
         band = max(rule.tolerance * abs(b), rule.abs_tolerance, th.gate.noise_k * spread)
     change = n - b
-    worse_by = change if rule.direction == "lower" else -change
+    direction = METRIC_BY_NAME[name].direction
+    worse_by = change if direction == "lower" else -change
     return Row(
         suite="", engine="", metric=name, verdict=judge(worse_by, band), kind=kind,  # type: ignore[arg-type]
-        direction=rule.direction, baseline=b, new=n, change=change, allowed=band,
+        direction=direction, baseline=b, new=n, change=change, allowed=band,
         baseline_spread=spread, baseline_repeats=len(base), new_repeats=len(new),
     )
 
@@ -173,18 +187,19 @@ def _window(a: np.ndarray, width: int, op) -> np.ndarray:
 
 
 def compare_curve(
-    name: str, rule: CurveRule, kind: str, base: RunRecord, new: RunRecord, th: Thresholds
+    name: str, rule: MetricRule, kind: str, base: RunRecord, new: RunRecord, th: Thresholds
 ) -> Row:
     points = th.gate.curve_points
-    b = slice_max(base.curves[rule.time], base.curves[name], points)
-    n = slice_max(new.curves[rule.time], new.curves[name], points)
+    b = slice_max(base.curves[CURVE_TIME], base.curves[name], points)
+    n = slice_max(new.curves[CURVE_TIME], new.curves[name], points)
     peak = float(np.max(np.abs(b))) if len(b) else 0.0
     if kind == "deterministic":
         band, width = th.gate.exact_tolerance * peak, 0
     else:
         band = max(rule.tolerance * peak, rule.abs_tolerance)
         width = math.ceil(th.gate.curve_time_slack * points)
-    sign = 1.0 if rule.direction == "lower" else -1.0
+    direction = CURVE_BY_NAME[name].direction
+    sign = 1.0 if direction == "lower" else -1.0
     # Worse: beyond the most lenient baseline value within the slack; better: beyond the
     # least lenient one.
     lenient = _window(b, width, np.max if sign > 0 else np.min)
@@ -200,8 +215,8 @@ def compare_curve(
         verdict = "improvement"
     i = i_worse if verdict == "regression" or worse[i_worse] >= better[i_better] else i_better
     return Row(
-        suite="", engine="", metric=f"curve:{name}", verdict=verdict, kind=kind,  # type: ignore[arg-type]
-        direction=rule.direction, baseline=float(b[i]), new=float(n[i]),
+        suite="", engine="", metric=f"{CURVE_ROW_PREFIX}{name}", verdict=verdict, kind=kind,  # type: ignore[arg-type]
+        direction=direction, baseline=float(b[i]), new=float(n[i]),
         change=float(n[i] - b[i]), allowed=band,
         detail=f"values at {100 * (i + 0.5) / points:.0f}% of the run, the largest difference; "
         "allowed relative to the baseline curve's peak",
@@ -260,6 +275,25 @@ def _notes(new: RunRecord, base: RunRecord, same_machine: bool) -> list[str]:
     return notes
 
 
+def _non_finite(values: Sequence[float]) -> str | None:
+    """How a value among ``values`` is not a finite number ("nan", "inf"), if one is."""
+    bad = next((v for v in values if not math.isfinite(v)), None)
+    return None if bad is None else str(bad)
+
+
+def _has_curve(rec: RunRecord, name: str) -> bool:
+    return bool(rec.curves.get(name)) and CURVE_TIME in rec.curves
+
+
+def _curve_shape(rec: RunRecord, which: str, name: str) -> str | None:
+    """Why a record's curve does not fit its time axis, if it does not."""
+    values, times = rec.curves[name], rec.curves[CURVE_TIME]
+    if len(values) == len(times):
+        return None
+    return (f"the {which} record's curve {name} has {len(values)} points but its time axis "
+            f"{CURVE_TIME} has {len(times)}")
+
+
 def compare_pair(new: RunRecord, base: RunRecord, th: Thresholds) -> tuple[list[Row], list[str]]:
     """Rows for one (suite, engine) pair and notes about it."""
     def row(**kw) -> Row:
@@ -276,7 +310,7 @@ def compare_pair(new: RunRecord, base: RunRecord, th: Thresholds) -> tuple[list[
         detail = f"run ended {new.status!r} {error}".strip()
         return [row(metric="status", verdict="regression", detail=detail)], []
     for name, rule in th.metrics.items():
-        kind = resolve_kind(rule, new.clock)
+        kind = resolve_kind(METRIC_BY_NAME[name].kind, new.clock)
         b, n = metric_values(base, name), metric_values(new, name)
         if b is None and n is None:
             continue
@@ -286,6 +320,13 @@ def compare_pair(new: RunRecord, base: RunRecord, th: Thresholds) -> tuple[list[
         elif n is None:
             rows.append(row(metric=name, verdict="unusable", kind=kind,
                             detail="missing metric: the baseline has it, the new record does not"))
+        elif (bad := _non_finite(b)) is not None:
+            rows.append(row(metric=name, verdict="unusable", kind=kind,
+                            detail=f"the baseline's value is {bad}, which cannot be compared; "
+                            "save a baseline from a run that measured it"))
+        elif (bad := _non_finite(n)) is not None:
+            rows.append(row(metric=name, verdict="regression", kind=kind,
+                            detail=f"the new value is {bad}: the run measured no usable number"))
         elif kind == "timing" and not same_machine:
             rows.append(row(metric=name, verdict="skipped", kind=kind,
                             detail="timing metric from another machine"))
@@ -293,16 +334,23 @@ def compare_pair(new: RunRecord, base: RunRecord, th: Thresholds) -> tuple[list[
             rows.append(compare_metric(name, rule, kind, b, n, th).model_copy(
                 update={"suite": new.suite, "engine": new.engine}))
     for name, rule in th.curves.items():
-        kind = resolve_kind(rule, new.clock)
-        has_b = name in base.curves and rule.time in base.curves and base.curves[name]
-        has_n = name in new.curves and rule.time in new.curves and new.curves[name]
-        metric = f"curve:{name}"
-        if not has_b:
+        kind = resolve_kind(CURVE_BY_NAME[name].kind, new.clock)
+        metric = f"{CURVE_ROW_PREFIX}{name}"
+        if not _has_curve(base, name):
             continue
-        if not has_n:
+        if not _has_curve(new, name):
             rows.append(row(metric=metric, verdict="unusable", kind=kind,
-                            detail=f"missing curve: the baseline has {name} over {rule.time}, "
+                            detail=f"missing curve: the baseline has {name} over {CURVE_TIME}, "
                             "the new record does not"))
+        elif problem := _curve_shape(base, "baseline", name) or _curve_shape(new, "new", name):
+            rows.append(row(metric=metric, verdict="unusable", kind=kind, detail=problem))
+        elif (bad := _non_finite([*base.curves[name], *base.curves[CURVE_TIME]])) is not None:
+            rows.append(row(metric=metric, verdict="unusable", kind=kind,
+                            detail=f"the baseline curve holds {bad}; save a new baseline"))
+        elif (bad := _non_finite([*new.curves[name], *new.curves[CURVE_TIME]])) is not None:
+            rows.append(row(metric=metric, verdict="regression", kind=kind,
+                            detail=f"the new curve holds {bad}: the run measured no usable "
+                            "number"))
         elif kind == "timing" and not same_machine:
             rows.append(row(metric=metric, verdict="skipped", kind=kind,
                             detail="timing curve from another machine"))
@@ -340,8 +388,10 @@ def pick_baseline(
 
 def compare_records(
     new: Sequence[FoundRecord], baseline: Sequence[FoundRecord], th: Thresholds,
-    *, strict: bool = False, thresholds_path: str = "",
+    *, strict: bool = False, allow_missing: bool = False, thresholds_path: str = "",
 ) -> CompareResult:
+    """Every new record against its baseline. ``allow_missing``: a baseline engine the new
+    run lacks is skipped instead of failing."""
     result = CompareResult(strict=strict, thresholds=thresholds_path)
     new_by_key: dict[tuple[str, str], list[FoundRecord]] = defaultdict(list)
     base_by_key: dict[tuple[str, str], list[FoundRecord]] = defaultdict(list)
@@ -379,9 +429,13 @@ def compare_records(
     for key in sorted(base_by_key):
         if key[0] in new_suites and key not in new_by_key:
             paths = ", ".join(str(f.path) for f in base_by_key[key])
-            result.rows.append(Row(suite=key[0], engine=key[1], metric=INPUT_ROW,
-                                   verdict="unusable",
-                                   detail=f"no new record for this engine (baseline: {paths})"))
+            detail = f"no new record for this engine (baseline: {paths})"
+            result.rows.append(Row(
+                suite=key[0], engine=key[1], metric=INPUT_ROW,
+                verdict="skipped" if allow_missing else "missing",
+                detail=detail + ("; allowed by --allow-missing" if allow_missing else
+                                 "; run it, or pass --allow-missing if it was dropped on purpose"),
+            ))
     if not result.rows:
         result.rows.append(Row(suite="", engine="", metric=INPUT_ROW, verdict="unusable",
                                detail="no new record has a baseline: nothing was compared"))

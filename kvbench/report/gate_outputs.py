@@ -7,10 +7,11 @@ import json
 import xml.etree.ElementTree as ET
 
 from kvbench.report.compare import CompareResult, Row
+from kvbench.results.metric_table import spec_for_row
 from kvbench.units import format_bytes
 
-_HEADLINE = {0: "PASS", 1: "REGRESSION", 2: "UNUSABLE INPUT"}
-_ORDER = {"unusable": 0, "regression": 1, "improvement": 2, "skipped": 3, "pass": 4}
+_ORDER = {"unusable": 0, "regression": 1, "missing": 2, "improvement": 3, "skipped": 4,
+          "pass": 5}
 _LEGEND = (
     "A change counts beyond *allowed*: for deterministic metrics a float-rounding tolerance; "
     "for timing metrics max(tolerance x baseline median, absolute tolerance, noise_k x "
@@ -19,9 +20,12 @@ _LEGEND = (
 
 
 def format_value(metric: str, value: float | None) -> str:
+    """A value of the gate row ``metric`` (a metric or ``curve:NAME``): sizes in binary
+    units, other numbers plain (changes and bands of fractions are no percentages)."""
     if value is None:
         return "-"
-    if metric.endswith("_bytes"):
+    spec = spec_for_row(metric)
+    if spec is not None and spec.unit == "bytes":
         return format_bytes(value)
     if float(value).is_integer() and abs(value) < 1e15:
         return str(int(value))
@@ -63,15 +67,25 @@ def _table(result: CompareResult, rows: list[Row]) -> list[str]:
     return lines
 
 
+def _headline(result: CompareResult) -> str:
+    code = result.exit_code
+    if code == 2:
+        return "UNUSABLE INPUT"
+    if code == 1:
+        regressed = any(result.failing(r) and r.verdict != "missing" for r in result.rows)
+        return "REGRESSION" if regressed else "MISSING RECORDS"
+    return "PASS"
+
+
 def markdown_summary(result: CompareResult, *, details: bool = True) -> str:
     """``details`` adds the passed and skipped rows in a collapsed block."""
     code = result.exit_code
     counts = ", ".join(
-        f"{result.count(v)} {v}" for v in ("regression", "improvement", "unusable", "pass",
-                                           "skipped") if result.count(v)
+        f"{result.count(v)} {v}" for v in ("regression", "missing", "improvement", "unusable",
+                                           "pass", "skipped") if result.count(v)
     )
     lines = [
-        f"## kvbench compare: {_HEADLINE[code]}",
+        f"## kvbench compare: {_headline(result)}",
         "",
         f"{counts} (exit {code}; thresholds `{result.thresholds}`"
         + ("; strict: improvements fail" if result.strict else "") + ")",

@@ -5,6 +5,10 @@ side by side; an engine seen on several machines or devices gets one column each
 table carries what is needed to quote it: workload and digest, model, device and clock,
 machine and versions, kvbench version and commit, and the exact commands. PNG plots found
 in a suite's record folders are embedded under its table in the HTML page.
+
+Records carry the hostname, the full command line and the absolute paths of traces and
+weights. Unless ``include_host`` is set, published text leaves the hostname out and cuts
+absolute paths to their last name (:func:`kvbench.results.paths.redact_paths`).
 """
 
 from __future__ import annotations
@@ -15,12 +19,16 @@ import html
 import io
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from kvbench.fileio import write_text_atomic
+from kvbench.errors import InputFileError
 from kvbench.report.baselines import machine_slug
 from kvbench.report.compare import mad_spread
+from kvbench.report.outputs import check_output_dir, write_outputs
 from kvbench.report.tables import table_rows
+from kvbench.results.metric_table import METRIC_BY_NAME
+from kvbench.results.paths import redact_paths
 from kvbench.results.recordset import FoundRecord
 from kvbench.results.repeats import REPEATS_KEY, metric_values, repeat_count
 from kvbench.results.schema import RunRecord
@@ -28,18 +36,33 @@ from kvbench.results.schema import RunRecord
 MARKDOWN_FILE, CSV_FILE, HTML_FILE = "tables.md", "tables.csv", "index.html"
 CSV_COLUMNS = [
     "suite", "column", "engine", "machine", "device", "clock", "workload", "workload_digest",
-    "kvbench_version", "git_commit", "metric", "value", "repeats", "spread",
+    "kvbench_version", "git_commit", "metric", "value", "repeats", "spread", "unit",
 ]
+# Engine kinds in column order (paged first); other kinds follow, each in run order.
+_KIND_ORDER = ("paged", "contiguous", "vllm")
 
 
-# The two reference layouts lead every table; other engines follow in the order they ran.
-_LEAD = ("paged", "contiguous")
+@dataclass(frozen=True, slots=True)
+class Privacy:
+    """What published text may show: with ``include_host``, the hostname and paths as
+    recorded; else neither."""
+
+    include_host: bool
+    hostnames: frozenset[str]
+
+    @classmethod
+    def of(cls, found: Sequence[FoundRecord], include_host: bool = False) -> Privacy:
+        names = {str(f.record.machine.get("hostname") or "") for f in found}
+        return cls(include_host, frozenset(n for n in names if n))
+
+    def __call__(self, text: str) -> str:
+        return text if self.include_host else redact_paths(text, self.hostnames)
 
 
 def _column_order(f: FoundRecord) -> tuple[int, str, str]:
-    engine = f.record.engine
-    rank = _LEAD.index(engine) if engine in _LEAD else len(_LEAD)
-    return rank, f.record.created_utc, engine
+    kind = f.record.engine_config.get("kind")
+    rank = _KIND_ORDER.index(kind) if kind in _KIND_ORDER else len(_KIND_ORDER)
+    return rank, f.record.created_utc, f.record.engine
 
 
 def by_suite(found: Sequence[FoundRecord]) -> dict[str, list[FoundRecord]]:
@@ -71,24 +94,29 @@ def _versions(r: RunRecord) -> str:
     return ", ".join(f"{k} {v}" for k, v in versions.items() if v)
 
 
-def _machine(r: RunRecord) -> str:
+def _machine(r: RunRecord, include_host: bool) -> str:
     m = r.machine
     text = f"{m.get('cpu')} x{m.get('cpu_count')}"
     if m.get("gpu"):
         g = m["gpu"]
         text += f", {g.get('count', 1)}x {g.get('name')} (CUDA {g.get('cuda')})"
+    if include_host and m.get("hostname"):
+        text = f"{m['hostname']}: {text}"
     return text
 
 
-def context_lines(found: Sequence[FoundRecord]) -> list[tuple[str, str]]:
+def context_lines(found: Sequence[FoundRecord], public: Privacy) -> list[tuple[str, str]]:
     """(label, text) facts shared by a suite's columns, or listed per column where they differ."""
     labels = column_labels(found)
     records = [f.record for f in found]
 
     def fact(name: str, values: list[str]) -> tuple[str, str]:
+        values = [public(v) for v in values]
         if len(set(values)) == 1:
             return name, values[0]
-        return name, "; ".join(f"{lab}: {v}" for lab, v in zip(labels, values, strict=True))
+        return name, "; ".join(
+            f"{public(lab)}: {v}" for lab, v in zip(labels, values, strict=True)
+        )
 
     return [
         fact("workload", [f"{r.workload.name} ({r.workload.num_requests} requests, "
@@ -97,7 +125,7 @@ def context_lines(found: Sequence[FoundRecord]) -> list[tuple[str, str]]:
         fact("workload digest", [r.workload.digest for r in records]),
         fact("model", [f"{r.model.get('name')} ({r.model.get('dtype')})" for r in records]),
         fact("device and clock", [f"{r.device}, {r.clock} clock" for r in records]),
-        fact("machine", [_machine(r) for r in records]),
+        fact("machine", [_machine(r, public.include_host) for r in records]),
         fact("versions", [f"python {r.machine.get('python')}, {_versions(r)}" for r in records]),
         fact("kvbench", [f"{r.kvbench_version} ({r.git_commit or 'no git'})" for r in records]),
         fact("repeats", [str(repeat_count(r)) for r in records]),
@@ -109,12 +137,13 @@ def suite_rows(found: Sequence[FoundRecord]) -> list[list[str]]:
     return table_rows([f.record for f in found])
 
 
-def markdown_tables(groups: dict[str, list[FoundRecord]]) -> str:
+def markdown_tables(groups: dict[str, list[FoundRecord]], public: Privacy) -> str:
     lines = ["# kvbench results", ""]
     for suite, found in groups.items():
-        labels = column_labels(found)
-        lines += [f"## {suite}", ""]
-        lines += [f"- {name}: {_md_code(name, text)}" for name, text in context_lines(found)]
+        labels = [public(lab) for lab in column_labels(found)]
+        lines += [f"## {public(suite)}", ""]
+        lines += [f"- {name}: {_md_code(name, text)}"
+                  for name, text in context_lines(found, public)]
         lines += ["", "| metric | " + " | ".join(labels) + " |",
                   "|---|" + "---:|" * len(labels)]
         lines += ["| " + " | ".join(row) + " |" for row in suite_rows(found)]
@@ -128,7 +157,7 @@ def _md_code(name: str, text: str) -> str:
     return f"`{text}`" if name in ("command", "workload digest") and ";" not in text else text
 
 
-def csv_table(groups: dict[str, list[FoundRecord]]) -> str:
+def csv_table(groups: dict[str, list[FoundRecord]], public: Privacy) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
@@ -141,10 +170,12 @@ def csv_table(groups: dict[str, list[FoundRecord]]) -> str:
                 values = metric_values(r, metric)
                 if values is None:
                     continue
+                spec = METRIC_BY_NAME.get(metric)
                 writer.writerow([
-                    suite, label, r.engine, machine_slug(r.machine), r.device, r.clock,
-                    r.workload.name, r.workload.digest, r.kvbench_version, r.git_commit or "",
-                    metric, repr(r.summary[metric]), len(values), f"{mad_spread(values):.6g}",
+                    public(suite), public(label), public(r.engine), machine_slug(r.machine),
+                    r.device, r.clock, public(r.workload.name), r.workload.digest,
+                    r.kvbench_version, r.git_commit or "", metric, repr(r.summary[metric]),
+                    len(values), f"{mad_spread(values):.6g}", spec.unit if spec else "",
                 ])
     return out.getvalue()
 
@@ -167,15 +198,24 @@ code{background:#f6f6f6;padding:0 .2rem}figure{margin:1rem 0}img{max-width:100%}
 """
 
 
-def html_page(groups: dict[str, list[FoundRecord]]) -> str:
-    e = html.escape
+def _png_data(png: Path) -> str:
+    try:
+        return base64.b64encode(png.read_bytes()).decode("ascii")
+    except OSError as exc:
+        raise InputFileError(png, f"cannot read figure: {exc.strerror or exc}") from None
+
+
+def html_page(groups: dict[str, list[FoundRecord]], public: Privacy) -> str:
+    def e(text: str) -> str:
+        return html.escape(public(text))
+
     parts = ["<!doctype html><html><head><meta charset='utf-8'>",
              "<title>kvbench results</title>", f"<style>{_CSS}</style></head><body>",
              "<h1>kvbench results</h1>"]
     for suite, found in groups.items():
         labels = column_labels(found)
         parts.append(f"<h2>{e(suite)}</h2><dl>")
-        for name, text in context_lines(found):
+        for name, text in context_lines(found, public):
             value = f"<code>{e(text)}</code>" if name == "command" else e(text)
             parts.append(f"<dt>{e(name)}</dt><dd>{value}</dd>")
         parts.append("</dl><table><tr><th>metric</th>")
@@ -188,17 +228,22 @@ def html_page(groups: dict[str, list[FoundRecord]]) -> str:
         if any(repeat_count(f.record) > 1 for f in found):
             parts.append("<p>Values are medians over the repeats.</p>")
         for png in find_plots(found):
-            data = base64.b64encode(png.read_bytes()).decode("ascii")
+            data = _png_data(png)
             parts.append(f"<figure><img alt='{e(png.name)}' src='data:image/png;base64,{data}'>"
                          f"<figcaption>{e(png.parent.name + '/' + png.name)}</figcaption></figure>")
     parts.append("</body></html>\n")
     return "\n".join(parts)
 
 
-def publish(found: Sequence[FoundRecord], out_dir: Path) -> list[Path]:
+def publish(
+    found: Sequence[FoundRecord], out_dir: Path, *, include_host: bool = False
+) -> list[Path]:
+    """Write the three files; all are rendered before any is written."""
+    check_output_dir(out_dir, "output folder")
     groups = by_suite(found)
-    return [
-        write_text_atomic(out_dir / MARKDOWN_FILE, markdown_tables(groups)),
-        write_text_atomic(out_dir / CSV_FILE, csv_table(groups)),
-        write_text_atomic(out_dir / HTML_FILE, html_page(groups)),
-    ]
+    public = Privacy.of(found, include_host)
+    return write_outputs([
+        (out_dir / MARKDOWN_FILE, markdown_tables(groups, public), "the Markdown tables"),
+        (out_dir / CSV_FILE, csv_table(groups, public), "the CSV table"),
+        (out_dir / HTML_FILE, html_page(groups, public), "the HTML page"),
+    ])

@@ -1,54 +1,45 @@
-"""Side-by-side comparison tables of run records (terminal and Markdown)."""
+"""Side-by-side comparison tables of run records (terminal and Markdown), and the one way
+commands print rich tables."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
+from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
+
+from kvbench.results.metric_table import report_metrics
 from kvbench.results.schema import RunRecord
-from kvbench.units import format_bytes
-
-
-def _num(fmt: str) -> Callable[[Any], str]:
-    return lambda v: "-" if v is None else format(v, fmt)
-
-
-def _pct(v: Any) -> str:
-    return "-" if v is None else f"{100 * v:.1f}%"
-
-
-# (summary key, label, formatter)
-TABLE_ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
-    ("completed", "completed requests", _num("d")),
-    ("rejected", "rejected requests", _num("d")),
-    ("duration_s", "duration (s)", _num(".2f")),
-    ("request_throughput", "requests/s", _num(".2f")),
-    ("output_throughput", "output tokens/s", _num(".1f")),
-    ("total_token_throughput", "total tokens/s", _num(".1f")),
-    ("median_ttft_ms", "TTFT p50 (ms)", _num(".1f")),
-    ("p99_ttft_ms", "TTFT p99 (ms)", _num(".1f")),
-    ("median_tpot_ms", "TPOT p50 (ms)", _num(".2f")),
-    ("p99_tpot_ms", "TPOT p99 (ms)", _num(".2f")),
-    ("median_e2el_ms", "E2EL p50 (ms)", _num(".1f")),
-    ("max_concurrent_requests", "max concurrent requests", _num("d")),
-    ("mean_concurrent_requests", "mean concurrent requests", _num(".1f")),
-    ("kv_capacity_bytes", "KV capacity", format_bytes),
-    ("peak_kv_reserved_bytes", "peak KV reserved", format_bytes),
-    ("peak_kv_used_bytes", "peak KV used", format_bytes),
-    ("mean_kv_utilization", "KV utilization (used/reserved)", _pct),
-    ("kv_waste_pct", "KV waste %", _num(".1f")),
-    ("min_frag_index", "min fragmentation index", _num(".3f")),
-    ("preemptions", "preemptions", _num("d")),
-    ("prefix_hit_rate", "prefix cache hit rate", _pct),
-    ("peak_rss_bytes", "peak process RSS", format_bytes),
-]
 
 
 def table_rows(records: Sequence[RunRecord]) -> list[list[str]]:
     rows = [["status", *[r.status for r in records]]]
-    for key, label, fmt in TABLE_ROWS:
-        rows.append([label, *[fmt(r.summary.get(key)) for r in records]])
+    for spec in report_metrics():
+        rows.append([spec.label, *[spec.format(r.summary.get(spec.name)) for r in records]])
     return rows
+
+
+def _is_tty(console: Console) -> bool:
+    # The file itself: FORCE_COLOR makes rich treat a CI log as a terminal of 80 columns.
+    try:
+        return console.file.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def print_table(console: Console, table: Table) -> None:
+    """Print ``table`` whole. A terminal gets it fitted to its width; anything else (CI logs,
+    pipes, files) gets it at its natural width, since rich would otherwise fit it to 80
+    columns and cut cell text ("contigu…")."""
+    if _is_tty(console):
+        console.print(table)
+        return
+    natural = Measurement.get(console, console.options.update_width(1 << 20), table).maximum
+    wide = Console(file=console.file, width=max(natural, console.width),
+                   force_terminal=console.is_terminal, color_system=console.color_system,
+                   highlight=False)
+    wide.print(table)
 
 
 def markdown_table(records: Sequence[RunRecord]) -> str:

@@ -10,15 +10,8 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from typing import Any
 
-from kvbench.results.schema import RunRecord
-
-REPEATS_KEY = "repeats"
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+from kvbench.results.schema import REPEATS_KEY, RunRecord, is_number
 
 
 def fold_repeats(records: Sequence[RunRecord]) -> RunRecord:
@@ -37,7 +30,7 @@ def fold_repeats(records: Sequence[RunRecord]) -> RunRecord:
     values: dict[str, list[float]] = {}
     for key, value in rep.summary.items():
         column = [r.summary.get(key) for r in records]
-        if not _is_number(value) or not all(_is_number(v) for v in column):
+        if not is_number(value) or not all(is_number(v) for v in column):
             continue
         values[key] = column  # type: ignore[assignment]
         # Integer metrics keep an observed value, so counts stay counts.
@@ -56,7 +49,7 @@ def metric_values(record: RunRecord, name: str) -> list[float] | None:
     if isinstance(repeats, dict) and name in repeats:
         return [float(v) for v in repeats[name]]
     value = record.summary.get(name)
-    return [float(value)] if _is_number(value) else None
+    return [float(value)] if is_number(value) else None
 
 
 def repeat_count(record: RunRecord) -> int:

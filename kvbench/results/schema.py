@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from kvbench.errors import InputFileError
-from kvbench.fileio import write_text_atomic
+from kvbench.fileio import read_text, write_text_atomic
 from kvbench.results.slo import SLO
 
 SCHEMA_VERSION = 1
+# Summary key of a folded record's per-repeat values (see kvbench.results.repeats).
+REPEATS_KEY = "repeats"
 
 
 class WorkloadInfo(BaseModel):
@@ -124,16 +127,54 @@ class RunRecord(BaseModel):
     curves: dict[str, list[float]]
     requests: list[RequestRow]
 
+    @field_validator("summary")
+    @classmethod
+    def _metric_values(cls, summary: dict[str, Any]) -> dict[str, Any]:
+        """Metrics are numbers, true/false or null; anything else would reach the gate and
+        the tables as something they cannot judge or show."""
+        for key, value in summary.items():
+            if key == REPEATS_KEY:
+                if not isinstance(value, dict) or not all(
+                    isinstance(v, list) and v and all(is_number(x) for x in v)
+                    for v in value.values()
+                ):
+                    raise ValueError(
+                        f"{REPEATS_KEY} must map metric names to non-empty lists of numbers"
+                    )
+            elif value is not None and not isinstance(value, numbers.Real):
+                raise ValueError(
+                    f"metric {key!r} is {type(value).__name__} {str(value)[:40]!r}; "
+                    "metrics are numbers, true/false or null"
+                )
+        return summary
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=1) + "\n"
+
     def write(self, path: str | Path) -> Path:
-        return write_text_atomic(path, self.model_dump_json(indent=1) + "\n")
+        return write_text_atomic(path, self.to_json())
 
 
-def load_record(path: str | Path) -> RunRecord:
-    path = Path(path)
+def is_number(v: Any) -> bool:
+    """A metric value that is a number (true/false are not)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def read_json(path: str | Path, what: str = "run record") -> Any:
+    """A JSON file's content, or an InputFileError naming the file (and the line)."""
+    text = read_text(path, what)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputFileError(path, f"cannot read run record: {exc}") from None
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputFileError(
+            path, f"not valid JSON ({exc.msg}, column {exc.colno}): a truncated or damaged "
+            f"{what}; remove it, or write it again",
+            line=exc.lineno,
+        ) from None
+
+
+def record_from_data(path: str | Path, data: Any) -> RunRecord:
+    """A run record from the parsed JSON of ``path``; the path is for messages."""
     version = data.get("schema_version") if isinstance(data, dict) else None
     if version != SCHEMA_VERSION:
         raise InputFileError(
@@ -142,4 +183,13 @@ def load_record(path: str | Path) -> RunRecord:
     try:
         return RunRecord.model_validate(data)
     except ValidationError as exc:
-        raise InputFileError(path, f"invalid run record: {exc}") from None
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in e['loc']) or 'record'}: {e['msg']}"
+            for e in exc.errors()[:5]
+        )
+        more = f" (and {exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
+        raise InputFileError(path, f"invalid run record: {problems}{more}") from None
+
+
+def load_record(path: str | Path) -> RunRecord:
+    return record_from_data(path, read_json(path))

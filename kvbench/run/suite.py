@@ -114,7 +114,7 @@ def load_suite(ref: str | None) -> tuple[Suite, Path | None]:
     ref = ref or DEFAULT_SUITE
     path = Path(ref)
     if path.suffix == ".toml" or path.is_dir():
-        text, base = read_text(path, "suite file (.toml)"), path.parent
+        text, base = read_text(path, "suite (.toml)"), path.parent
     else:
         res = importlib.resources.files("kvbench.suites") / f"{ref}.toml"
         if not res.is_file():

@@ -80,7 +80,7 @@ def load_profile(path: str | Path) -> Profile:
         raise KvbenchError(
             f"no calibration profile at {path}: write one with kvbench calibrate -o {path}"
         )
-    text = read_text(path, "calibration profile (.json from kvbench calibrate)")
+    text = read_text(path, "calibration profile (.json)")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -1,0 +1,249 @@
+"""The metric table: every summary metric and curve a run record holds, declared once.
+
+Each entry states what the gate, the thresholds file, the run tables and the published tables
+need to know about a metric:
+
+- ``unit``: what the number counts (units are also in the names: ``_bytes``, ``_ms``, ``_s``,
+  ``_pct``);
+- ``direction``: which way is better (``lower`` | ``higher``), or ``none`` for numbers that
+  describe the input or the run rather than how well it went -- those cannot be gated;
+- ``kind``: how a comparison treats it. ``deterministic``: fixed by the workload and the
+  configuration, exact on any clock. ``clock``: follows the record's clock -- under the
+  virtual clock time is the cost model's, so the value is exact; under the wall clock it is
+  measured. ``timing``: measured on the machine (process and device memory, wall time), noisy
+  on any clock;
+- ``label`` and ``fmt``: how tables show it (``fmt`` is a format spec, or ``bytes``,
+  ``fraction`` for a 0..1 share shown as a percentage, ``bool``);
+- ``report``: shown in the side-by-side run tables (``kvbench run``, ``report``, ``publish``),
+  in table order;
+- ``needs``: the conditions without which the metric is absent or None (a goodput SLO, a
+  soak, a CUDA device); empty for metrics every run of a built-in engine produces.
+
+Definitions of the values are in :mod:`kvbench.results.metrics` (summary metrics) and
+:mod:`kvbench.results.curves` (curves).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvbench.units import format_bytes
+
+Direction = Literal["lower", "higher", "none"]
+Kind = Literal["deterministic", "clock", "timing"]
+# What a metric needs to have a value: a goodput SLO (--slo), a soak run, a CUDA device, a
+# KV policy that keeps that counter (mixed pages merge and split, virtual memory maps, ...).
+Need = Literal["slo", "soak", "cuda", "policy"]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str
+    unit: str
+    direction: Direction
+    kind: Kind
+    label: str
+    fmt: str = ".4g"
+    report: bool = False
+    needs: tuple[Need, ...] = ()
+
+    @property
+    def gateable(self) -> bool:
+        return self.direction != "none"
+
+    def format(self, value: Any) -> str:
+        """The value as tables show it; "-" for a missing one, NaN and infinities as such."""
+        if value is None:
+            return "-"
+        if isinstance(value, bool) or self.fmt == "bool":
+            return "yes" if value else "no"
+        if not math.isfinite(value):
+            return str(float(value))
+        if self.fmt == "bytes":
+            return format_bytes(value)
+        if self.fmt == "fraction":
+            return f"{100 * value:.1f}%"
+        if self.fmt == "d":
+            # A count read back from JSON may be a float; one with a fraction (a median of
+            # repeats) keeps it rather than being rounded away.
+            return str(int(value)) if float(value).is_integer() else f"{value:.4g}"
+        return format(value, self.fmt)
+
+
+def _m(name: str, unit: str, direction: Direction, kind: Kind, label: str, fmt: str = ".4g",
+       *, report: bool = False, needs: tuple[Need, ...] = ()) -> MetricSpec:
+    return MetricSpec(name, unit, direction, kind, label, fmt, report, needs)
+
+
+# Latency percentiles per completed request: the run tables show these.
+_REPORTED_LATENCIES = {"median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+                       "median_e2el_ms"}
+_LATENCIES = tuple(
+    _m(name, "ms", "lower", "clock", f"{short} {stat_label} (ms)", fmt,
+       report=name in _REPORTED_LATENCIES)
+    for what, short, fmt in (("ttft", "TTFT", ".1f"), ("tpot", "TPOT", ".2f"),
+                             ("itl", "ITL", ".2f"), ("e2el", "E2EL", ".1f"))
+    for stat, stat_label in (("mean", "mean"), ("median", "p50"), ("p90", "p90"), ("p99", "p99"))
+    for name in [f"{stat}_{what}_ms"]
+)
+
+# Summary metrics by topic: requests and throughput, latency, concurrency and KV, process and
+# device memory, soak. The run tables show the ``report`` ones in this order.
+METRICS: tuple[MetricSpec, ...] = (
+    _m("num_requests", "requests", "none", "deterministic", "requests", "d"),
+    _m("completed", "requests", "higher", "clock", "completed requests", "d", report=True),
+    _m("rejected", "requests", "lower", "deterministic", "rejected requests", "d", report=True),
+    _m("duration_s", "s", "lower", "clock", "duration (s)", ".2f", report=True),
+    _m("wall_time_s", "s", "lower", "timing", "wall time (s)", ".2f"),
+    _m("num_steps", "steps", "none", "clock", "engine steps", "d"),
+    _m("request_throughput", "requests/s", "higher", "clock", "requests/s", ".2f", report=True),
+    _m("output_throughput", "tokens/s", "higher", "clock", "output tokens/s", ".1f",
+       report=True),
+    _m("total_token_throughput", "tokens/s", "higher", "clock", "total tokens/s", ".1f",
+       report=True),
+    _m("total_output_tokens", "tokens", "none", "clock", "output tokens", "d"),
+    _m("request_goodput", "requests/s", "higher", "clock", "goodput (requests/s)", ".2f",
+       needs=("slo",)),
+    _m("slo_attainment_pct", "%", "higher", "clock", "SLO attainment %", ".1f",
+       needs=("slo",)),
+    *_LATENCIES,
+    _m("max_concurrent_requests", "requests", "higher", "clock", "max concurrent requests", "d",
+       report=True),
+    _m("mean_concurrent_requests", "requests", "higher", "clock", "mean concurrent requests",
+       ".1f", report=True),
+    _m("kv_capacity_bytes", "bytes", "none", "deterministic", "KV capacity", "bytes",
+       report=True),
+    _m("peak_kv_reserved_bytes", "bytes", "lower", "clock", "peak KV reserved", "bytes",
+       report=True),
+    _m("peak_kv_used_bytes", "bytes", "lower", "clock", "peak KV used", "bytes", report=True),
+    _m("mean_kv_utilization", "fraction", "higher", "clock", "KV utilization (used/reserved)",
+       "fraction", report=True),
+    _m("kv_waste_pct", "%", "lower", "clock", "KV waste %", ".1f", report=True),
+    _m("kv_reservation_waste_pct", "%", "lower", "clock", "KV reserved ahead %", ".1f"),
+    _m("kv_internal_waste_pct", "%", "lower", "clock", "KV internal waste %", ".1f"),
+    _m("min_frag_index", "ratio", "higher", "clock", "min fragmentation index", ".3f",
+       report=True),
+    _m("mean_frag_index", "ratio", "higher", "clock", "mean fragmentation index", ".3f"),
+    _m("preemptions", "preemptions", "lower", "clock", "preemptions", "d", report=True),
+    # Allocator churn and prefix sharing follow the workload; neither way is better.
+    _m("page_turnover_per_s", "1/s", "none", "clock", "page allocs + frees per s", ".1f"),
+    _m("prefix_hit_rate", "fraction", "higher", "clock", "prefix cache hit rate", "fraction",
+       report=True),
+    _m("shared_block_ratio", "fraction", "none", "clock", "KV shared by several sequences",
+       "fraction"),
+    _m("kv_retained_bytes", "bytes", "lower", "clock", "KV retained after the run", "bytes"),
+    _m("peak_page_table_entries", "entries", "lower", "clock", "peak page-table entries", "d"),
+    _m("mean_page_table_entries", "entries", "lower", "clock", "mean page-table entries",
+       ".1f"),
+    _m("peak_page_table_bytes", "bytes", "lower", "clock", "peak page-table size", "bytes"),
+    _m("kv_copied_bytes", "bytes", "lower", "clock", "KV copied between slots", "bytes"),
+    _m("kv_evictions", "blocks", "lower", "clock", "prefix-cache evictions", "d",
+       needs=("policy",)),
+    _m("kv_merges", "merges", "none", "clock", "page merges", "d", needs=("policy",)),
+    _m("kv_splits", "splits", "none", "clock", "page splits", "d", needs=("policy",)),
+    _m("kv_migrated_bytes", "bytes", "lower", "clock", "KV migrated to merge pages", "bytes",
+       needs=("policy",)),
+    _m("kv_map_ops", "operations", "lower", "clock", "page map operations", "d",
+       needs=("policy",)),
+    _m("kv_unmap_ops", "operations", "lower", "clock", "page unmap operations", "d",
+       needs=("policy",)),
+    _m("peak_rss_bytes", "bytes", "lower", "timing", "peak process RSS", "bytes", report=True),
+    _m("peak_device_bytes", "bytes", "lower", "timing", "peak device memory", "bytes",
+       needs=("cuda",)),
+    _m("peak_cuda_allocated_bytes", "bytes", "lower", "timing", "peak torch allocated",
+       "bytes", needs=("cuda",)),
+    _m("peak_cuda_reserved_bytes", "bytes", "lower", "timing", "peak torch reserved", "bytes",
+       needs=("cuda",)),
+    _m("peak_cuda_inactive_split_bytes", "bytes", "lower", "timing",
+       "peak allocator fragmentation (inactive split)", "bytes", needs=("cuda",)),
+    _m("cuda_alloc_retries", "retries", "lower", "timing", "CUDA allocation retries", "d",
+       needs=("cuda",)),
+    _m("rss_growth_pct", "%", "lower", "timing", "RSS growth after warm-up %", ".1f"),
+    _m("device_growth_pct", "%", "lower", "timing", "device memory growth after warm-up %",
+       ".1f", needs=("cuda",)),
+    _m("memory_growth_pct", "%", "lower", "timing", "memory growth after warm-up %", ".1f"),
+    _m("telemetry_overhead_pct", "%", "lower", "timing", "telemetry overhead %", ".2f"),
+    _m("soak_waves", "waves", "none", "deterministic", "soak waves completed", "d",
+       needs=("soak",)),
+    _m("soak_memory_growth_pct", "%", "lower", "timing", "soak memory growth %", ".1f",
+       needs=("soak",)),
+    _m("leak_detected", "", "none", "timing", "leak detected", "bool", needs=("soak",)),
+    # Growth per soak wave of what stayed after each drain (kvbench.results.leaks kinds).
+    _m("leak_kv_reserved_bytes_per_wave", "bytes/wave", "lower", "clock",
+       "KV retained growth per wave", "bytes", needs=("soak",)),
+    _m("leak_rss_bytes_per_wave", "bytes/wave", "lower", "timing", "RSS growth per wave",
+       "bytes", needs=("soak",)),
+    *(
+        _m(f"leak_{kind}_bytes_per_wave", "bytes/wave", "lower", "timing",
+           f"{what} growth per wave", "bytes", needs=("soak", "cuda"))
+        for kind, what in (("cuda_allocated", "torch allocated"),
+                           ("cuda_reserved", "torch reserved"),
+                           ("nvml_device_used", "device used (NVML)"),
+                           ("nvml_process_used", "process device memory (NVML)"))
+    ),
+)
+
+# Curves (per-step columns downsampled over the run, all on the time axis ``t_s``).
+CURVE_TIME = "t_s"
+CURVES: tuple[MetricSpec, ...] = (
+    _m(CURVE_TIME, "s", "none", "clock", "run time"),
+    _m("kv_capacity_bytes", "bytes", "none", "deterministic", "KV capacity", "bytes"),
+    _m("kv_reserved_bytes", "bytes", "lower", "clock", "KV reserved", "bytes"),
+    _m("kv_used_bytes", "bytes", "lower", "clock", "KV used", "bytes"),
+    _m("kv_reserved_ahead_bytes", "bytes", "lower", "clock", "KV reserved ahead", "bytes"),
+    _m("kv_shared_bytes", "bytes", "none", "clock", "KV shared", "bytes"),
+    _m("kv_free_bytes", "bytes", "none", "clock", "KV free", "bytes"),
+    _m("kv_largest_free_bytes", "bytes", "higher", "clock", "largest free KV extent", "bytes"),
+    _m("frag_index", "ratio", "higher", "clock", "fragmentation index", ".3f"),
+    _m("running", "requests", "higher", "clock", "requests running", "d"),
+    _m("waiting", "requests", "lower", "clock", "requests waiting", "d"),
+    _m("preempted", "preemptions", "lower", "clock", "preemptions", "d"),
+    # Cumulative counters: their slope follows the workload.
+    _m("num_tokens", "tokens", "none", "clock", "tokens in the KV cache", "d"),
+    _m("prefix_hit_tokens", "tokens", "none", "clock", "prefix cache hit tokens", "d"),
+    _m("block_allocs", "allocations", "none", "clock", "page allocations", "d"),
+    _m("block_frees", "frees", "none", "clock", "page frees", "d"),
+    _m("kv_copied_bytes", "bytes", "none", "clock", "KV copied between slots", "bytes"),
+    _m("page_table_entries", "entries", "lower", "clock", "page-table entries", "d"),
+    _m("rss_bytes", "bytes", "lower", "timing", "process RSS", "bytes"),
+    *(
+        _m(name, unit, "lower", "timing", label, fmt, needs=("cuda",))
+        for name, unit, label, fmt in (
+            ("cuda_allocated_bytes", "bytes", "torch allocated", "bytes"),
+            ("cuda_reserved_bytes", "bytes", "torch reserved", "bytes"),
+            ("cuda_inactive_split_bytes", "bytes", "allocator inactive split", "bytes"),
+            ("cuda_alloc_retries", "retries", "CUDA allocation retries", "d"),
+            ("cuda_peak_allocated_bytes", "bytes", "torch peak allocated", "bytes"),
+            ("cuda_peak_reserved_bytes", "bytes", "torch peak reserved", "bytes"),
+            ("nvml_device_used_bytes", "bytes", "device used (NVML)", "bytes"),
+            ("nvml_process_used_bytes", "bytes", "process device memory (NVML)", "bytes"),
+        )
+    ),
+)
+
+METRIC_BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+CURVE_BY_NAME: dict[str, MetricSpec] = {c.name: c for c in CURVES}
+# Gate rows name curves with this prefix ("curve:kv_reserved_bytes").
+CURVE_ROW_PREFIX = "curve:"
+
+
+def report_metrics() -> list[MetricSpec]:
+    """The rows of the side-by-side run tables, in order."""
+    return [m for m in METRICS if m.report]
+
+
+def spec_for_row(row_name: str) -> MetricSpec | None:
+    """The metric or curve a gate row (``name`` or ``curve:name``) is about, if known."""
+    if row_name.startswith(CURVE_ROW_PREFIX):
+        return CURVE_BY_NAME.get(row_name.removeprefix(CURVE_ROW_PREFIX))
+    return METRIC_BY_NAME.get(row_name)
+
+
+def closest(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate a misspelt ``name`` most likely meant, if any is close."""
+    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return match[0] if match else None
