@@ -272,3 +272,24 @@ def test_vllms_cpu_block_multiple_is_chosen_unless_the_user_chose() -> None:
     assert _block_size(16, False, sections, sim, []) == 16
     assert _block_size(16, False, [PagedPolicy()], cpu, []) == 16
     assert _block_size(64, False, sections, cpu, []) == 64
+
+
+# --- names that become paths, and privacy (items 1 and 2) -----------------------------------
+
+def test_a_suite_or_engine_name_cannot_steer_paths(capsys, tmp_path) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text("name = '../../x'\n[run]\ndevice = 'sim:a100-80gb'\nengines = ['paged']\n")
+    _fails(capsys, ["run", str(path)], "suite '../../x'", "letters, digits")
+    path.write_text("[engines.'../e']\nkind = 'paged'\n[run]\ndevice = 'sim:a100-80gb'\n"
+                    "engines = ['../e']\n")
+    _fails(capsys, ["run", str(path), "--out", str(tmp_path / "o")], "engine '../e'")
+    assert not (tmp_path / "o").exists()
+
+
+def test_records_show_the_home_folder_as_a_tilde(capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    out = tmp_path / "out"
+    code, text = run_cli(["run", *SIM, "--engines", "paged", "--out", str(out)], capsys)
+    assert code == 0, text
+    command = json.loads((out / "paged.json").read_text())["command"]
+    assert "--out ~/out" in command and str(tmp_path) not in command

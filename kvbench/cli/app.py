@@ -23,6 +23,7 @@ from kvbench.cli.options import (
     warn,
 )
 from kvbench.errors import KvbenchError
+from kvbench.report.tables import print_table
 from kvbench.run.overrides import TRACE_KINDS, RunFlags
 
 app = typer.Typer(
@@ -85,7 +86,7 @@ def run(
         table.add_column(rec.engine, justify="right")
     for row in table_rows(records):
         table.add_row(*row)
-    console.print(table)
+    print_table(console, table)
     warn(plan.warnings[n_warnings:])
     console.print(f"records, summary.md and figures written to {plan.out_dir}")
     exit_for(records, interrupts)
@@ -139,7 +140,7 @@ def workload_show(
     table = Table(title=f"{wl.name} (digest {wl.digest})", show_header=False)
     for key, value in _flatten(info):
         table.add_row(key, value)
-    console.print(table)
+    print_table(console, table)
 
 
 def _flatten(info: dict, prefix: str = "") -> list[tuple[str, str]]:
@@ -172,7 +173,7 @@ def list_names() -> None:
         p = get_preset(name)
         t.add_row(name, f"{p.num_params / 1e9:.2f}B", str(p.num_layers), str(p.num_kv_heads),
                   str(p.head_dim), p.dtype, format_bytes(p.kv_bytes_per_token), str(p.max_position))
-    console.print(t)
+    print_table(console, t)
     t = Table(title="GPUs (sim:NAME[xTP])")
     for col in ("name", "memory", "HBM GB/s", "dense TFLOPS", "link"):
         t.add_column(col)
@@ -180,7 +181,7 @@ def list_names() -> None:
         g = get_gpu(name)
         t.add_row(name, format_bytes(g.memory_bytes), f"{g.hbm_bytes_per_s / 1e9:.0f}",
                   f"{g.flops_per_s / 1e12:.0f}", f"{g.link} {g.link_bytes_per_s / 1e9:.0f} GB/s")
-    console.print(t)
+    print_table(console, t)
     t = Table(title="engine kinds: KV policies of the built-in engine, external engines")
     for col in ("kind", "what it is", "KV manager", "attention layout"):
         t.add_column(col)
@@ -188,7 +189,7 @@ def list_names() -> None:
         t.add_row(kind.name, kind.section.summary,
                   kind.manager.__name__ if kind.manager else "(external engine)",
                   kind.layout.__name__ if kind.layout else "-")
-    console.print(t)
+    print_table(console, t)
     console.print("named engines (--engines): " + ", ".join(
         f"{name} ({section.label()})" for name, section in NAMED_ENGINES.items()))
     console.print("suites: " + ", ".join(suite_names()))

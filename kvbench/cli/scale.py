@@ -17,6 +17,7 @@ from rich.table import Table
 
 from kvbench.cli.options import command_line, console, err_console
 from kvbench.errors import KvbenchError
+from kvbench.report.tables import print_table
 from kvbench.tools.capacity import CapacityRow, Deployment
 
 
@@ -61,7 +62,7 @@ def calibrate(
         if p.held_out:
             table.add_row(str(p.batch), str(p.context), str(p.chunk), f"{p.measured_s * 1e3:.2f}",
                           f"{p.predicted_s * 1e3:.2f}", f"{p.error_pct:+.1f}%")
-    console.print(table)
+    print_table(console, table)
     fit, coef = profile.fit, profile.coefficients()
     console.print(
         f"|error| median: train {fit.train_median_err_pct:.1f}% ({fit.train_points} points), "
@@ -186,7 +187,7 @@ def _print_deployment(dep: Deployment, demand: str, result: list[CapacityRow]) -
             f"{r.decode_step_s * 1e3:.1f}" + (f" @{r.running}" if r.running < r.max_concurrent else ""),
             f"{r.prefill_s * 1e3:.1f}",
         )
-    console.print(table)
+    print_table(console, table)
 
 
 def _paged_concurrency(result: list[CapacityRow]) -> int:

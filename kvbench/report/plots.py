@@ -7,6 +7,7 @@ every one names its engines, units and run so it reads without the code.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from kvbench.fileio import write_bytes_atomic
 from kvbench.results.schema import RunRecord
 from kvbench.units import format_bytes
 
@@ -41,10 +43,10 @@ def _figure(rows: int, cols: int = 1, width: float = 10.0, row_height: float = 3
     return fig
 
 
-def _save(fig: Figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+def save_png(fig: Figure, path: Path) -> Path:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    return write_bytes_atomic(path, buf.getvalue())
 
 
 def _short_commit(commit: str | None) -> str:
@@ -132,7 +134,7 @@ def plot_memory(records: Sequence[RunRecord], path: Path) -> Path:
     axes[-1].set_xlabel("run time (s)")
     waves = " (dotted lines: soak waves drained)" if any(r.soak for r in records) else ""
     fig.suptitle(f"KV cache memory over time{waves}\n{_context(records[0])}", fontsize=11)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_concurrency(records: Sequence[RunRecord], path: Path) -> Path:
@@ -159,7 +161,7 @@ def plot_concurrency(records: Sequence[RunRecord], path: Path) -> Path:
         ax.legend(loc="upper right", fontsize=8)
     axes[-1].set_xlabel("run time (s)")
     fig.suptitle(f"Concurrency over time\n{_context(records[0])}", fontsize=11)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 _LATENCIES = (
@@ -208,7 +210,7 @@ def plot_latency_cdfs(records: Sequence[RunRecord], path: Path) -> Path:
                ncols=min(len(handles), 3), fontsize=9)
     fig.suptitle(f"Latency distributions (CDF over completed requests; the median is where "
                  f"a curve crosses 0.5)\n{_context(records[0])}", fontsize=11)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 _DEVICE_CURVES = (
@@ -254,7 +256,7 @@ def plot_process_memory(records: Sequence[RunRecord], path: Path) -> Path:
         ax.legend(loc="lower right", fontsize=8)
     axes[-1].set_xlabel("run time (s)")
     fig.suptitle(f"Process and device memory over time\n{_context(records[0])}", fontsize=11)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_sweep(records: Sequence[RunRecord], path: Path) -> Path:
@@ -289,7 +291,7 @@ def plot_sweep(records: Sequence[RunRecord], path: Path) -> Path:
     ax_t.set_ylabel("output tokens / s")
     ax_t.set_title("output throughput vs KV budget", fontsize=10)
     fig.suptitle(f"KV budget sweep\n{_context(records[0])}", fontsize=11)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_soak(records: Sequence[RunRecord], path: Path) -> Path:
@@ -323,7 +325,7 @@ def plot_soak(records: Sequence[RunRecord], path: Path) -> Path:
     if not kinds:
         _no_data(axes[0], "soak wave")
     fig.suptitle(f"Memory retained per soak wave\n{_context(records[0])}", fontsize=11)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 RUN_PLOTS: tuple[tuple[str, Callable[[Sequence[RunRecord], Path], Path]], ...] = (

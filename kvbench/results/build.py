@@ -8,6 +8,7 @@ from typing import Any
 from kvbench import __version__
 from kvbench.results.curves import build_curves
 from kvbench.results.metrics import device_series, summarize
+from kvbench.results.paths import redact_home
 from kvbench.results.schema import RequestRow, RunRecord, SoakResult, TelemetryInfo, WorkloadInfo
 from kvbench.results.slo import SLO
 from kvbench.run.harness import EngineRun
@@ -69,7 +70,8 @@ def build_record(
         git_commit=git_commit(),
         created_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         machine=machine_info(),
-        command=command,
+        # The command as typed, but the user's home folder as ~ (records get shared).
+        command=redact_home(command),
         suite=suite,
         workload=WorkloadInfo(
             name=wl.name,

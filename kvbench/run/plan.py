@@ -13,6 +13,7 @@ from kvbench.engines.hardware import DeviceSpec
 from kvbench.engines.presets import ModelPreset, get_preset
 from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.errors import KvbenchError
+from kvbench.results.paths import check_path_component
 from kvbench.run.devices import kv_budget_bytes, parse_device
 from kvbench.run.outdir import prepare_out_dir
 from kvbench.run.sharding import Shard
@@ -124,9 +125,11 @@ def plan_run(
     workload = load_workload(suite, base)
     if not workload.requests:
         raise KvbenchError("the workload has no requests")
+    for name, _ in engines:  # each names its record file
+        check_path_component(name, "engine")
     if out_dir is None:
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        out_dir = Path("runs") / f"{suite.name}-{stamp}"
+        out_dir = Path("runs") / f"{check_path_component(suite.name, 'suite')}-{stamp}"
     plan = RunPlan(
         suite, workload, preset, device, clock, settings, engines, out_dir, command,
         warnings=warnings, notes=notes, repeats=repeats, max_concurrency=run.max_concurrency,

@@ -215,6 +215,7 @@ def write_concurrency_plot(dep: Deployment, sections: Sequence[KVPolicy], path: 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    from kvbench.report.plots import save_png
     from kvbench.units import format_bytes
 
     lengths = sorted({int(x) for x in np.geomspace(64, dep.max_model_len, 400)})
@@ -244,6 +245,4 @@ def write_concurrency_plot(dep: Deployment, sections: Sequence[KVPolicy], path: 
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(title="KV layout / reservation", fontsize=9)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return save_png(fig, path)
