@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from kvbench.errors import KvbenchError
+from kvbench.workloads.generator import generate
 from kvbench.workloads.modalities import image_token_count
 from kvbench.workloads.presets import generate_preset, get_preset_spec, preset_names
-from kvbench.workloads.spec import WorkloadSpec, generate, parse_spec
+from kvbench.workloads.spec import WorkloadSpec, parse_spec
 
 VOCAB = 32_000
 

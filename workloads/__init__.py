@@ -2,6 +2,7 @@
 
 from .arrivals import ArrivalProcess
 from .distributions import LengthDist
+from .generator import generate
 from .io import (
     SCHEMA_VERSION,
     load_workload,
@@ -11,7 +12,7 @@ from .io import (
 from .modalities import IMAGE_RULES, audio_token_count, image_token_count
 from .model import Request, Segment, Workload, segment_token_ids
 from .presets import generate_preset, get_preset_spec, preset_names
-from .spec import RequestClass, WorkloadSpec, generate, parse_spec
+from .spec import RequestClass, WorkloadSpec, parse_spec
 from .stats import describe, shareable_prefix_fraction
 from .traces import TRACE_KINDS, import_trace
 

@@ -10,8 +10,9 @@ from typing import Any
 
 from kvbench.errors import KvbenchError
 
+from .generator import generate
 from .model import Workload
-from .spec import WorkloadSpec, generate
+from .spec import WorkloadSpec
 
 
 def _uniform(low: int, high: int) -> dict[str, Any]:
