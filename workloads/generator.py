@@ -30,7 +30,7 @@ import numpy as np
 from kvbench.errors import KvbenchError
 
 from .bulk import collector_paused, new_request, new_segment, text_segment
-from .limits import check_generation_memory
+from .limits import MAX_ARRIVAL_S, MAX_SEQUENCE_TOKENS, check_generation_memory, request_problem
 from .modalities import audio_token_count, image_token_count
 from .model import Request, Segment, Workload
 from .spec import RequestClass, WorkloadSpec
@@ -197,6 +197,14 @@ class _Draws:
         check_generation_memory(total, 2 * total - len(turns) + media, refs, what)
 
         arrival = layout.arrivals(start_s, think)
+        last_s = float(arrival.max())
+        if last_s > MAX_ARRIVAL_S:
+            raise KvbenchError(
+                f"{what}: arrivals reach {last_s:,.0f} s, past the {MAX_ARRIVAL_S / 86_400:.0f}"
+                " days a workload may span; raise the arrival rate, shorten think times or ask"
+                " for fewer requests"
+            )
+        self.what = what
         rank = np.empty(total, dtype=np.int64)
         rank[np.argsort(arrival, kind="stable")] = np.arange(total)  # stable: ties keep order
         # Memoryviews give Python ints and floats one at a time, as the requests take them,
@@ -209,6 +217,13 @@ class _Draws:
         self.rank = memoryview(rank)
 
 
+def _too_long(d: _Draws, rc: RequestClass, prompt: int, output: int) -> KvbenchError:
+    return KvbenchError(
+        f"{d.what}: class {rc.name!r} makes a request whose {request_problem(prompt, output)};"
+        " lower the bounds of its length distributions (or its turns)"
+    )
+
+
 def _build(d: _Draws) -> list[Request]:
     """The requests, each placed at its rank by arrival."""
     requests: list[Request] = [None] * len(d.rank)  # type: ignore[list-item]  # all filled
@@ -219,6 +234,8 @@ def _build(d: _Draws) -> list[Request]:
             opener = d.openers[c]
             rc = opener.rc
             if opener.text_only:
+                if prompt[i] + output[i] > MAX_SEQUENCE_TOKENS:
+                    raise _too_long(d, rc, prompt[i], output[i])
                 r = rank[i]
                 segment = text_segment(prompt[i], f"{opener.session_base}{k}/text")
                 requests[r] = new_request(
@@ -228,11 +245,16 @@ def _build(d: _Draws) -> list[Request]:
                 continue
             base, context, group = opener.open(k)
             session_id = f"session-{k}" if rc.session else None
+            tokens = sum(s.tokens for s in context)
             for t in range(n_turns):
                 if t > 0:
                     context.append(text_segment(output[i - 1], f"{base}/out/{t - 1}"))
+                    tokens += output[i - 1]
                 text_key = f"{base}/in/{t}" if rc.session else f"{base}/text"
                 context.append(text_segment(prompt[i], text_key))
+                tokens += prompt[i]
+                if tokens + output[i] > MAX_SEQUENCE_TOKENS:
+                    raise _too_long(d, rc, tokens, output[i])
                 r = rank[i]
                 requests[r] = new_request(
                     f"r{r}", arrival[i], tuple(context), output[i], group, session_id, rc.n

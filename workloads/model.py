@@ -144,7 +144,9 @@ class Workload:
     """An ordered list of requests plus what produced them.
 
     ``spec`` is the JSON-able generator spec or import description, ``source`` a short
-    human label (preset name or trace path).
+    human label (preset name or trace path). ``warnings`` are what the importer or loader
+    noticed and the caller should print (e.g. fewer requests than asked for); they are not
+    saved with the workload and not part of its digest.
     """
 
     name: str
@@ -152,6 +154,7 @@ class Workload:
     seed: int
     spec: dict[str, Any] = field(default_factory=dict)
     source: str = ""
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def digest(self) -> str:

@@ -15,6 +15,7 @@ from kvbench.errors import KvbenchError
 
 from .arrivals import ArrivalProcess, OfflineArrivals
 from .distributions import LengthDist
+from .limits import MAX_ARRIVAL_S, MAX_SAMPLES
 from .modalities import WHISPER_TOKENS_PER_S, check_image_rule, image_token_count
 from .validation import validation_message
 
@@ -73,7 +74,9 @@ class SessionSpec(_Strict):
     """Multi-turn conversations."""
 
     turns: LengthDist = Field(description="turns per session")
-    think_time_s: float = Field(ge=0, description="mean gap between turn arrivals (exponential)")
+    think_time_s: float = Field(
+        ge=0, le=MAX_ARRIVAL_S, description="mean gap between turn arrivals (exponential)"
+    )
 
     _turns = field_validator("turns")(lambda d: _min_at_least_one("turns", d))
 
@@ -89,7 +92,7 @@ class RequestClass(_Strict):
     audio: AudioSpec | None = None
     prefix: PrefixSpec | None = None
     session: SessionSpec | None = None
-    n: int = Field(1, ge=1, description="parallel samples per request")
+    n: int = Field(1, ge=1, le=MAX_SAMPLES, description="parallel samples per request")
 
     @field_validator("name")
     @classmethod
@@ -119,9 +122,18 @@ class WorkloadSpec(_Strict):
         return v
 
 
-def parse_spec(data: dict[str, Any], where: str) -> WorkloadSpec:
-    """Validate a spec table; errors become a ``KvbenchError`` naming ``where``."""
+def parse_spec(data: Any, where: str) -> WorkloadSpec:
+    """Validate a spec table (a spec file's content or a suite's inline ``[workload.spec]``).
+
+    Errors become a ``KvbenchError`` that starts with ``where`` (a file, or e.g.
+    ``suite.toml [workload.spec]``) and names each bad key by its path in the table,
+    e.g. ``classes[0].prompt.median``.
+    """
+    if not isinstance(data, dict):
+        raise KvbenchError(
+            f"{where}: a workload spec must be a table with 'classes' (got {type(data).__name__})"
+        )
     try:
         return WorkloadSpec.model_validate(data)
     except ValidationError as e:
-        raise KvbenchError(f"{where}: invalid workload spec: {validation_message(e)}") from e
+        raise KvbenchError(f"{where}: invalid workload spec: {validation_message(e, data)}") from e
