@@ -12,7 +12,9 @@ from .io import (
 from .modalities import IMAGE_RULES, audio_token_count, image_token_count
 from .model import Request, Segment, Workload, segment_token_ids
 from .presets import generate_preset, get_preset_spec, preset_names
+from .retime import retime
 from .spec import RequestClass, WorkloadSpec, parse_spec
+from .specfile import load_spec_file
 from .stats import describe, shareable_prefix_fraction
 from .traces import TRACE_KINDS, import_trace
 
@@ -34,10 +36,12 @@ __all__ = [
     "get_preset_spec",
     "image_token_count",
     "import_trace",
+    "load_spec_file",
     "load_workload",
     "load_workload_arg",
     "parse_spec",
     "preset_names",
+    "retime",
     "save_workload",
     "segment_token_ids",
     "shareable_prefix_fraction",
