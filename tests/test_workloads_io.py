@@ -124,7 +124,7 @@ def test_workload_argument(tmp_path: Path) -> None:
     with pytest.raises(KvbenchError, match="number of requests must be >= 1"):
         load_workload_arg(str(p), num_requests=0)
     with pytest.raises(KvbenchError, match=r"not a preset \(valid: mixed-text.*\.jsonl file"
-                       r" or KIND:TRACE_PATH \(KIND one of azure, mooncake"):
+                       r" or KIND:TRACE_PATH \(KIND one of azure, azure-lmm, mooncake"):
         load_workload_arg("mixed_text")
     with pytest.raises(InputFileError, match="no such file"):
         load_workload_arg(str(tmp_path / "absent.jsonl"))

@@ -167,7 +167,8 @@ def test_malformed_files_name_file_and_line(
 def test_missing_file_and_unknown_kind(tmp_path: Path) -> None:
     with pytest.raises(InputFileError, match="no such file"):
         import_trace("azure", tmp_path / "absent.csv")
-    with pytest.raises(KvbenchError, match="unknown trace kind 'csv'; valid: azure, mooncake"):
+    with pytest.raises(KvbenchError, match="unknown trace kind 'csv'; valid: azure, azure-lmm, "
+                       "mooncake, sharegpt"):
         import_trace("csv", AZURE)
     with pytest.raises(InputFileError, match="no requests found"):
         import_trace("azure", _write(tmp_path, "empty.csv", AZURE_HEAD.splitlines()[0] + "\n"))

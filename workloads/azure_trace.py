@@ -13,18 +13,16 @@ from __future__ import annotations
 import csv
 import io
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import date, datetime, timedelta
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 from kvbench.errors import InputFileError
 
 from .bulk import collector_paused, new_request, text_segment
-from .model import Request
 from .textfile import read_text
-from .trace_rows import TraceTimes, check_lengths, int_field
+from .trace_rows import TraceRead, TraceTimes, check_lengths, int_field
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _TIME = re.compile(
@@ -32,7 +30,7 @@ _TIME = re.compile(
     r"(Z|[+-]\d{2}:?\d{2})?"
 )
 _EPOCH = date(1970, 1, 1)
-_NS = 1_000_000_000
+NS_PER_S = 1_000_000_000
 
 
 @lru_cache(maxsize=4096)
@@ -65,7 +63,7 @@ def azure_time_ns(text: str, path: Path, line: int) -> int:
     if h > 23 or mi > 59 or s > 59:
         raise InputFileError(path, f"TIMESTAMP {text!r} is not a real time of day", line)
     whole = midnight + h * 3600 + mi * 60 + s - _offset_s(zone)
-    return whole * _NS + int((frac or "").ljust(9, "0"))
+    return whole * NS_PER_S + int((frac or "").ljust(9, "0"))
 
 
 def show_ns(ns: int) -> str:
@@ -74,9 +72,15 @@ def show_ns(ns: int) -> str:
 
 
 class CsvTable:
-    """A CSV file whose header must name ``columns``; ``hint`` ends the message if not."""
+    """A CSV file whose header must name ``columns``; if not, ``hint(header)`` ends the
+    message (say, which kind of trace the header looks like)."""
 
-    def __init__(self, path: Path, columns: tuple[str, ...], hint: str = "") -> None:
+    def __init__(
+        self,
+        path: Path,
+        columns: tuple[str, ...],
+        hint: Callable[[list[str]], str] = lambda header: "",
+    ) -> None:
         self.path = path
         self._reader = csv.reader(io.StringIO(read_text(path), newline=""))
         self.header = [h.strip() for h in self._row() or []]
@@ -85,7 +89,8 @@ class CsvTable:
             raise InputFileError(
                 path,
                 f"missing column(s) {', '.join(missing)}; expected the header "
-                f"{','.join(columns)} but found {','.join(self.header) or 'nothing'}{hint}",
+                f"{','.join(columns)} but found {','.join(self.header) or 'nothing'}"
+                f"{hint(self.header)}",
                 1,
             )
         self._where = [self.header.index(c) for c in columns]
@@ -116,9 +121,20 @@ class CsvTable:
             yield line, [row[i] for i in self._where]
 
 
-def read_azure(path: Path, limit: int | None, seed: int) -> tuple[list[Request], dict[str, Any]]:
-    table = CsvTable(path, AZURE_COLUMNS)
-    times = TraceTimes(path, float(_NS), show_ns)
+def _lmm_hint(header: list[str]) -> str:
+    return "; this is the Azure LMM trace: import it as kind azure-lmm" if (
+        "NumImages" in header) else ""
+
+
+def read_azure(path: Path, limit: int | None, seed: int) -> TraceRead:
+    table = CsvTable(path, AZURE_COLUMNS, _lmm_hint)
+    warnings = []
+    if "NumImages" in table.header:
+        warnings.append(
+            f"{path} has a NumImages column (the Azure LMM trace): importing it as azure "
+            "counts its image tokens as text; import it as azure-lmm to keep the images"
+        )
+    times = TraceTimes(path, float(NS_PER_S), show_ns)
     lengths: list[tuple[int, int]] = []
     for line, (stamp, context, generated) in table.rows(limit):
         times.add(azure_time_ns(stamp, path, line), line)
@@ -136,4 +152,4 @@ def read_azure(path: Path, limit: int | None, seed: int) -> tuple[list[Request],
                 zip(times.arrivals_s(), lengths, strict=True)
             )
         ]
-    return requests, {}
+    return TraceRead(requests, warnings=warnings)

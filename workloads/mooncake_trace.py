@@ -16,9 +16,9 @@ from typing import Any
 from kvbench.errors import InputFileError
 
 from .bulk import collector_paused, new_request, text_segment
-from .model import Request, Segment
+from .model import Segment
 from .textfile import read_text
-from .trace_rows import TraceTimes, check_lengths, int_field
+from .trace_rows import TraceRead, TraceTimes, check_lengths, int_field
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -53,9 +53,7 @@ def _segments(
     return tuple(segs)
 
 
-def read_mooncake(
-    path: Path, limit: int | None, seed: int
-) -> tuple[list[Request], dict[str, Any]]:
+def read_mooncake(path: Path, limit: int | None, seed: int) -> TraceRead:
     times = TraceTimes(path, 1000.0, lambda ms: f"{ms} ms")
     rows: list[tuple[tuple[Segment, ...], int]] = []
     blocks: dict[tuple[int, int], Segment] = {}
@@ -82,9 +80,9 @@ def read_mooncake(
             segs = _segments(obj.get("hash_ids"), n_in, blocks, seed, path, line)
             times.add(float(ts), line)
             rows.append((segs, n_out))
-        return [
+        return TraceRead([
             new_request(f"r{i}", arrival, segs, n_out, None, None, 1)
             for i, (arrival, (segs, n_out)) in enumerate(
                 zip(times.arrivals_s(), rows, strict=True)
             )
-        ], {}
+        ])

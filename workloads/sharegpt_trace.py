@@ -21,7 +21,7 @@ from kvbench.errors import InputFileError
 from .bulk import collector_paused, new_request, text_segment
 from .model import Request
 from .textfile import read_text
-from .trace_rows import check_lengths
+from .trace_rows import TraceRead, check_lengths
 
 SHAREGPT_CHARS_PER_TOKEN = 4
 _PROMPT_ROLES = frozenset({"human", "user"})
@@ -82,9 +82,7 @@ def _pair(item: Any, path: Path, line: int) -> tuple[str, str] | None:
     return None
 
 
-def read_sharegpt(
-    path: Path, limit: int | None, seed: int
-) -> tuple[list[Request], dict[str, Any]]:
+def read_sharegpt(path: Path, limit: int | None, seed: int) -> TraceRead:
     requests: list[Request] = []
     skipped = 0
     with collector_paused():
@@ -101,4 +99,4 @@ def read_sharegpt(
             requests.append(
                 new_request(f"r{len(requests)}", 0.0, (segment,), output, None, None, 1)
             )
-    return requests, {"skipped_conversations": skipped}
+    return TraceRead(requests, {"skipped_conversations": skipped})

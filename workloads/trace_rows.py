@@ -10,6 +10,7 @@ row). Refusing, rather than capping the gap, keeps every imported arrival a real
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,17 @@ import numpy as np
 from kvbench.errors import InputFileError
 
 from .limits import MAX_ARRIVAL_S, request_problem
+from .model import Request
+
+
+@dataclass(slots=True)
+class TraceRead:
+    """What an importer read: requests in file order, facts for the workload's spec (e.g.
+    rows skipped or adjusted) and warnings for the caller to print."""
+
+    requests: list[Request]
+    facts: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
 
 def int_field(value: Any, what: str, lowest: int, path: Path, line: int) -> int:

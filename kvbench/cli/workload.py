@@ -47,17 +47,18 @@ def gen(
 
 
 def import_(
-    kind: Annotated[str, typer.Argument(help="Trace kind: azure | mooncake | sharegpt.")],
+    kind: Annotated[str, typer.Argument(help="Trace kind: azure | azure-lmm | mooncake | sharegpt.")],
     path: Annotated[Path, typer.Argument(help="Trace file.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output .jsonl file.")],
     limit: Annotated[int | None, typer.Option(help="Import only the first N requests.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for token contents.")] = 0,
+    image_rule: Annotated[str | None, typer.Option(help="azure-lmm: token rule and size of every image, RULE[:HxW], e.g. qwen2-vl:448x448 (default llava-1.5).")] = None,
 ) -> None:
     """Import a real trace into a kvbench workload file."""
     from kvbench.workloads.io import save_workload
     from kvbench.workloads.traces import import_trace
 
-    wl = import_trace(kind, path, limit=limit, seed=seed)
+    wl = import_trace(kind, path, limit=limit, seed=seed, image_rule=image_rule)
     save_workload(wl, output)
     _warn(wl.warnings)
     console.print(f"{len(wl)} requests, digest {wl.digest} -> {output}", highlight=False)
