@@ -126,5 +126,5 @@ def test_the_estimate_counts_what_sessions_repeat(monkeypatch: pytest.MonkeyPatc
                        r"about 2,084 requests"):
         generate_preset("mixed-text", num_requests=3000)
     with pytest.raises(KvbenchError, match=r"multi-turn: 1,800 requests would need about "
-                       r"1\.2 MiB of memory \(709 B each\)"):
+                       r"1\.1 MiB of memory \(660 B each\)"):
         generate_preset("multi-turn", num_requests=1800)

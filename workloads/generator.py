@@ -9,6 +9,7 @@ Content keys carry the seed (``s{seed}/...``), so another seed gives other token
 another digest, and they are equal exactly where content is shared:
 
 - prefix template ``i`` of class ``c``: ``s{seed}/prefix/{c}/{i}``;
+- catalogue image ``i`` of class ``c`` (an image ``pool``): ``s{seed}/image-pool/{c}/{i}``;
 - request or session started ``k``-th: ``s{seed}/req/{k}/...`` or ``s{seed}/session/{k}/...``;
 - in a session, turn ``t``'s user text ``.../in/{t}`` and answer ``.../out/{t}``.
 
@@ -80,13 +81,12 @@ class _StartDraws:
 
     def __init__(self, rc: RequestClass, starts: int, rng: np.random.Generator) -> None:
         self.image_counts: list[int] = []
-        self.image_sizes: list[int] = []
+        self.image_choices: list[int] = []  # a size choice, or a catalogue image of a pool
         if rc.images:
             counts = rc.images.count.sample(rng, starts)
             self.image_counts = counts.tolist()
-            self.image_sizes = rng.integers(
-                0, len(rc.images.sizes), size=int(counts.sum())
-            ).tolist()
+            choices = rc.images.pool or len(rc.images.sizes)
+            self.image_choices = rng.integers(0, choices, size=int(counts.sum())).tolist()
         self.audio_s = rc.audio.seconds.sample(rng, starts).tolist() if rc.audio else []
         self.template = (
             rng.integers(0, rc.prefix.templates, size=starts).tolist() if rc.prefix else []
@@ -99,11 +99,17 @@ class _Opener:
     """Builds the segments that open a start of one class: prefix, images, audio."""
 
     def __init__(
-        self, rc: RequestClass, draws: _StartDraws, prefixes: list[Segment], seed: int
+        self,
+        rc: RequestClass,
+        draws: _StartDraws,
+        prefixes: list[Segment],
+        pool: list[Segment],
+        seed: int,
     ) -> None:
         self.rc = rc
         self.draws = draws
         self.prefixes = prefixes
+        self.pool = pool
         self.session_base = f"s{seed}/session/" if rc.session else f"s{seed}/req/"
         # One turn of new text only: the common case, which the generator builds inline.
         self.text_only = not (rc.session or rc.prefix or rc.images or rc.audio)
@@ -128,8 +134,11 @@ class _Opener:
         if rc.images:
             rule = rc.images.rule
             for n in range(d.image_counts[j]):
-                choice = d.image_sizes[d.next_image]
+                choice = d.image_choices[d.next_image]
                 d.next_image += 1
+                if self.pool:
+                    segs.append(self.pool[choice])
+                    continue
                 h, w = rc.images.sizes[choice]
                 segs.append(new_segment(
                     "image", self.image_tokens[choice], f"{base}/image/{n}", h, w, None, rule
@@ -165,6 +174,7 @@ class _Draws:
         cls_idx = cls_idx[: len(turns)]
         start_s = spec.arrival.times(arrival_rng, len(turns))
         prefixes = [_prefix_segments(rc, template_rng, seed) for rc in classes]
+        pools = [_pool_segments(rc, template_rng, seed) for rc in classes]
 
         # Per-request lengths and think times in generation order; each class consumes its
         # own draws in that order.
@@ -175,6 +185,8 @@ class _Draws:
         think = np.zeros(total)
         self.openers: list[_Opener] = []
         opening = np.zeros(len(turns), dtype=np.int64)  # segments that open each start
+        shared = sum(map(len, prefixes)) + sum(map(len, pools))  # Segments built once
+        reused = 0  # opening segments that are a shared prefix or catalogue image
         for c, rc in enumerate(classes):
             mine = req_cls == c
             count = int(mine.sum())
@@ -185,14 +197,15 @@ class _Draws:
             think[later] = drawn[: int(later.sum())]
             starts = cls_idx == c
             draws = _StartDraws(rc, int(starts.sum()), content_rng)
-            opening[starts] = (
-                int(rc.prefix is not None) + int(rc.audio is not None)
-                + (np.asarray(draws.image_counts, dtype=np.int64) if rc.images else 0)
-            )
-            self.openers.append(_Opener(rc, draws, prefixes[c], seed))
+            images = np.asarray(draws.image_counts, dtype=np.int64) if rc.images else 0
+            opening[starts] = int(rc.prefix is not None) + int(rc.audio is not None) + images
+            reused += int(starts.sum()) * int(rc.prefix is not None)
+            reused += int(np.sum(images)) if pools[c] else 0
+            self.openers.append(_Opener(rc, draws, prefixes[c], pools[c], seed))
         # Turn t holds the opening segments and 2t + 1 text segments; turns 0..T-1 hold
-        # T * opening + T^2 in all. New segments: the openers' media and two per turn.
-        media = int(opening.sum()) - sum(len(p) for p in prefixes if p)
+        # T * opening + T^2 in all. New segments: the openers' own media and two per turn
+        # but the first.
+        media = int(opening.sum()) - reused + shared
         refs = int((turns * opening + turns * turns).sum())
         check_generation_memory(total, 2 * total - len(turns) + media, refs, what)
 
@@ -261,6 +274,21 @@ def _build(d: _Draws) -> list[Request]:
                 )
                 i += 1
     return requests
+
+
+def _pool_segments(rc: RequestClass, rng: np.random.Generator, seed: int) -> list[Segment]:
+    """A class's catalogue images, each with one size drawn once, shared by every use."""
+    images = rc.images
+    if images is None or images.pool is None:
+        return []
+    sizes = rng.integers(0, len(images.sizes), size=images.pool).tolist()
+    out = []
+    for i, choice in enumerate(sizes):
+        h, w = images.sizes[choice]
+        tokens = image_token_count(images.rule, h, w)
+        key = f"s{seed}/image-pool/{rc.name}/{i}"
+        out.append(new_segment("image", tokens, key, h, w, None, images.rule))
+    return out
 
 
 def generate(

@@ -33,13 +33,20 @@ def _min_at_least_one(what: str, dist: Any) -> Any:
 
 
 class ImageSpec(_Strict):
-    """Images at the start of the prompt (after any shared prefix)."""
+    """Images at the start of the prompt (after any shared prefix).
+
+    Without ``pool`` every image is new content. With ``pool = P`` the class has a catalogue
+    of ``P`` images (each given one size from ``sizes`` once) and every image is one of them,
+    drawn uniformly: a reused image has the same key, size and token ids wherever it appears,
+    so prefix caching and encoder caches can reuse it.
+    """
 
     count: LengthDist = Field(description="images per request (set min = 0 to allow none)")
     sizes: list[tuple[int, int]] = Field(
         min_length=1, description="(height, width) px choices, drawn uniformly per image"
     )
     rule: str = Field(description="image token rule, see modalities.IMAGE_RULES")
+    pool: int | None = Field(None, ge=1, description="shared catalogue images; None: all new")
 
     @model_validator(mode="after")
     def _countable(self) -> ImageSpec:
