@@ -9,20 +9,28 @@ from .io import (
     load_workload_arg,
     save_workload,
 )
-from .modalities import IMAGE_RULES, audio_token_count, image_token_count
+from .modalities import (
+    IMAGE_RULES,
+    ImageChoice,
+    audio_token_count,
+    image_token_count,
+    parse_image_choice,
+)
 from .model import Request, Segment, Workload, segment_token_ids
 from .presets import generate_preset, get_preset_spec, preset_names
 from .retime import retime
 from .spec import RequestClass, WorkloadSpec, parse_spec
 from .specfile import load_spec_file
 from .stats import describe, shareable_prefix_fraction
-from .traces import TRACE_KINDS, import_trace
+from .traces import IMAGE_TRACE_KINDS, TRACE_KINDS, import_trace
 
 __all__ = [
     "IMAGE_RULES",
+    "IMAGE_TRACE_KINDS",
     "SCHEMA_VERSION",
     "TRACE_KINDS",
     "ArrivalProcess",
+    "ImageChoice",
     "LengthDist",
     "Request",
     "RequestClass",
@@ -39,6 +47,7 @@ __all__ = [
     "load_spec_file",
     "load_workload",
     "load_workload_arg",
+    "parse_image_choice",
     "parse_spec",
     "preset_names",
     "retime",
