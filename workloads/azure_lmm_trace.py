@@ -21,6 +21,7 @@ rows and what they added, and a warning says so.
 
 from __future__ import annotations
 
+from array import array
 from pathlib import Path
 
 from .azure_trace import AZURE_COLUMNS, NS_PER_S, CsvTable, azure_time_ns, show_ns
@@ -41,7 +42,8 @@ def _llm_hint(header: list[str]) -> str:
 def read_azure_lmm(path: Path, limit: int | None, seed: int, image: ImageChoice) -> TraceRead:
     table = CsvTable(path, AZURE_LMM_COLUMNS, _llm_hint)
     times = TraceTimes(path, float(NS_PER_S), show_ns)
-    rows: list[tuple[int, int, int]] = []
+    # Compact columns rather than a tuple per row: the trace has a million rows.
+    image_counts, texts, outputs = array("q"), array("q"), array("q")
     clamped = added = 0
     for line, (stamp, images, context, generated) in table.rows(limit):
         times.add(azure_time_ns(stamp, path, line), line)
@@ -55,11 +57,13 @@ def read_azure_lmm(path: Path, limit: int | None, seed: int, image: ImageChoice)
             added += MIN_TEXT_TOKENS - text
             text = MIN_TEXT_TOKENS
         check_lengths(image_tokens + text, output, path, line)
-        rows.append((n_images, text, output))
+        image_counts.append(n_images)
+        texts.append(text)
+        outputs.append(output)
     with collector_paused():
         requests = []
-        for i, (arrival, (n_images, text, output)) in enumerate(
-            zip(times.arrivals_s(), rows, strict=True)
+        for i, (arrival, n_images, text, output) in enumerate(
+            zip(times.arrivals_s(), image_counts, texts, outputs, strict=True)
         ):
             base = f"s{seed}/azure-lmm/{i}"
             segments = [
@@ -72,7 +76,7 @@ def read_azure_lmm(path: Path, limit: int | None, seed: int, image: ImageChoice)
     facts = {
         "image_rule": image.label,
         "image_tokens": image.tokens,
-        "images": sum(r[0] for r in rows),
+        "images": sum(image_counts),
         "min_text_tokens": MIN_TEXT_TOKENS,
         "rows_text_clamped": clamped,
         "tokens_added": added,
@@ -80,7 +84,7 @@ def read_azure_lmm(path: Path, limit: int | None, seed: int, image: ImageChoice)
     warnings = []
     if clamped:
         warnings.append(
-            f"{clamped:,} of {len(rows):,} rows have fewer ContextTokens than their images "
+            f"{clamped:,} of {len(texts):,} rows have fewer ContextTokens than their images "
             f"take under {image.label} ({image.tokens} tokens each); their text was set to "
             f"{MIN_TEXT_TOKENS} token, adding {added:,} prompt tokens in all"
         )

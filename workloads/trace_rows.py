@@ -9,6 +9,7 @@ row). Refusing, rather than capping the gap, keeps every imported arrival a real
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +64,7 @@ class TraceTimes:
         self.units_per_s = units_per_s
         self.show = show
         self.times: list[Any] = []
-        self.lines: list[int] = []
+        self.lines = array("q")  # only for messages: kept compact
 
     def add(self, t: Any, line: int) -> None:
         self.times.append(t)
