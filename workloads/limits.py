@@ -6,12 +6,13 @@ never a workload anyone meant: better refused now than a MemoryError or a replay
 for years later.
 
 - ``MAX_SEQUENCE_TOKENS`` = 2^31 − 1: a request's prompt plus its output is one sequence,
-  whose positions must fit the int32 that engines, kernels and vLLM index tokens with.
+  whose length must fit the int32 context lengths the attention kernels take.
 - ``MAX_SAMPLES`` = 1024 parallel samples per request (``n``): eight times the OpenAI API's
   limit of 128, and beyond any best-of-n study; each sample is a sequence with its own KV.
 - ``MAX_ARRIVAL_S`` = 366 days: the latest arrival, so also the longest span a trace may
-  cover. Public serving traces cover hours to a week; a longer span means a bad timestamp
-  (one row from 1900 among rows from 2023 would make a replay wait 123 years).
+  cover. The traces kvbench reads cover an hour (Azure 2023, Mooncake) to a week (Azure
+  2024, Azure LMM 2025); a longer span means a bad timestamp (one row from 1900 among rows
+  from 2023 would make a replay wait 123 years).
 
 Generating is bounded by memory instead: ``estimate_bytes`` predicts the Python heap a
 generated workload takes, and the generator refuses when that exceeds ``memory_limit_bytes``

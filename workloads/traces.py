@@ -7,7 +7,7 @@
 - ``sharegpt``: ShareGPT JSON conversations (``sharegpt_trace``).
 
 Every importer reads UTF-8 (a byte-order mark is dropped) and refuses, naming the file and
-line, a row whose values pass ``limits`` or whose timestamp lies years from the others
+line, a row whose values exceed ``limits`` or whose timestamp lies years from the others
 (``trace_rows``). Content keys include the seed, as for generated workloads, so another seed
 gives other ids.
 """
