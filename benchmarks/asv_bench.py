@@ -8,6 +8,7 @@
   the CPU.
 - ``Attention.time_*``: the torch reference attention kernels on small shapes.
 - ``peakmem_*``: peak process memory of a short real-compute run.
+- ``TraceImport.time_import``: importing the full public traces.
 
 asv treats smaller as better. Every metric here is lower-is-better except
 ``track_max_concurrent_requests`` (its unit says so): a drop in that graph is the regression.
@@ -187,3 +188,25 @@ def peakmem_cpu_run(engine: str) -> None:
 peakmem_cpu_run.params = ENGINES  # type: ignore[attr-defined]
 peakmem_cpu_run.param_names = ("engine",)  # type: ignore[attr-defined]
 peakmem_cpu_run.timeout = 300  # type: ignore[attr-defined]
+
+
+class TraceImport:
+    """Importing the full public traces beside the repository (``../shared/traces``)."""
+
+    params = (["azure:azure_llm_2023_conv.csv", "mooncake:mooncake_synthetic_trace.jsonl"],)
+    param_names = ("trace",)
+    timeout = 300
+
+    def setup(self, trace: str) -> None:
+        from pathlib import Path
+
+        kind, name = trace.split(":")
+        path = Path(__file__).resolve().parents[2] / "shared" / "traces" / name
+        if not path.is_file():
+            raise NotImplementedError(f"{path} is not here")
+        self.kind, self.path = kind, path
+
+    def time_import(self, trace: str) -> None:
+        from kvbench.workloads.traces import import_trace
+
+        import_trace(self.kind, self.path)

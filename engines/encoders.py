@@ -25,17 +25,13 @@ from kvbench.engines.weights import INIT_STD, init_random_
 from kvbench.errors import KvbenchError
 from kvbench.workloads.modalities import (
     LLAVA_IMAGE_PX,
-    LLAVA_NEXT_PINPOINTS,
-    QWEN2_VL_FACTOR_PX,
-    QWEN2_VL_MAX_TOKENS,
-    QWEN2_VL_MIN_TOKENS,
+    VIT_B16_PATCH_PX,
     VIT_PATCH_PX,
     check_image_rule,
+    llava_next_canvas,
+    qwen2_vl_size,
 )
 from kvbench.workloads.model import Segment, key_hash
-
-QWEN_MIN_PIXELS = QWEN2_VL_MIN_TOKENS * QWEN2_VL_FACTOR_PX**2
-QWEN_MAX_PIXELS = QWEN2_VL_MAX_TOKENS * QWEN2_VL_FACTOR_PX**2
 
 SAMPLE_RATE = 16000
 N_FFT = 400  # 25 ms window
@@ -87,7 +83,8 @@ class Encoders:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "vision": f"ViT width {WIDTH}, 2 layers, {VIT_PATCH_PX}-px patches",
+            "vision": f"ViT width {WIDTH}, 2 layers, {VIT_PATCH_PX}- or {VIT_B16_PATCH_PX}-px "
+                      "patches by rule",
             "audio": f"{N_MELS}-bin log-mel, {1000 * HOP // SAMPLE_RATE} ms hop, stride-2 conv",
             "cache_limit_bytes": self.cache_limit_bytes,
         }
@@ -100,8 +97,8 @@ class Encoders:
                     f"image segment {segment.key!r} needs height, width and a token rule"
                 )
             pixels = synthetic_image(segment.key, segment.height, segment.width).to(self.device)
-            views, cls, merge = image_views(segment.rule, pixels)
-            out = modules.vision(views, cls=cls, merge=merge)
+            views, patch, cls, merge = image_views(segment.rule, pixels)
+            out = modules.vision(views, patch, cls=cls, merge=merge)
             source = f"rule {segment.rule!r} at {segment.height}x{segment.width} px"
         elif segment.kind == "audio":
             if segment.seconds is None:
@@ -156,50 +153,27 @@ def synthetic_waveform(key: str, seconds: float) -> Tensor:
 # --- image geometry --------------------------------------------------------------------
 
 
-def image_views(rule: str, pixels: Tensor) -> tuple[Tensor, bool, bool]:
-    """The encoder inputs for ``pixels`` ``[3, H, W]`` under ``rule``: views ``[N, 3, h, w]``,
+def image_views(rule: str, pixels: Tensor) -> tuple[Tensor, int, bool, bool]:
+    """The encoder inputs for ``pixels`` ``[3, H, W]`` under ``rule`` (geometry from
+    :mod:`kvbench.workloads.modalities`): views ``[N, 3, h, w]``, the patch size in pixels,
     whether a CLS token is kept, whether patches are merged 2x2."""
     _, h, w = pixels.shape
     check_image_rule(rule)
-    if rule == "vit-l14":
+    if rule in ("vit-l14", "vit-b16"):
         # Native resolution; the conv drops partial patches at the edges.
-        return pixels[None], True, False
+        patch = VIT_PATCH_PX if rule == "vit-l14" else VIT_B16_PATCH_PX
+        return pixels[None], patch, True, False
     if rule == "llava-1.5":
-        return _square(pixels, LLAVA_IMAGE_PX)[None], False, False
+        return _square(pixels, LLAVA_IMAGE_PX)[None], VIT_PATCH_PX, False, False
     if rule == "llava-next":
         ch, cw = llava_next_canvas(h, w)
         tile = LLAVA_IMAGE_PX
         tiles = _fit(pixels, ch, cw).unfold(1, tile, tile).unfold(2, tile, tile)
         tiles = tiles.permute(1, 2, 0, 3, 4).reshape(-1, 3, tile, tile)
         # The downscaled whole image comes first, then the tiles row by row.
-        return torch.cat([_square(pixels, tile)[None], tiles]), False, False
+        return torch.cat([_square(pixels, tile)[None], tiles]), VIT_PATCH_PX, False, False
     rh, rw = qwen2_vl_size(h, w)
-    return _resize(pixels, rh, rw)[None], False, True
-
-
-def llava_next_canvas(height: int, width: int) -> tuple[int, int]:
-    """The any-res canvas that keeps the most image resolution, then wastes the least area."""
-    best, best_key = LLAVA_NEXT_PINPOINTS[0], (-1, 0)
-    for ch, cw in LLAVA_NEXT_PINPOINTS:
-        scale = min(cw / width, ch / height)
-        kept = min(int(width * scale) * int(height * scale), width * height)
-        key = (kept, -(ch * cw - kept))
-        if key > best_key:
-            best, best_key = (ch, cw), key
-    return best
-
-
-def qwen2_vl_size(height: int, width: int) -> tuple[int, int]:
-    """Qwen2-VL's resize: nearest multiples of 28, scaled into [min, max] pixels."""
-    f = QWEN2_VL_FACTOR_PX
-    rh, rw = max(f, round(height / f) * f), max(f, round(width / f) * f)
-    if rh * rw > QWEN_MAX_PIXELS:
-        beta = math.sqrt(height * width / QWEN_MAX_PIXELS)
-        rh, rw = max(f, math.floor(height / beta / f) * f), max(f, math.floor(width / beta / f) * f)
-    elif rh * rw < QWEN_MIN_PIXELS:
-        beta = math.sqrt(QWEN_MIN_PIXELS / (height * width))
-        rh, rw = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
-    return rh, rw
+    return _resize(pixels, rh, rw)[None], VIT_PATCH_PX, False, True
 
 
 def _resize(pixels: Tensor, height: int, width: int) -> Tensor:
@@ -268,15 +242,17 @@ class VisionEncoder(nn.Module):
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
         self.patch_embed = nn.Conv2d(3, WIDTH, VIT_PATCH_PX, stride=VIT_PATCH_PX)
+        self.patch_embed16 = nn.Conv2d(3, WIDTH, VIT_B16_PATCH_PX, stride=VIT_B16_PATCH_PX)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, WIDTH))
         self.blocks = nn.ModuleList(_Block(WIDTH, HEADS) for _ in range(2))
         self.norm = nn.LayerNorm(WIDTH)
         self.merge = nn.Linear(4 * WIDTH, WIDTH)
         self.projector = _projector(WIDTH, hidden_size)
 
-    def forward(self, views: Tensor, cls: bool, merge: bool) -> Tensor:
+    def forward(self, views: Tensor, patch: int, cls: bool, merge: bool) -> Tensor:
         """``[N, 3, h, w]`` -> ``[tokens, hidden]``, the views' tokens back to back."""
-        x = self.patch_embed(views)
+        embed = self.patch_embed16 if patch == VIT_B16_PATCH_PX else self.patch_embed
+        x = embed(views)
         n, _, gh, gw = x.shape
         x = x.flatten(2).transpose(1, 2) + _sincos_2d(gh, gw, WIDTH, x.device)
         if cls:

@@ -5,15 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.engines.encoders import (
-    Encoders,
-    image_views,
+from kvbench.engines.encoders import Encoders, image_views, synthetic_image
+from kvbench.errors import KvbenchError
+from kvbench.workloads.modalities import (
+    audio_token_count,
+    image_token_count,
     llava_next_canvas,
     qwen2_vl_size,
-    synthetic_image,
 )
-from kvbench.errors import KvbenchError
-from kvbench.workloads.modalities import audio_token_count, image_token_count
 from kvbench.workloads.model import Segment
 
 HIDDEN = 32
@@ -22,6 +21,7 @@ CPU = torch.device("cpu")
 # Published counts at square sizes (LLaVA-NeXT: base image + 2 or 4 tiles of 576).
 EXPECTED = {
     "vit-l14": {224: 257, 336: 577, 448: 1025},
+    "vit-b16": {224: 197, 336: 442, 448: 785},
     "llava-1.5": {224: 576, 336: 576, 448: 576},
     "llava-next": {224: 1728, 336: 1728, 448: 2880},
     "qwen2-vl": {224: 64, 336: 144, 448: 256},
@@ -51,8 +51,8 @@ def test_image_tokens_follow_rule(encoders, rule, size):
 @pytest.mark.parametrize(("height", "width"), [(300, 500), (1000, 250), (50, 700), (29, 31)])
 def test_geometry_agrees_with_workload_rules(rule, height, width):
     """Counted from the views the encoder sees, without running it."""
-    views, cls, merge = image_views(rule, synthetic_image("k", height, width))
-    gh, gw = views.shape[2] // 14, views.shape[3] // 14
+    views, patch, cls, merge = image_views(rule, synthetic_image("k", height, width))
+    gh, gw = views.shape[2] // patch, views.shape[3] // patch
     per_view = gh * gw // 4 if merge else gh * gw
     assert views.shape[0] * per_view + int(cls) == image_token_count(rule, height, width)
 
@@ -63,7 +63,7 @@ def test_geometry_details():
     assert qwen2_vl_size(10, 10) == (56, 56)  # min 4 tokens
     h, w = qwen2_vl_size(8000, 8000)  # capped at 16384 tokens
     assert (h // 28) * (w // 28) <= 16384
-    views, _, _ = image_views("llava-next", synthetic_image("k", 672, 672))
+    views, _, _, _ = image_views("llava-next", synthetic_image("k", 672, 672))
     assert views.shape == (5, 3, 336, 336)
 
 

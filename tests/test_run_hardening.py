@@ -72,8 +72,9 @@ def test_every_run_shaped_command_takes_the_same_flags(capsys, tmp_path) -> None
 @pytest.mark.parametrize(("content", "words"), [
     (b"", ["empty", "[run] engines"]),
     (b"# only a comment\n", ["empty"]),
-    (b"\xff\xfe[run]\n", ["not UTF-8"]),
-    (b"[run]\x00engines = []", ["invalid TOML"]),
+    (b"\xff\xfe[run]\n", ["UTF-16", "save it as UTF-8"]),
+    (b"[run]\xe9\n", ["not UTF-8"]),
+    (b"[run]\x00engines = []", ["NUL byte"]),
     (b"[run]\nblock_size = 0\n", ["suite.toml", "run.block_size"]),
     (b"[run]\nengines = ['paged']\nturbo = true\n", ["suite.toml", "turbo"]),
     (b"[engines.x]\nkind = 'paged'\nreservation = 'request'\n", ["suite.toml", "reservation"]),
@@ -95,7 +96,7 @@ def test_a_suite_file_with_a_bom_loads(tmp_path) -> None:
 
 def test_a_folder_or_missing_file_as_suite(capsys, tmp_path) -> None:
     _fails(capsys, ["run", str(tmp_path)], "is a folder")
-    _fails(capsys, ["run", str(tmp_path / "nope.toml")], "no such suite")
+    _fails(capsys, ["run", str(tmp_path / "nope.toml")], "no such file", "suite")
 
 
 def test_an_inline_generator_spec_runs(tmp_path) -> None:

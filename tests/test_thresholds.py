@@ -72,7 +72,7 @@ def test_byte_order_mark_loads(tmp_path: Path) -> None:
 BAD_CONTENT = {
     "binary": (b"\x89PNG\r\n\x1a\n\x00\x00", "not UTF-8 text (byte 0x89 at offset 0)"),
     "latin-1": ("# d\xe9faut\n".encode("latin-1") + GOOD.encode(), "not UTF-8 text (byte 0xe9"),
-    "NUL bytes": (b"[metrics.x]\x00\x00", "invalid TOML"),
+    "NUL bytes": (b"[metrics.x]\x00\x00", "holds a NUL byte"),
     "syntax": (b"[metrics.peak_kv_reserved_bytes\ntolerance = 1\n", "invalid TOML"),
     "empty": (b"", "no metrics or curves to gate"),
 }
@@ -85,7 +85,7 @@ def test_unreadable_content(kvbench, tmp_path: Path, case: str) -> None:
     path.write_bytes(content)
     with pytest.raises(InputFileError) as err:
         load_thresholds(path)
-    assert str(err.value).startswith(f"{path}: ") and words in str(err.value)
+    assert str(err.value).startswith(f"{path}:") and words in str(err.value)
     _assert_compare_refuses(kvbench, tmp_path, path, words)
 
 
@@ -158,8 +158,8 @@ def test_every_problem_is_listed_at_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("make", "words"), [
-    (lambda p: p.mkdir(), "is a folder; name a thresholds file"),
-    (lambda p: None, "no such thresholds file"),
+    (lambda p: p.mkdir(), "is a folder, not a thresholds file"),
+    (lambda p: None, "no such file (a thresholds file"),
 ])
 def test_thresholds_path_is_not_a_file(kvbench, tmp_path: Path, make, words: str) -> None:
     path = tmp_path / "th.toml"

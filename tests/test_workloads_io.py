@@ -117,10 +117,26 @@ def test_workload_argument(tmp_path: Path) -> None:
     p = save_workload(w, tmp_path / "w.jsonl")
     assert load_workload_arg(str(p)).digest == w.digest
     first5 = load_workload_arg(str(p), num_requests=5)
-    assert first5.requests == w.requests[:5]
-    with pytest.raises(KvbenchError, match="holds 12 requests; ask for 1 to 12"):
-        load_workload_arg(str(p), num_requests=13)
-    with pytest.raises(KvbenchError, match=r"not a preset \(valid: mixed-text.*\.jsonl file"):
+    assert first5.requests == w.requests[:5] and first5.warnings == []
+    more = load_workload_arg(str(p), num_requests=13)
+    assert more.requests == w.requests
+    assert more.warnings == [f"asked for 13 requests but {p} holds 12; using all of them"]
+    with pytest.raises(KvbenchError, match="number of requests must be >= 1"):
+        load_workload_arg(str(p), num_requests=0)
+    with pytest.raises(KvbenchError, match=r"not a preset \(valid: mixed-text.*\.jsonl file"
+                       r" or KIND:TRACE_PATH \(KIND one of azure, azure-lmm, mooncake"):
         load_workload_arg("mixed_text")
     with pytest.raises(InputFileError, match="no such file"):
         load_workload_arg(str(tmp_path / "absent.jsonl"))
+
+
+def test_workload_argument_names_a_trace() -> None:
+    path = FIXTURES / "mooncake_synthetic_trace_head300.jsonl"
+    w = load_workload_arg(f"mooncake:{path}", num_requests=10, seed=2)
+    assert w.digest == import_trace("mooncake", path, limit=10, seed=2).digest
+    assert len(w) == 10 and w.warnings == []
+    everything = load_workload_arg(f"mooncake:{path}", num_requests=1000)
+    assert len(everything) == 300
+    assert everything.warnings == [
+        f"asked for 1,000 requests but {path} holds 300; using all of them"
+    ]

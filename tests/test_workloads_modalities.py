@@ -7,14 +7,27 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbench.errors import KvbenchError
-from kvbench.workloads.modalities import IMAGE_RULES, audio_token_count, image_token_count
+from kvbench.workloads.modalities import (
+    IMAGE_RULES,
+    ImageChoice,
+    audio_token_count,
+    image_token_count,
+    parse_image_choice,
+)
 
 
 @pytest.mark.parametrize(
     ("rule", "height", "width", "tokens"),
     [
+        # Claim C20 says ViT at 224 → 384 px goes from 197 to 617 tokens: ViT-B/16 gives
+        # 197 → 577, and 617 (not a square plus one) is no ViT's count at 384 px.
+        ("vit-b16", 224, 224, 197),
+        ("vit-b16", 384, 384, 577),
+        ("vit-b16", 224, 384, 14 * 24 + 1),
+        ("vit-b16", 400, 250, 25 * 15 + 1),  # 250 / 16 = 15.6: the stride floors
         ("vit-l14", 224, 224, 257),
         ("vit-l14", 336, 336, 577),
+        ("vit-l14", 384, 384, 27 * 27 + 1),  # 384 / 14 = 27.4: 730
         ("vit-l14", 230, 240, 16 * 17 + 1),  # partial patches dropped
         ("llava-1.5", 336, 336, 576),
         ("llava-1.5", 224, 224, 576),
@@ -56,6 +69,38 @@ def test_bad_sizes_rejected() -> None:
         image_token_count("llava-1.5", 0, 10)
     with pytest.raises(KvbenchError, match="at least 14"):
         image_token_count("vit-l14", 10, 300)
+    with pytest.raises(KvbenchError, match=r"vit-b16 needs images of at least 16×16 px"):
+        image_token_count("vit-b16", 300, 15)
+
+
+@pytest.mark.parametrize(
+    ("text", "choice"),
+    [
+        ("llava-1.5", ImageChoice("llava-1.5", 336, 336, 576)),
+        ("vit-b16", ImageChoice("vit-b16", 224, 224, 197)),
+        ("vit-b16:384x384", ImageChoice("vit-b16", 384, 384, 577)),
+        ("qwen2-vl:448x672", ImageChoice("qwen2-vl", 448, 672, 16 * 24)),
+        (" llava-next:672x672 ", ImageChoice("llava-next", 672, 672, 2880)),
+    ],
+)
+def test_image_choice(text: str, choice: ImageChoice) -> None:
+    assert parse_image_choice(text) == choice
+    assert parse_image_choice(choice.label) == choice
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("qwen2-vl", r"'qwen2-vl' needs a size: qwen2-vl:HxW, e.g. qwen2-vl:448x448"),
+        ("qwen2-vl:448", r"is not RULE or RULE:HxW"),
+        ("qwen2-vl:448x0", "positive pixels"),
+        ("clip:224x224", "unknown image token rule 'clip'"),
+        ("vit-l14:10x10", "at least 14"),
+    ],
+)
+def test_bad_image_choices(text: str, message: str) -> None:
+    with pytest.raises(KvbenchError, match=message):
+        parse_image_choice(text)
 
 
 def test_audio_counts() -> None:

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from kvbench.errors import KvbenchError
+from kvbench.workloads.generator import generate
 from kvbench.workloads.modalities import image_token_count
 from kvbench.workloads.presets import generate_preset, get_preset_spec, preset_names
-from kvbench.workloads.spec import WorkloadSpec, generate, parse_spec
+from kvbench.workloads.spec import WorkloadSpec, parse_spec
 
 VOCAB = 32_000
 
@@ -136,7 +137,7 @@ def test_bad_specs_name_the_field(change: dict, message: str) -> None:
 def test_preset_names_and_unknown_preset() -> None:
     names = preset_names()
     for required in ("mixed-text", "mixed-multimodal", "shared-prefix", "multi-turn",
-                     "long-context", "parallel-sampling"):
+                     "long-context", "parallel-sampling", "multimodal-reuse"):
         assert required in names
     with pytest.raises(KvbenchError, match="unknown workload preset 'nope'; valid: mixed-text"):
         get_preset_spec("nope")

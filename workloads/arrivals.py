@@ -14,6 +14,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvbench.errors import KvbenchError
+from kvbench.workloads.limits import MAX_ARRIVAL_S
 
 
 def _positive_rate(v: float) -> float:
@@ -112,6 +113,11 @@ class TraceArrivals(_Process):
                 raise ValueError(
                     f"timestamps must not decrease (entry {i}: {v[i]} < {v[i - 1]}); sort them"
                 )
+        if not v[-1] - v[0] <= MAX_ARRIVAL_S:  # also false for NaN and infinities
+            raise ValueError(
+                f"timestamps span {v[-1] - v[0]!r} s, more than the {MAX_ARRIVAL_S:.0f} s "
+                "(366 days) a workload may span"
+            )
         return v
 
     def times(self, rng: np.random.Generator, n: int) -> np.ndarray:

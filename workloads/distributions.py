@@ -1,8 +1,9 @@
 """Token-length distributions for generated requests.
 
 Every distribution draws integers and then clips them to ``[min, max]`` (``min`` defaults to
-1 token; ``max`` to no bound). The truncated normal redraws out-of-range values instead of
-piling them on the bounds, and the bounded Zipf only ever draws inside them.
+1 token; ``max`` to ``limits.MAX_SEQUENCE_TOKENS``, which no bound or value may exceed). The
+truncated normal redraws out-of-range values instead of piling them on the bounds, and the
+bounded Zipf only ever draws inside them.
 
 In a spec file a distribution is a table with a ``kind``::
 
@@ -17,6 +18,8 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvbench.workloads.limits import MAX_SEQUENCE_TOKENS
+
 # Redraw rounds for the truncated normal; values still outside after this are clipped, which
 # only happens when the bounds hold a vanishing share of the mass.
 _NORMAL_REDRAWS = 64
@@ -27,8 +30,11 @@ _ZIPF_MAX_SUPPORT = 10_000_000
 class _Length(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    min: int = Field(1, ge=0, description="smallest length drawn (tokens)")
-    max: int | None = Field(None, ge=0, description="largest length drawn (tokens); None: no bound")
+    min: int = Field(1, ge=0, le=MAX_SEQUENCE_TOKENS, description="smallest length drawn (tokens)")
+    max: int | None = Field(
+        None, ge=0, le=MAX_SEQUENCE_TOKENS,
+        description="largest length drawn (tokens); None: limits.MAX_SEQUENCE_TOKENS",
+    )
 
     @model_validator(mode="after")
     def _bounds_ordered(self) -> _Length:
@@ -37,7 +43,8 @@ class _Length(BaseModel):
         return self
 
     def _clip(self, x: np.ndarray) -> np.ndarray:
-        return np.clip(np.rint(x), self.min, self.max).astype(np.int64)
+        top = MAX_SEQUENCE_TOKENS if self.max is None else self.max
+        return np.clip(np.rint(x), self.min, top).astype(np.int64)
 
     @abstractmethod
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
@@ -48,7 +55,7 @@ class FixedLength(_Length):
     """Always ``value`` tokens."""
 
     kind: Literal["fixed"] = "fixed"
-    value: int = Field(ge=0)
+    value: int = Field(ge=0, le=MAX_SEQUENCE_TOKENS)
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         return self._clip(np.full(n, self.value))
@@ -58,8 +65,8 @@ class UniformLength(_Length):
     """Uniform over the integers ``low..high`` (both included)."""
 
     kind: Literal["uniform"] = "uniform"
-    low: int = Field(ge=0)
-    high: int = Field(ge=0)
+    low: int = Field(ge=0, le=MAX_SEQUENCE_TOKENS)
+    high: int = Field(ge=0, le=MAX_SEQUENCE_TOKENS)
 
     @model_validator(mode="after")
     def _range_ordered(self) -> UniformLength:
@@ -140,6 +147,8 @@ class EmpiricalLength(_Length):
     def _non_negative(cls, v: list[int]) -> list[int]:
         if min(v) < 0:
             raise ValueError(f"lengths must be >= 0 (got {min(v)})")
+        if max(v) > MAX_SEQUENCE_TOKENS:
+            raise ValueError(f"lengths must be <= {MAX_SEQUENCE_TOKENS:,} (got {max(v):,})")
         return v
 
     @model_validator(mode="after")

@@ -2,26 +2,38 @@
 
 The header is ``{"kvbench_workload": SCHEMA_VERSION, "name", "seed", "spec", "source",
 "digest", "num_requests"}``; each later line is ``Request.to_json()``. Loading keeps file
-order, requires non-decreasing arrivals and unique ids, and checks the digest, so a file
-edited by hand is caught instead of silently benchmarking something else.
+order, requires non-decreasing arrivals, unique ids and values within ``limits``, and checks
+the digest, so a file edited by hand is caught instead of silently benchmarking something
+else. Files are UTF-8; a byte-order mark is dropped.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvbench.errors import InputFileError, KvbenchError
-
-from .model import Request, Segment, Workload
-from .presets import generate_preset, preset_names
-from .validation import validation_message
+from kvbench.fileio import open_atomic, read_text
+from kvbench.workloads.limits import (
+    MAX_SAMPLES,
+    MAX_SEQUENCE_TOKENS,
+    arrival_problem,
+    request_problem,
+)
+from kvbench.workloads.model import Request, Segment, Workload
+from kvbench.workloads.presets import generate_preset, preset_names
+from kvbench.workloads.traces import TRACE_KINDS, import_trace
+from kvbench.workloads.validation import validation_message
 
 SCHEMA_VERSION = 1
 
@@ -33,7 +45,7 @@ class _Record(BaseModel):
 
 class SegmentRecord(_Record):
     kind: Literal["text", "image", "audio"]
-    tokens: int = Field(ge=1)
+    tokens: int = Field(ge=1, le=MAX_SEQUENCE_TOKENS)
     key: str = Field(min_length=1)
     height: int | None = Field(None, ge=1)
     width: int | None = Field(None, ge=1)
@@ -43,19 +55,27 @@ class SegmentRecord(_Record):
 
 class RequestRecord(_Record):
     id: str = Field(min_length=1)
-    arrival_s: float = Field(ge=0)
+    arrival_s: float
     segments: list[SegmentRecord] = Field(min_length=1)
-    output_tokens: int = Field(ge=0)
+    output_tokens: int = Field(ge=0, le=MAX_SEQUENCE_TOKENS)
     prefix_group: str | None = None
     session_id: str | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_SAMPLES)
 
     @field_validator("arrival_s")
     @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("arrival_s must be a finite number of seconds")
+    def _sane_arrival(cls, v: float) -> float:
+        problem = arrival_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
         return v
+
+    @model_validator(mode="after")
+    def _sane_lengths(self) -> RequestRecord:
+        problem = request_problem(sum(s.tokens for s in self.segments), self.output_tokens)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
 
     def to_request(self) -> Request:
         segs = tuple(
@@ -82,7 +102,6 @@ class WorkloadHeader(_Record):
 def save_workload(workload: Workload, path: str | Path) -> Path:
     """Write ``workload`` to ``path`` atomically (a reader never sees half a file)."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     header = {
         "kvbench_workload": SCHEMA_VERSION,
         "name": workload.name,
@@ -92,16 +111,10 @@ def save_workload(workload: Workload, path: str | Path) -> Path:
         "digest": workload.digest,
         "num_requests": len(workload.requests),
     }
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps(header) + "\n")
-            for r in workload.requests:
-                f.write(json.dumps(r.to_json()) + "\n")
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with open_atomic(p) as f:
+        f.write(json.dumps(header) + "\n")
+        for r in workload.requests:
+            f.write(json.dumps(r.to_json()) + "\n")
     return p
 
 
@@ -127,13 +140,18 @@ def _read_header(path: Path, first: str) -> WorkloadHeader:
         raise InputFileError(path, f"bad header: {validation_message(e)}", 1) from e
 
 
-def load_workload(path: str | Path) -> Workload:
-    """Read and validate a workload file written by ``save_workload``."""
+def load_workload(path: str | Path, limit: int | None = None) -> Workload:
+    """Read and validate a workload file written by ``save_workload``.
+
+    ``limit`` keeps the first that many requests (the whole file is still validated); when
+    the file holds fewer, all are kept and ``Workload.warnings`` says so.
+    """
+    if limit is not None and limit < 1:
+        raise KvbenchError(f"the number of requests must be >= 1 (got {limit})")
     p = Path(path)
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError as e:
-        raise InputFileError(p, "no such file") from e
+    lines = read_text(p, "workload").split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the newline that ends the last line
     if not lines:
         raise InputFileError(p, "empty file; expected a kvbench workload header line")
     header = _read_header(p, lines[0])
@@ -172,29 +190,34 @@ def load_workload(path: str | Path) -> Workload:
             f"content digest {workload.digest} does not match the header's {header.digest}; "
             "the requests were changed after the file was written: regenerate it",
         )
+    if limit is not None:
+        if limit > len(requests):
+            workload.warnings.append(
+                f"asked for {limit:,} requests but {p} holds {len(requests):,}; "
+                "using all of them"
+            )
+        workload.requests = requests[:limit]
     return workload
 
 
 def load_workload_arg(text: str, num_requests: int | None = None, seed: int = 0) -> Workload:
-    """A workload named on the command line: a preset name or a workload ``.jsonl`` path.
+    """A workload named on the command line: a preset name, ``KIND:PATH`` of a trace (see
+    ``TRACE_KINDS``) or a workload ``.jsonl`` path.
 
-    Presets are generated with ``num_requests`` and ``seed``. A file keeps its own seed;
-    ``num_requests`` then keeps its first that many requests.
+    Presets are generated with ``num_requests`` and ``seed``; traces are imported with
+    ``seed``. A file keeps its own seed. For traces and files ``num_requests`` keeps the
+    first that many requests, with a warning on the workload when there are fewer.
     """
     if text in preset_names():
         return generate_preset(text, num_requests, seed)
+    kind, sep, rest = text.partition(":")
+    if sep and kind in TRACE_KINDS and rest:
+        return import_trace(kind, rest, limit=num_requests, seed=seed)
     path = Path(text)
-    if path.suffix != ".jsonl" and not path.is_file():
+    if path.suffix != ".jsonl" and not path.exists():
         raise KvbenchError(
             f"unknown workload {text!r}: not a preset (valid: {', '.join(preset_names())}); "
-            "a path to a workload .jsonl file also works"
+            "a path to a workload .jsonl file or KIND:TRACE_PATH (KIND one of "
+            f"{', '.join(TRACE_KINDS)}) also works"
         )
-    workload = load_workload(path)
-    if num_requests is not None:
-        if not 1 <= num_requests <= len(workload.requests):
-            raise KvbenchError(
-                f"{path} holds {len(workload.requests)} requests; ask for 1 to "
-                f"{len(workload.requests)} (got {num_requests})"
-            )
-        workload.requests = workload.requests[:num_requests]
-    return workload
+    return load_workload(path, limit=num_requests)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from json.encoder import encode_basestring_ascii
 from typing import Any, Literal
 
 import numpy as np
@@ -142,7 +144,9 @@ class Workload:
     """An ordered list of requests plus what produced them.
 
     ``spec`` is the JSON-able generator spec or import description, ``source`` a short
-    human label (preset name or trace path).
+    human label (preset name or trace path). ``warnings`` are what the importer or loader
+    noticed and the caller should print (e.g. fewer requests than asked for); they are not
+    saved with the workload and not part of its digest.
     """
 
     name: str
@@ -150,15 +154,93 @@ class Workload:
     seed: int
     spec: dict[str, Any] = field(default_factory=dict)
     source: str = ""
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def digest(self) -> str:
-        """Content digest over the requests (order, arrivals, segments, lengths)."""
+        """Content digest over the requests (order, arrivals, segments, lengths).
+
+        It hashes, per request, ``json.dumps(r.to_json(), sort_keys=True, separators=(",",
+        ":"))`` and a newline, written out by ``_request_json`` without building the dicts.
+        """
         h = hashlib.sha256()
+        segment_json = _SegmentJson()
         for r in self.requests:
-            h.update(json.dumps(r.to_json(), sort_keys=True, separators=(",", ":")).encode())
-            h.update(b"\n")
+            h.update(_request_json(r, segment_json).encode())
         return h.hexdigest()[:16]
 
     def __len__(self) -> int:
         return len(self.requests)
+
+
+def _json_value(value: object) -> str:
+    """``json.dumps(value)``, fast for the str, int and float values requests hold."""
+    t = type(value)
+    if t is str:
+        return encode_basestring_ascii(value)  # type: ignore[arg-type]
+    if t is int or (t is float and math.isfinite(value)):  # type: ignore[arg-type]
+        return repr(value)
+    return json.dumps(value)
+
+
+def _segment_json(s: Segment) -> str:
+    """``json.dumps(s.to_json(), sort_keys=True, separators=(",", ":"))``."""
+    head = f'"key":{_json_value(s.key)},"kind":{_json_value(s.kind)}'
+    tokens = f'"tokens":{_json_value(s.tokens)}'
+    if s.height is None and s.width is None and s.rule is None and s.seconds is None:
+        return "{" + head + "," + tokens + "}"
+    parts = []
+    if s.height is not None:
+        parts.append(f'"height":{_json_value(s.height)}')
+    parts.append(head)
+    if s.rule is not None:
+        parts.append(f'"rule":{_json_value(s.rule)}')
+    if s.seconds is not None:
+        parts.append(f'"seconds":{_json_value(s.seconds)}')
+    parts.append(tokens)
+    if s.width is not None:
+        parts.append(f'"width":{_json_value(s.width)}')
+    return "{" + ",".join(parts) + "}"
+
+
+class _SegmentJson:
+    """Segment JSON remembered by identity for the segments seen last.
+
+    Multi-turn prompts repeat the whole conversation, so the same Segment objects come back
+    in every later turn of a session. Forgetting everything at the bound keeps memory flat on
+    large workloads (turns of a session arrive close together). Keys are ``id()``s of
+    segments the workload holds, so they cannot be reused while it is hashed.
+    """
+
+    _LIMIT = 1 << 16
+
+    def __init__(self) -> None:
+        self._seen: dict[int, str] = {}
+
+    def __call__(self, s: Segment) -> str:
+        text = self._seen.get(id(s))
+        if text is None:
+            text = _segment_json(s)
+            if len(self._seen) >= self._LIMIT:
+                self._seen.clear()
+            self._seen[id(s)] = text
+        return text
+
+
+def _request_json(r: Request, segment_json: _SegmentJson) -> str:
+    """``json.dumps(r.to_json(), sort_keys=True, separators=(",", ":"))`` plus a newline."""
+    segments = ",".join(map(segment_json, r.segments))
+    head = f'{{"arrival_s":{_json_value(r.arrival_s)},"id":{_json_value(r.id)}'
+    output = f'"output_tokens":{_json_value(r.output_tokens)}'
+    if r.n == 1 and r.prefix_group is None and r.session_id is None:
+        return f"{head},{output},\"segments\":[{segments}]}}\n"
+    parts = [head]
+    if r.n != 1:
+        parts.append(f'"n":{_json_value(r.n)}')
+    parts.append(output)
+    if r.prefix_group is not None:
+        parts.append(f'"prefix_group":{_json_value(r.prefix_group)}')
+    parts.append(f'"segments":[{segments}]')
+    if r.session_id is not None:
+        parts.append(f'"session_id":{_json_value(r.session_id)}')
+    return ",".join(parts) + "}\n"

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvbench.errors import KvbenchError
-
-from .model import Workload
-from .spec import WorkloadSpec, generate
+from kvbench.workloads.generator import generate
+from kvbench.workloads.model import Workload
+from kvbench.workloads.spec import WorkloadSpec
 
 
 def _uniform(low: int, high: int) -> dict[str, Any]:
@@ -84,6 +84,25 @@ _PRESETS: dict[str, dict[str, Any]] = {
              "prefix": {"templates": 1, "tokens": {"kind": "fixed", "value": 64}},
              "session": {"turns": _uniform(2, 5), "think_time_s": 10.0},
              "prompt": _lognormal(64, 0.6, 8, 192), "output": _lognormal(96, 0.6, 8, 192)},
+        ],
+    },
+    # Image reuse: chats about one image (the same image after the same system prompt in
+    # every turn) and questions over a catalogue of 16 product photos shared by all.
+    "multimodal-reuse": {
+        "arrival": {"kind": "poisson", "rate": 2.0},
+        "num_requests": 100,
+        "classes": [
+            {"name": "image-chat", "weight": 0.4,
+             "prefix": {"templates": 1, "tokens": {"kind": "fixed", "value": 128}},
+             "images": {"count": {"kind": "fixed", "value": 1},
+                        "sizes": [[448, 448], [336, 448], [448, 336]], "rule": "qwen2-vl"},
+             "session": {"turns": _uniform(2, 5), "think_time_s": 8.0},
+             "prompt": _lognormal(48, 0.6, 8, 128), "output": _lognormal(96, 0.6, 16, 192)},
+            {"name": "catalogue", "weight": 0.6,
+             "prefix": {"templates": 1, "tokens": {"kind": "fixed", "value": 256}},
+             "images": {"count": {"kind": "fixed", "value": 1}, "pool": 16,
+                        "sizes": [[448, 448], [448, 672], [672, 448]], "rule": "qwen2-vl"},
+             "prompt": _uniform(8, 64), "output": _uniform(16, 160)},
         ],
     },
     # Document-length prompts filling most of a 4096-position model.

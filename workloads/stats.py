@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .model import SEGMENT_KINDS, Request, Workload
+from kvbench.workloads.model import SEGMENT_KINDS, Request, Workload
 
 # vLLM's default KV block size: prefix caching can only reuse whole blocks.
 DEFAULT_BLOCK_TOKENS = 16

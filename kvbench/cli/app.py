@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from kvbench.cli import regress, scale, telemetry
+from kvbench.cli import regress, scale, telemetry, workload
 from kvbench.cli.options import (
     command_line,
     console,
@@ -24,7 +24,7 @@ from kvbench.cli.options import (
 )
 from kvbench.errors import KvbenchError
 from kvbench.report.tables import print_table
-from kvbench.run.overrides import TRACE_KINDS, RunFlags
+from kvbench.run.overrides import RunFlags
 
 app = typer.Typer(
     add_completion=False,
@@ -32,11 +32,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Benchmark KV-cache memory management: paged vs contiguous vs vLLM.",
 )
-workload_app = typer.Typer(no_args_is_help=True, help="Generate, import and inspect workloads.")
-app.add_typer(workload_app, name="workload")
 regress.register(app)
 scale.register(app)
 telemetry.register(app)
+workload.register(app)
 
 
 
@@ -90,70 +89,6 @@ def run(
     warn(plan.warnings[n_warnings:])
     console.print(f"records, summary.md and figures written to {plan.out_dir}")
     exit_for(records, interrupts)
-
-
-@workload_app.command("gen")
-def workload_gen(
-    preset: Annotated[str, typer.Argument(help="Workload preset name.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Output .jsonl file.")],
-    num_requests: Annotated[int | None, typer.Option(help="Number of requests.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed.")] = 0,
-) -> None:
-    """Generate a workload from a preset and save it as JSONL."""
-    from kvbench.workloads.io import save_workload
-    from kvbench.workloads.presets import generate_preset
-
-    wl = generate_preset(preset, num_requests=num_requests, seed=seed)
-    save_workload(wl, output)
-    console.print(f"{len(wl)} requests, digest {wl.digest} -> {output}")
-
-
-@workload_app.command("import")
-def workload_import(
-    kind: Annotated[str, typer.Argument(help="azure | mooncake | sharegpt")],
-    path: Annotated[Path, typer.Argument(help="Trace file.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Output .jsonl file.")],
-    limit: Annotated[int | None, typer.Option(help="Import only the first N requests.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed for token contents.")] = 0,
-) -> None:
-    """Import a real trace into a kvbench workload file."""
-    from kvbench.workloads.io import save_workload
-    from kvbench.workloads.traces import import_trace
-
-    if kind not in TRACE_KINDS:
-        raise KvbenchError(f"unknown trace kind {kind!r}; use one of {', '.join(TRACE_KINDS)}")
-    wl = import_trace(kind, path, limit=limit, seed=seed)
-    save_workload(wl, output)
-    console.print(f"{len(wl)} requests, digest {wl.digest} -> {output}")
-
-
-@workload_app.command("show")
-def workload_show(
-    path: Annotated[str, typer.Argument(help="Workload .jsonl file or preset name.")],
-) -> None:
-    """Counts, length percentiles, modality mix and shareable-prefix fraction."""
-    from kvbench.workloads.io import load_workload_arg
-    from kvbench.workloads.stats import describe
-
-    wl = load_workload_arg(path, None, 0)
-    info = describe(wl)
-    table = Table(title=f"{wl.name} (digest {wl.digest})", show_header=False)
-    for key, value in _flatten(info):
-        table.add_row(key, value)
-    print_table(console, table)
-
-
-def _flatten(info: dict, prefix: str = "") -> list[tuple[str, str]]:
-    rows = []
-    for key, value in info.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            rows += _flatten(value, name + ".")
-        elif isinstance(value, float):
-            rows.append((name, f"{value:.4g}"))
-        else:
-            rows.append((name, str(value)))
-    return rows
 
 
 @app.command("list")

@@ -16,8 +16,7 @@ from pydantic import ValidationError
 from kvbench.errors import KvbenchError
 from kvbench.results.slo import parse_slo
 from kvbench.run.suite import Suite, load_suite
-
-TRACE_KINDS = ("azure", "mooncake", "sharegpt")
+from kvbench.workloads.traces import TRACE_KINDS
 
 
 def _flag(target: str, help: str, decls: tuple[str, ...] = ()) -> Any:
@@ -30,7 +29,12 @@ class RunFlags:
 
     engines: str | None = _flag("run.engines", "Comma-separated engines, e.g. paged,contiguous.")
     workload: str | None = _flag(
-        "workload", "Workload preset, FILE.jsonl or KIND:TRACE_PATH (azure|mooncake|sharegpt)."
+        "workload", "Workload preset, FILE.jsonl or KIND:TRACE_PATH "
+        "(azure|azure-lmm|mooncake|sharegpt)."
+    )
+    image_rule: str | None = _flag(
+        "workload.image_rule", "azure-lmm traces: every image's token rule and size, "
+        "RULE[:HxW], e.g. qwen2-vl:448x448 (default llava-1.5)."
     )
     num_requests: int | None = _flag(
         "workload.num_requests", "Number of requests (first N of a file or trace)."
@@ -70,6 +74,14 @@ class RunFlags:
     attention: str | None = _flag(
         "run.attention", "Attention kernels of real compute: auto (triton on CUDA when "
         "installed, else reference) | triton | reference."
+    )
+    request_rate: float | None = _flag(
+        "run.request_rate", "Re-time arrivals at R requests/s (inf: all at once, an offline, "
+        "engine-bound load), as vllm bench serve --request-rate."
+    )
+    burstiness: float | None = _flag(
+        "run.burstiness", "With --request-rate: gamma-distributed gaps of this shape "
+        "(1: Poisson; below 1 burstier), as vllm bench serve --burstiness."
     )
     max_concurrency: int | None = _flag(
         "run.max_concurrency", "Most requests in flight at once: later arrivals wait "

@@ -41,9 +41,10 @@ class RunPlan:
 
 
 def load_workload(suite: Suite, base: Path | None) -> Workload:
+    from kvbench.workloads.generator import generate
     from kvbench.workloads.io import load_workload as load_jsonl
     from kvbench.workloads.presets import generate_preset
-    from kvbench.workloads.spec import generate, parse_spec
+    from kvbench.workloads.spec import parse_spec
     from kvbench.workloads.traces import import_trace
 
     w = suite.workload
@@ -53,13 +54,11 @@ def load_workload(suite: Suite, base: Path | None) -> Workload:
                         source=f"suite {suite.name}")
     resolve = (lambda p: Path(p)) if base is None else (lambda p: (base / p))
     if w.file is not None:
-        wl = load_jsonl(resolve(w.file))
-        if w.num_requests is not None:
-            wl.requests = wl.requests[: w.num_requests]
-        return wl
+        return load_jsonl(resolve(w.file), limit=w.num_requests)
     if w.trace is not None:
         assert w.path is not None
-        return import_trace(w.trace, resolve(w.path), limit=w.num_requests, seed=w.seed)
+        return import_trace(w.trace, resolve(w.path), limit=w.num_requests, seed=w.seed,
+                            image_rule=w.image_rule)
     return generate_preset(w.preset or "mixed-text", num_requests=w.num_requests, seed=w.seed)
 
 
@@ -125,6 +124,11 @@ def plan_run(
     workload = load_workload(suite, base)
     if not workload.requests:
         raise KvbenchError("the workload has no requests")
+    warnings += workload.warnings
+    if run.request_rate is not None:
+        from kvbench.workloads.retime import retime
+
+        workload = retime(workload, run.request_rate, run.burstiness, seed=suite.workload.seed)
     for name, _ in engines:  # each names its record file
         check_path_component(name, "engine")
     if out_dir is None:

@@ -38,8 +38,10 @@ class WorkloadSection(_Strict):
 
     preset: str | None = None
     file: str | None = None
-    trace: Literal["azure", "mooncake", "sharegpt"] | None = None
+    trace: Literal["azure", "azure-lmm", "mooncake", "sharegpt"] | None = None
     path: str | None = None
+    # azure-lmm: every image's token rule and size, RULE[:HxW] (default llava-1.5).
+    image_rule: str | None = None
     # A full generator spec inline (`[workload.spec]`: classes, arrival, images, ...).
     spec: dict[str, Any] | None = None
     num_requests: int | None = Field(default=None, ge=1)
@@ -82,6 +84,10 @@ class RunSection(_Strict):
     attention: Literal["auto", "reference", "triton"] = "auto"
     # Most requests in flight at once (client-side, as vllm bench serve's): None, no limit.
     max_concurrency: int | None = Field(default=None, ge=1)
+    # Re-time the workload's arrivals at this many requests/s (inf: all at once), gamma gaps
+    # of shape `burstiness` (1: Poisson), as vllm bench serve's --request-rate/--burstiness.
+    request_rate: float | None = Field(default=None, gt=0)
+    burstiness: float = Field(default=1.0, gt=0, allow_inf_nan=False)
 
 
 class Suite(_Strict):
