@@ -57,6 +57,49 @@ class KVStats:
     unmap_ops: int | None = None
 
 
+@dataclass(slots=True)
+class DeviceMemory:
+    """Device memory at a step's peak, as an engine that models it (the simulator) reports
+    it, summed over the ``tp`` tensor-parallel ranks (each holds ``1/tp`` of every figure).
+
+    Live tensors (``allocated_bytes``): the weights, the KV cache, the activations of the
+    linear layers, the attention kernel's workspace and masks, and encoder outputs (with the
+    encoder's own activations in ``activation_bytes``). The caching allocator also holds
+    ``cached_bytes`` that no tensor does (freed blocks it keeps, rounding): with them,
+    ``reserved_bytes``. ``non_torch_bytes`` (CUDA context, library handles) is device memory
+    outside the allocator: with it, ``used_bytes``, what ``nvidia-smi`` shows.
+    """
+
+    tp: int
+    weights_bytes: int
+    kv_bytes: int
+    activation_bytes: int
+    attention_bytes: int
+    encoder_bytes: int
+    cached_bytes: int
+    non_torch_bytes: int
+
+    # The components live tensors hold; with the allocator's cache and non-torch memory, the
+    # components that sum to used_bytes, in this order.
+    ALLOCATED = ("weights", "kv", "activation", "attention", "encoder")
+    COMPONENTS = (*ALLOCATED, "cached", "non_torch")
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(getattr(self, f"{name}_bytes") for name in self.ALLOCATED)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.allocated_bytes + self.cached_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.reserved_bytes + self.non_torch_bytes
+
+    def components(self) -> dict[str, int]:
+        return {name: getattr(self, f"{name}_bytes") for name in self.COMPONENTS}
+
+
 def causal_pairs(start: int, num_tokens: int) -> int:
     """Query x key pairs of causal attention for ``num_tokens`` new tokens after ``start``
     cached ones: query ``i`` of the chunk sees ``start + i + 1`` keys."""
@@ -112,6 +155,7 @@ class StepReport:
     preempted_ids: list[str] = field(default_factory=list)
     kv: KVStats | None = None
     batch: BatchShape = field(default_factory=BatchShape)
+    device: DeviceMemory | None = None
 
 
 class Engine(Protocol):

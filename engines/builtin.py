@@ -6,6 +6,7 @@ from typing import Any
 
 from kvbench.engines.base import BatchShape, Finished, StepReport, causal_pairs, output_digest
 from kvbench.engines.config import EngineConfig
+from kvbench.engines.device_memory import DeviceMemoryModel
 from kvbench.engines.executor import Executor, ScheduledBatch
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.presets import ModelPreset
@@ -39,7 +40,8 @@ class BuiltinEngine:
         if config.device.kind == "sim":
             from kvbench.engines.sim_executor import SimExecutor
 
-            executor = SimExecutor(config.preset.vocab_size, config.device.label)
+            executor = SimExecutor(config.preset.vocab_size, config.device.label,
+                                   _device_memory_model(config))
         else:
             from kvbench.engines.torch_executor import TorchExecutor
 
@@ -64,6 +66,7 @@ class BuiltinEngine:
         batch, preempted, first = sched.schedule()
         shape = batch_shape(batch, self._bytes_per_token)
         sampled = self.executor.execute(batch, self.kv) if batch.items or batch.copies else []
+        device = self.executor.step_memory()
         outcome = sched.update(batch, sampled)
         finished = self._rejected
         self._rejected = []
@@ -89,6 +92,7 @@ class BuiltinEngine:
             preempted_ids=[s.request.id for s in preempted],
             kv=self.kv.stats(),
             batch=shape,
+            device=device,
         )
 
     def close(self) -> None:
@@ -118,4 +122,13 @@ def batch_shape(batch: ScheduledBatch, bytes_per_token: int) -> BatchShape:
     return BatchShape(
         num_seqs=len(batch.items), prefill_tokens=prefill, decode_tokens=decode,
         context_tokens=context, attn_pairs=pairs, copied_bytes=copied,
+    )
+
+
+def _device_memory_model(config: EngineConfig) -> DeviceMemoryModel:
+    """The memory model of ``config``'s simulated device, one rank of ``device.tp``."""
+    sched = config.scheduler
+    return DeviceMemoryModel(
+        config.preset, config.device.hardware.memory_bytes, config.device.tp, config.memory,
+        sched.max_num_batched_tokens, sched.max_num_seqs,
     )

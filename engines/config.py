@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvbench.engines.device_memory import MemoryOptions
 from kvbench.engines.hardware import DeviceSpec
 from kvbench.engines.kv.spec import Footprint, KVSpec, kv_bytes_per_token, never_runs
 from kvbench.engines.presets import ModelPreset
@@ -41,6 +42,8 @@ class EngineSettings:
     weights: str | None = None
     seed: int = 0
     attention: str = "auto"
+    # How a simulated device's memory is modelled (real devices are measured instead).
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,7 @@ class EngineConfig:
     weights: str | None
     seed: int
     attention: str
+    memory: MemoryOptions
 
     @property
     def capacity_tokens(self) -> int:
@@ -173,6 +177,6 @@ def engine_config(name: str, section: EngineSection, settings: EngineSettings) -
         name=name, section=section, preset=preset, device=device, kv_bytes=settings.kv_bytes,
         kv=kv, num_pages=num_pages, scheduler=settings.scheduler,
         prefix_caching=section.prefix_caching_enabled, weights=settings.weights,
-        seed=settings.seed, attention=settings.attention,
+        seed=settings.seed, attention=settings.attention, memory=settings.memory,
     )
 

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbench.engines.base import DeviceMemory
 from kvbench.engines.kv.base import KVManager, SlotCopy
 from kvbench.engines.sequence import Sequence
 
@@ -43,6 +44,11 @@ class Executor(ABC):
 
     @abstractmethod
     def describe(self) -> dict[str, Any]: ...
+
+    def step_memory(self) -> DeviceMemory | None:
+        """Device memory at the peak of the step just taken, where the executor models it
+        (the simulator); None where it is measured instead (telemetry probes)."""
+        return None
 
     @abstractmethod
     def close(self) -> None:

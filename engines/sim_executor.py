@@ -1,12 +1,15 @@
 """The sim executor: no tensors. Step time comes from the cost model (read by the virtual
-clock from each step's ``BatchShape``); memory is the KV managers' bookkeeping. Sampled
-tokens are synthetic ids derived from the request and position, so generated blocks are
-hashable for prefix caching exactly as real ones would be."""
+clock from each step's ``BatchShape``); KV is the KV managers' bookkeeping, and the device
+memory a real engine would hold for it comes from the device memory model. Sampled tokens
+are synthetic ids derived from the request and position, so generated blocks are hashable
+for prefix caching exactly as real ones would be."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvbench.engines.base import DeviceMemory
+from kvbench.engines.device_memory import DeviceMemoryModel
 from kvbench.engines.executor import Executor, ScheduledBatch
 from kvbench.engines.kv.base import KVManager
 from kvbench.workloads.model import key_hash
@@ -18,14 +21,19 @@ _MASK = (1 << 64) - 1
 class SimExecutor(Executor):
     device = "sim"
 
-    def __init__(self, vocab_size: int, target: str) -> None:
+    def __init__(self, vocab_size: int, target: str, memory: DeviceMemoryModel) -> None:
         self.vocab_size = vocab_size
         self.target = target
+        self.memory = memory
+        self._stepped: DeviceMemory | None = None
 
     def bind(self, kv: KVManager) -> None:
-        """Nothing to allocate: the simulated pool exists only as the manager's bookkeeping."""
+        """Nothing to allocate: the pool exists only as the manager's bookkeeping and in the
+        memory model, which checks here that the engine can start at all."""
+        self.memory.start(kv)
 
     def execute(self, batch: ScheduledBatch, kv: KVManager) -> list[int]:
+        self._stepped = self.memory.step(batch)
         vocab = self.vocab_size
         out = []
         for item in batch.items:
@@ -36,8 +44,21 @@ class SimExecutor(Executor):
                 out.append((h ^ (h >> 29)) % vocab)
         return out
 
+    def step_memory(self) -> DeviceMemory:
+        stepped, self._stepped = self._stepped, None
+        return stepped if stepped is not None else self.memory.idle()
+
     def close(self) -> None:
         """Nothing to release."""
 
     def describe(self) -> dict[str, Any]:
-        return {"executor": "sim", "target": self.target}
+        m = self.memory
+        return {
+            "executor": "sim", "target": self.target,
+            "memory_model": {
+                "attention_impl": m.options.attention_impl,
+                "kv_allocation": m.options.kv_allocation,
+                "extra_kv_window_tokens": m.options.extra_kv_window_tokens,
+                "device_memory_bytes_per_rank": m.memory_bytes, "tp": m.tp,
+            },
+        }

@@ -60,8 +60,9 @@ def test_every_request_gets_exactly_its_tokens(name: str) -> None:
 def test_virtual_clock_runs_are_identical() -> None:
     wl = _mixed()
     runs = [summarize(_run("paged", wl, _opts(4096))) for _ in range(2)]
-    # Process memory and the harness's own wall time are the only machine-dependent figures.
-    machine = ("wall", "rss", "telemetry", "growth", "device")
+    # Host metrics (process memory, the harness's own wall time) are the only
+    # machine-dependent figures; the simulated device's memory is exact.
+    machine = ("wall", "rss", "telemetry")
     a, b = ({k: v for k, v in s.items() if not any(m in k for m in machine)} for s in runs)
     assert a == b
     assert a["completed"] == len(wl)

@@ -41,6 +41,9 @@ class KVManager(ABC):
     spec: KVSpec
     capacity_tokens: int
     max_model_len: int
+    # False for a policy that keeps finished sequences' pages (a fault under test): an
+    # executor backing sequences with their own memory keeps theirs too.
+    releases_finished: bool = True
 
     @property
     def bytes_per_token(self) -> int:

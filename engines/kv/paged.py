@@ -111,6 +111,7 @@ class PagedKVManager(KVManager):
         self.capacity_tokens = num_blocks * block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.leak_finished = leak_finished
+        self.releases_finished = not leak_finished
         self.pool = BlockPool(num_blocks, block_size)
         self._hasher = BlockHasher(block_size)
         self._seqs: dict[int, _SeqBlocks] = {}

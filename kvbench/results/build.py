@@ -7,7 +7,7 @@ from typing import Any
 
 from kvbench import __version__
 from kvbench.results.curves import build_curves
-from kvbench.results.metrics import device_series, summarize
+from kvbench.results.metrics import MODELLED_DEVICE_CURVE, device_series, summarize
 from kvbench.results.paths import redact_home
 from kvbench.results.schema import RequestRow, RunRecord, SoakResult, TelemetryInfo, WorkloadInfo
 from kvbench.results.slo import SLO
@@ -62,9 +62,10 @@ def build_record(
     telemetry = None
     if tel is not None:
         dev = device_series(run)
-        telemetry = TelemetryInfo(
-            probes=tel.status, facts=tel.info(), device_memory=dev[0] if dev else None
-        )
+        source = dev[0] if dev else None
+        if run.steps.device:
+            source = f"modelled: {MODELLED_DEVICE_CURVE}"
+        telemetry = TelemetryInfo(probes=tel.status, facts=tel.info(), device_memory=source)
     return RunRecord(
         kvbench_version=__version__,
         git_commit=git_commit(),

@@ -3,16 +3,17 @@
 Steps are grouped into at most ``max_points`` buckets of consecutive steps, and every curve
 shares the bucket time axis ``t_s`` (the clock time at the end of each bucket's last step).
 Each bucket keeps the maximum of "how much" columns (reserved, used, queue sizes, cumulative
-counters, probe readings) and the minimum of "how little is left" columns (free, largest
-free, fragmentation index), so a peak or a trough of a single step survives any
-downsampling; ``preempted`` is summed. Probe readings are rate-limited, so a bucket without
-a reading holds the previous one (a gauge keeps its last value).
+counters, probe readings, modelled device memory) and the minimum of "how little is left"
+columns (free, largest free, fragmentation index), so a peak or a trough of a single step
+survives any downsampling; ``preempted`` is summed. Probe readings are rate-limited, so a
+bucket without a reading holds the previous one (a gauge keeps its last value).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from kvbench.engines.base import DeviceMemory
 from kvbench.run.harness import StepLog
 from kvbench.run.telemetry import Telemetry
 
@@ -45,6 +46,22 @@ def frag_index(free: np.ndarray, largest: np.ndarray) -> np.ndarray:
         return np.where(free > 0, largest / np.maximum(free, 1), 1.0)
 
 
+def device_columns(steps: StepLog) -> dict[str, np.ndarray]:
+    """Per-step modelled device memory: ``device_<component>_bytes`` for every component,
+    and their sums ``device_allocated_bytes`` (live tensors), ``device_reserved_bytes``
+    (plus the allocator's cache) and ``device_used_bytes`` (plus non-torch memory: what
+    nvidia-smi shows). Empty for runs whose device memory is measured, not modelled."""
+    if not steps.device:
+        return {}
+    out = {f"device_{name}_bytes": np.asarray(values, dtype=np.float64)
+           for name, values in steps.device.items()}
+    allocated = sum(out[f"device_{n}_bytes"] for n in DeviceMemory.ALLOCATED)
+    out["device_allocated_bytes"] = allocated
+    out["device_reserved_bytes"] = allocated + out["device_cached_bytes"]
+    out["device_used_bytes"] = out["device_reserved_bytes"] + out["device_non_torch_bytes"]
+    return out
+
+
 def _sampled(steps: list[int], values: list[int], edges: np.ndarray) -> np.ndarray:
     """Per-bucket maximum of readings taken after the bucket's steps, carried forward over
     buckets without a reading (and backward before the first one)."""
@@ -74,6 +91,7 @@ def build_curves(
         col = _column(getattr(steps, name))
         if col is not None:
             cols[name] = col
+    cols.update(device_columns(steps))
     free, largest = cols.get("kv_free_bytes"), cols.get("kv_largest_free_bytes")
     if free is not None and largest is not None:
         cols["frag_index"] = frag_index(free, largest)

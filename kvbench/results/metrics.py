@@ -62,6 +62,23 @@ taken when warm-up ends and when the run ends):
 - ``memory_growth_pct``: the larger of ``rss_growth_pct`` and ``device_growth_pct``, each
   100 x (reading at the end of the run - reading at the end of warm-up) / reading at the end
   of warm-up. Warm-up ends with the step that finishes the first 10% of the run's requests.
+
+Modelled device memory (engines that model it, the simulator; see
+:mod:`kvbench.engines.device_memory`), replacing the device metrics above:
+
+- ``peak_device_bytes``: the largest step peak of the device's used memory (reserved by the
+  caching allocator plus non-torch memory: what nvidia-smi would show), summed over
+  tensor-parallel ranks; ``peak_device_allocated_bytes`` / ``peak_device_reserved_bytes``:
+  the largest step peaks of live tensors / of the allocator's reservation.
+- ``peak_device_<component>_bytes`` for weights, kv, activation, attention, encoder,
+  cached (reserved, held by no tensor) and non_torch: the components at the step of
+  ``peak_device_bytes``; they sum to it.
+- ``device_growth_pct`` of the used memory, as above, and ``memory_growth_pct`` equal to it:
+  the simulator's own RSS (``peak_rss_bytes``, ``rss_growth_pct``) is a host metric.
+- After an out-of-memory failure (a step, or the start-up, that does not fit a rank):
+  ``device_oom_needed_bytes`` and ``device_oom_<component>_bytes``, what it needed per rank,
+  ``device_oom_free_bytes``, what was free on the rank before it, and
+  ``device_oom_memory_bytes``, the rank's memory.
 - ``telemetry_overhead_pct``: wall time spent logging steps and reading probes, as a share
   of the wall time of steps (idle waits for arrivals excluded).
 """
@@ -72,11 +89,15 @@ from typing import Any
 
 import numpy as np
 
-from kvbench.results.curves import frag_index
+from kvbench.engines.base import DeviceMemory
+from kvbench.engines.device_memory import DeviceOutOfMemory
+from kvbench.results.curves import device_columns, frag_index
 from kvbench.results.slo import SLO
 from kvbench.run.harness import EngineRun
 
 PERCENTILES = (50, 90, 99)
+# The curve modelled device metrics read.
+MODELLED_DEVICE_CURVE = "device_used_bytes"
 
 
 def _dist(prefix: str, values: list[float]) -> dict[str, float | None]:
@@ -279,6 +300,15 @@ def device_series(run: EngineRun) -> tuple[str, list[int], list[int]] | None:
 
 
 def memory_metrics(run: EngineRun) -> dict[str, Any]:
+    out = measured_memory_metrics(run)
+    out.update(modelled_device_metrics(run))
+    if run.out_of_memory is not None:
+        out.update(out_of_memory_metrics(run.out_of_memory))
+    return out
+
+
+def measured_memory_metrics(run: EngineRun) -> dict[str, Any]:
+    """Process and device memory as the telemetry probes read it."""
     out: dict[str, Any] = {
         "peak_rss_bytes": None,
         "peak_device_bytes": None,
@@ -325,3 +355,39 @@ def memory_metrics(run: EngineRun) -> dict[str, Any]:
     growth = [g for g in (out["rss_growth_pct"], out["device_growth_pct"]) if g is not None]
     out["memory_growth_pct"] = max(growth) if growth else None
     return out
+
+
+def modelled_device_metrics(run: EngineRun) -> dict[str, Any]:
+    """Device metrics of an engine that models its device's memory (the simulator), in
+    place of measured ones; empty for the others. Host RSS stays a host metric."""
+    cols = device_columns(run.steps)
+    if not cols:
+        return {}
+    used = cols[MODELLED_DEVICE_CURVE]
+    at = int(np.argmax(used))
+    out: dict[str, Any] = {
+        "peak_device_bytes": int(used[at]),
+        "peak_device_allocated_bytes": int(cols["device_allocated_bytes"].max()),
+        "peak_device_reserved_bytes": int(cols["device_reserved_bytes"].max()),
+        **{f"peak_device_{name}_bytes": int(cols[f"device_{name}_bytes"][at])
+           for name in DeviceMemory.COMPONENTS},
+        "device_growth_pct": None,
+    }
+    if run.warmup_step is not None:
+        out["device_growth_pct"] = _growth_pct(float(used[run.warmup_step]), float(used[-1]))
+    # The simulator's own RSS says nothing about the simulated device.
+    out["memory_growth_pct"] = out["device_growth_pct"]
+    return out
+
+
+def out_of_memory_metrics(oom: DeviceOutOfMemory) -> dict[str, Any]:
+    """Per rank: what the failing step (or start-up) needed, by component, and what was
+    free before it."""
+    tp = oom.needed.tp
+    return {
+        "device_oom_needed_bytes": oom.needed_bytes,
+        "device_oom_free_bytes": oom.free_bytes,
+        "device_oom_memory_bytes": oom.memory_bytes,
+        **{f"device_oom_{name}_bytes": value // tp
+           for name, value in oom.needed.components().items()},
+    }

@@ -116,3 +116,16 @@ def kv_budget_bytes(
             f"{tp * 2}), a larger GPU, or a smaller model"
         )
     return per_rank * tp
+
+
+def on_demand_kv_bytes(device: DeviceSpec, preset: ModelPreset) -> int:
+    """The KV budget of a simulated on-demand cache: all the device memory besides the
+    weights (per rank, times TP), as a dynamic cache reserves nothing and grows until the
+    device is full; its memory model says when it no longer fits."""
+    per_rank = device.hardware.memory_bytes - preset.weight_bytes // device.tp
+    if per_rank <= 0:
+        raise KvbenchError(
+            f"{preset.name} weights ({preset.weight_bytes / 2**30:.1f} GiB) do not fit "
+            f"{device.label}: use more tensor parallelism or a larger GPU"
+        )
+    return per_rank * device.tp

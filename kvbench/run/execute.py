@@ -8,6 +8,7 @@ from typing import Any
 
 from kvbench.engines.config import EngineConfig
 from kvbench.engines.costmodel import CostModel
+from kvbench.engines.device_memory import DeviceOutOfMemory
 from kvbench.engines.registry import build_engine
 from kvbench.errors import KvbenchError
 from kvbench.fileio import write_text_atomic
@@ -63,6 +64,11 @@ def start_and_run(
     except KeyboardInterrupt as exc:
         reason = f"{interrupt_reason(exc)} while the engine was starting"
         return _not_run(plan, config, "interrupted", reason, waves), section
+    except DeviceOutOfMemory as exc:
+        # As a real engine refuses to start when its pool and profile do not fit.
+        run = _not_run(plan, config, "failed", f"engine failed to start: {exc}", waves)
+        run.out_of_memory = exc
+        return run, section
     except Exception as exc:
         reason = f"engine failed to start: {type(exc).__name__}: {exc}"
         return _not_run(plan, config, "failed", reason, waves), section

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvbench.engines.base import Engine, KVStats, StepReport
+from kvbench.engines.device_memory import DeviceOutOfMemory
 from kvbench.run.clocks import Clock
 from kvbench.run.signals import interrupt_reason
 from kvbench.run.telemetry import OK, RssProbe, Telemetry
@@ -87,6 +88,9 @@ class StepLog:
     block_frees: list[int | None] = field(default_factory=list)
     kv_copied_bytes: list[int | None] = field(default_factory=list)
     page_table_entries: list[int | None] = field(default_factory=list)
+    # Modelled device memory at each step's peak (engines that model it: the simulator),
+    # one column per DeviceMemory component, summed over tensor-parallel ranks.
+    device: dict[str, list[int]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.t_s)
@@ -120,6 +124,8 @@ class EngineRun:
     wave_ends: list[WaveEnd] = field(default_factory=list)
     step_wall_s: float = 0.0  # wall time of steps incl. their logging, excl. idle waits
     telemetry_wall_s: float = 0.0  # of which: step logging and probe sampling
+    # The modelled device ran out of memory (the run failed there, or never started).
+    out_of_memory: DeviceOutOfMemory | None = None
 
 
 def wave_requests(workload: Workload, wave: int, waves: int, start_s: float) -> list[Request]:
@@ -222,6 +228,9 @@ def run_engine(
                 )
     except KeyboardInterrupt as exc:
         run.status, run.error = "interrupted", interrupt_reason(exc)
+    except DeviceOutOfMemory as exc:
+        # What the engine would meet on that device: the run's outcome, not a crash.
+        run.status, run.error, run.out_of_memory = "failed", f"step {len(steps)}: {exc}", exc
     except Exception as exc:
         run.status = "failed"
         run.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
@@ -288,3 +297,8 @@ def _log_step(run: EngineRun, report: StepReport, t0: float, t1: float) -> None:
         s.block_frees.append(kv.block_frees)
         s.kv_copied_bytes.append(kv.copied_bytes)
         s.page_table_entries.append(kv.page_table_entries)
+    device = report.device
+    if device is not None:
+        columns = s.device
+        for name, value in device.components().items():
+            columns.setdefault(name, []).append(value)

@@ -87,6 +87,18 @@ class RunFlags:
         "run.max_concurrency", "Most requests in flight at once: later arrivals wait "
         "client-side until one finishes (as vllm bench serve --max-concurrency)."
     )
+    attention_impl: str | None = _flag(
+        "run.attention_impl", "Simulated device: the attention kernel whose workspace "
+        "device memory counts: fused | sdpa-dense-mask | eager."
+    )
+    kv_allocation: str | None = _flag(
+        "run.kv_allocation", "Simulated device: preallocated (vLLM's pool) | on-demand "
+        "(a dynamic cache growing through the caching allocator)."
+    )
+    extra_kv_window_tokens: int | None = _flag(
+        "run.extra_kv_window_tokens", "Simulated device: extra keys/values per layer kept "
+        "for each running sequence (an undisabled sliding window)."
+    )
 
 
 def flag_name(name: str) -> str:

@@ -9,15 +9,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbench.engines.config import EngineConfig, EngineSection, EngineSettings, engine_config
+from kvbench.engines.device_memory import MemoryOptions
 from kvbench.engines.hardware import DeviceSpec
 from kvbench.engines.presets import ModelPreset, get_preset
 from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.errors import KvbenchError
 from kvbench.results.paths import check_path_component
-from kvbench.run.devices import kv_budget_bytes, parse_device
+from kvbench.run.devices import kv_budget_bytes, on_demand_kv_bytes, parse_device
 from kvbench.run.outdir import prepare_out_dir
 from kvbench.run.sharding import Shard
-from kvbench.run.suite import Suite
+from kvbench.run.suite import RunSection, Suite
 from kvbench.units import format_bytes, parse_bytes
 from kvbench.workloads.model import Workload
 
@@ -103,20 +104,26 @@ def plan_run(
     sections = [(name, suite.engine(name)) for name in run.engines]
     block_size = _block_size(run.block_size, "block_size" in run.model_fields_set,
                              [s for _, s in sections], device, notes)
-    settings = EngineSettings(
-        preset=preset,
-        device=device,
-        kv_bytes=kv_budget_bytes(
+    memory = _memory_options(run, device)
+    if memory.kv_allocation == "on-demand" and kv_memory is None:
+        kv_bytes = on_demand_kv_bytes(device, preset)
+    else:
+        kv_bytes = kv_budget_bytes(
             device, preset, kv_memory=kv_memory,
             gpu_memory_utilization=run.gpu_memory_utilization,
             max_num_batched_tokens=run.max_num_batched_tokens, max_num_seqs=run.max_num_seqs,
-        ),
+        )
+    settings = EngineSettings(
+        preset=preset,
+        device=device,
+        kv_bytes=kv_bytes,
         block_size=block_size,
         prefix_caching=run.prefix_caching,
         scheduler=sched,
         weights=suite.model.weights,
         seed=suite.workload.seed,
         attention=run.attention,
+        memory=memory,
     )
     engines = [(name, engine_config(name, section, settings)) for name, section in sections]
     if shard is not None:
@@ -151,6 +158,18 @@ def plan_run(
         _precheck(plan, name, config)
     prepare_out_dir(out_dir, force)
     return plan
+
+
+def _memory_options(run: RunSection, device: DeviceSpec) -> MemoryOptions:
+    """The simulated device's memory model; a real device's memory is measured, so asking
+    to model it there is a mistake."""
+    options = MemoryOptions(run.attention_impl, run.kv_allocation, run.extra_kv_window_tokens)
+    if device.kind != "sim" and options != MemoryOptions():
+        raise KvbenchError(
+            "attention_impl, kv_allocation and extra_kv_window_tokens model a simulated "
+            f"device's memory; {device.label} is measured (choose its kernels with --attention)"
+        )
+    return options
 
 
 def _check_kv_memory(kv_memory: int | None, device: DeviceSpec) -> list[str]:

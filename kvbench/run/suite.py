@@ -12,7 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvbench.engines.activations import AttentionImpl
 from kvbench.engines.config import EngineSection
+from kvbench.engines.device_memory import KVAllocation
 from kvbench.engines.registry import NAMED_ENGINES, AnyEngineSection
 from kvbench.engines.scheduler import (
     DEFAULT_BLOCK_SIZE,
@@ -88,6 +90,12 @@ class RunSection(_Strict):
     # of shape `burstiness` (1: Poisson), as vllm bench serve's --request-rate/--burstiness.
     request_rate: float | None = Field(default=None, gt=0)
     burstiness: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    # A simulated device's memory model (kvbench.engines.device_memory): the attention
+    # kernel whose workspace it counts, how the KV cache takes device memory, and the
+    # seeds' "sliding window not disabled" as extra KV per running sequence.
+    attention_impl: AttentionImpl = "fused"
+    kv_allocation: KVAllocation = "preallocated"
+    extra_kv_window_tokens: int = Field(default=0, ge=0)
 
 
 class Suite(_Strict):

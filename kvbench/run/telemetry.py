@@ -197,7 +197,8 @@ def open_probes(device_kind: str, torch_device: str | None) -> tuple[list[Probe]
             if probe is not None:
                 probes.append(probe)
     else:
-        why = "simulated device (no device memory)" if device_kind == "sim" else "CPU run"
+        why = ("simulated device (its memory is modelled: device_* curves)"
+               if device_kind == "sim" else "CPU run")
         status["cuda"] = status["nvml"] = f"unavailable: {why}"
     return probes, status
 
