@@ -66,6 +66,12 @@ def test_every_table_entry_is_produced_or_says_what_it_needs(records) -> None:
         elif spec.needs == ("cuda",):
             # Off CUDA the run records the metric as None.
             assert spec.name in keys and spec.name not in run, spec.name
+        elif spec.needs == ("device",):
+            # A simulated device's memory is modelled: the (simulated) run produces it.
+            assert spec.name in run, spec.name
+        elif spec.needs == ("oom",):
+            # Only a run that ran out of device memory has these.
+            assert spec.name not in keys, spec.name
         elif spec.needs == ("policy",):
             # Counters some KV policies keep: recorded by every run, None for the others.
             assert spec.name in keys, spec.name
@@ -111,7 +117,7 @@ def test_run_table_rows_keep_their_labels_and_order() -> None:
         "TPOT p99 (ms)", "E2EL p50 (ms)", "max concurrent requests", "mean concurrent requests",
         "KV capacity", "peak KV reserved", "peak KV used", "KV utilization (used/reserved)",
         "KV waste %", "min fragmentation index", "preemptions", "prefix cache hit rate",
-        "peak process RSS",
+        "peak process RSS", "peak device memory",
     ]
 
 

@@ -5,8 +5,9 @@ one pair (baselines of many machines), the one from this record's machine is use
 machine-independent virtual-clock one.
 
 Each gated metric's kind (from :mod:`kvbench.results.metric_table`) resolves to
-*deterministic* or *timing* for a pair, and a change counts only beyond an allowed band
-(tolerances from :mod:`kvbench.report.thresholds`):
+*deterministic* or *timing* for a pair (``clock`` by the new record's clock, ``device`` by
+its device: a simulated device's memory is modelled, a real one's measured), and a change
+counts only beyond an allowed band (tolerances from :mod:`kvbench.report.thresholds`):
 
 - deterministic: ``band = exact_tolerance x |baseline|`` (any real change counts);
 - timing: with ``b`` the baseline's per-repeat values and ``m = median(b)``,
@@ -126,10 +127,17 @@ def mad_spread(values: Sequence[float]) -> float:
     return MAD_TO_SIGMA * statistics.median(abs(v - m) for v in values)
 
 
-def resolve_kind(kind: Kind, clock: str) -> Literal["deterministic", "timing"]:
+def resolve_kind(kind: Kind, record: RunRecord) -> Literal["deterministic", "timing"]:
     if kind == "clock":
-        return "deterministic" if clock == "virtual" else "timing"
+        return "deterministic" if record.clock == "virtual" else "timing"
+    if kind == "device":
+        return "deterministic" if is_simulated(record) else "timing"
     return kind
+
+
+def is_simulated(record: RunRecord) -> bool:
+    """A simulated device's memory is modelled (exact); a real one's is measured."""
+    return record.device.startswith("sim:")
 
 
 def judge(worse_by: float, band: float) -> Verdict:
@@ -310,7 +318,7 @@ def compare_pair(new: RunRecord, base: RunRecord, th: Thresholds) -> tuple[list[
         detail = f"run ended {new.status!r} {error}".strip()
         return [row(metric="status", verdict="regression", detail=detail)], []
     for name, rule in th.metrics.items():
-        kind = resolve_kind(METRIC_BY_NAME[name].kind, new.clock)
+        kind = resolve_kind(METRIC_BY_NAME[name].kind, new)
         b, n = metric_values(base, name), metric_values(new, name)
         if b is None and n is None:
             continue
@@ -334,7 +342,7 @@ def compare_pair(new: RunRecord, base: RunRecord, th: Thresholds) -> tuple[list[
             rows.append(compare_metric(name, rule, kind, b, n, th).model_copy(
                 update={"suite": new.suite, "engine": new.engine}))
     for name, rule in th.curves.items():
-        kind = resolve_kind(CURVE_BY_NAME[name].kind, new.clock)
+        kind = resolve_kind(CURVE_BY_NAME[name].kind, new)
         metric = f"{CURVE_ROW_PREFIX}{name}"
         if not _has_curve(base, name):
             continue

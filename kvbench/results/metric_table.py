@@ -10,14 +10,16 @@ need to know about a metric:
 - ``kind``: how a comparison treats it. ``deterministic``: fixed by the workload and the
   configuration, exact on any clock. ``clock``: follows the record's clock -- under the
   virtual clock time is the cost model's, so the value is exact; under the wall clock it is
-  measured. ``timing``: measured on the machine (process and device memory, wall time), noisy
-  on any clock;
+  measured. ``timing``: measured on the machine (process memory, wall time), noisy on any
+  clock. ``device``: device memory, which follows the record's device -- modelled on a
+  simulated one (``sim:...``), so exact; measured on a real one, so timing;
 - ``label`` and ``fmt``: how tables show it (``fmt`` is a format spec, or ``bytes``,
   ``fraction`` for a 0..1 share shown as a percentage, ``bool``);
 - ``report``: shown in the side-by-side run tables (``kvbench run``, ``report``, ``publish``),
   in table order;
 - ``needs``: the conditions without which the metric is absent or None (a goodput SLO, a
-  soak, a CUDA device); empty for metrics every run of a built-in engine produces.
+  soak, a CUDA device, a device whose memory is measured or modelled, an out-of-memory
+  failure); empty for metrics every run of a built-in engine produces.
 
 Definitions of the values are in :mod:`kvbench.results.metrics` (summary metrics) and
 :mod:`kvbench.results.curves` (curves).
@@ -34,10 +36,18 @@ from typing import Any, Literal
 from kvbench.units import format_bytes
 
 Direction = Literal["lower", "higher", "none"]
-Kind = Literal["deterministic", "clock", "timing"]
+# The components of a simulated device's memory (kvbench.engines.base.DeviceMemory).
+DEVICE_COMPONENTS = (
+    ("weights", "weights"), ("kv", "KV cache"), ("activation", "activations"),
+    ("attention", "attention workspace"), ("encoder", "encoder outputs"),
+    ("cached", "allocator cache"), ("non_torch", "non-torch memory"),
+)
+Kind = Literal["deterministic", "clock", "timing", "device"]
 # What a metric needs to have a value: a goodput SLO (--slo), a soak run, a CUDA device, a
-# KV policy that keeps that counter (mixed pages merge and split, virtual memory maps, ...).
-Need = Literal["slo", "soak", "cuda", "policy"]
+# KV policy that keeps that counter (mixed pages merge and split, virtual memory maps, ...),
+# a device whose memory is measured (CUDA) or modelled (simulated), a run that ran out of
+# the modelled device's memory.
+Need = Literal["slo", "soak", "cuda", "policy", "device", "oom"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +162,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("kv_unmap_ops", "operations", "lower", "clock", "page unmap operations", "d",
        needs=("policy",)),
     _m("peak_rss_bytes", "bytes", "lower", "timing", "peak process RSS", "bytes", report=True),
-    _m("peak_device_bytes", "bytes", "lower", "timing", "peak device memory", "bytes",
-       needs=("cuda",)),
+    _m("peak_device_bytes", "bytes", "lower", "device", "peak device memory", "bytes",
+       report=True, needs=("device",)),
     _m("peak_cuda_allocated_bytes", "bytes", "lower", "timing", "peak torch allocated",
        "bytes", needs=("cuda",)),
     _m("peak_cuda_reserved_bytes", "bytes", "lower", "timing", "peak torch reserved", "bytes",
@@ -163,9 +173,32 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("cuda_alloc_retries", "retries", "lower", "timing", "CUDA allocation retries", "d",
        needs=("cuda",)),
     _m("rss_growth_pct", "%", "lower", "timing", "RSS growth after warm-up %", ".1f"),
-    _m("device_growth_pct", "%", "lower", "timing", "device memory growth after warm-up %",
-       ".1f", needs=("cuda",)),
-    _m("memory_growth_pct", "%", "lower", "timing", "memory growth after warm-up %", ".1f"),
+    _m("device_growth_pct", "%", "lower", "device", "device memory growth after warm-up %",
+       ".1f", needs=("device",)),
+    _m("memory_growth_pct", "%", "lower", "device", "memory growth after warm-up %", ".1f"),
+    # A simulated device's memory (kvbench.engines.device_memory): step peaks, and the
+    # components at the step of peak_device_bytes.
+    _m("peak_device_allocated_bytes", "bytes", "lower", "device",
+       "peak device allocated (modelled)", "bytes", needs=("device",)),
+    _m("peak_device_reserved_bytes", "bytes", "lower", "device",
+       "peak device reserved (modelled)", "bytes", needs=("device",)),
+    *(
+        _m(f"peak_device_{name}_bytes", "bytes", "lower", "device",
+           f"{what} at the device peak", "bytes", needs=("device",))
+        for name, what in DEVICE_COMPONENTS
+    ),
+    # What the step (or start-up) that ran out of device memory needed, per rank.
+    _m("device_oom_needed_bytes", "bytes", "none", "device", "out of memory: needed per rank",
+       "bytes", needs=("oom",)),
+    _m("device_oom_free_bytes", "bytes", "none", "device", "out of memory: free per rank",
+       "bytes", needs=("oom",)),
+    _m("device_oom_memory_bytes", "bytes", "none", "device", "out of memory: rank memory",
+       "bytes", needs=("oom",)),
+    *(
+        _m(f"device_oom_{name}_bytes", "bytes", "none", "device",
+           f"out of memory: {what} needed per rank", "bytes", needs=("oom",))
+        for name, what in DEVICE_COMPONENTS
+    ),
     _m("telemetry_overhead_pct", "%", "lower", "timing", "telemetry overhead %", ".2f"),
     _m("soak_waves", "waves", "none", "deterministic", "soak waves completed", "d",
        needs=("soak",)),
@@ -210,6 +243,12 @@ CURVES: tuple[MetricSpec, ...] = (
     _m("kv_copied_bytes", "bytes", "none", "clock", "KV copied between slots", "bytes"),
     _m("page_table_entries", "entries", "lower", "clock", "page-table entries", "d"),
     _m("rss_bytes", "bytes", "lower", "timing", "process RSS", "bytes"),
+    *(
+        _m(f"device_{name}_bytes", "bytes", "lower", "device", f"device {what}", "bytes",
+           needs=("device",))
+        for name, what in (*DEVICE_COMPONENTS, ("allocated", "allocated (modelled)"),
+                           ("reserved", "reserved (modelled)"), ("used", "used (modelled)"))
+    ),
     *(
         _m(name, unit, "lower", "timing", label, fmt, needs=("cuda",))
         for name, unit, label, fmt in (
