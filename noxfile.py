@@ -142,6 +142,24 @@ def regress(session: nox.Session) -> None:
 
 
 @nox.session
+def alerts(session: nox.Session) -> None:
+    """The seeds' monitoring alerts (C6-C8: frag_index<0.7, page_turnover_per_s>50,
+    prefix_hit_rate<0.8) on the record folder given (default: the quick suites), in a
+    comparison against results/baselines/ as `regress` makes: exit 1 when an alert fires.
+    Rules after the folder replace the seeds', e.g. `nox -s alerts -- runs/ci
+    default,page_turnover_per_s>500`. Markdown and JUnit in reports/alerts.md and
+    reports/junit-alerts.xml."""
+    session.install("-e", ".[cpu]")
+    records = session.posargs[0] if session.posargs else _run_quick_suites(session, [])
+    rules = session.posargs[1] if len(session.posargs) > 1 else "default"
+    session.run(
+        "kvbench", "compare", records, BASELINES, "--thresholds", "ci/thresholds.toml",
+        "--alerts", rules, "--markdown", f"{REPORTS}/alerts.md",
+        "--junit", f"{REPORTS}/junit-alerts.xml",
+    )
+
+
+@nox.session
 def asv(session: nox.Session) -> None:
     """asv benchmarks (benchmarks/asv_bench.py) of this checkout in this session's
     environment, recorded under HEAD, then the dashboard in .asv/html/ (history accumulates

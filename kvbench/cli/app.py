@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from kvbench.cli import regress, scale, telemetry, workload
+from kvbench.cli import alert_flags, regress, scale, telemetry, workload
 from kvbench.cli.options import (
     command_line,
     console,
@@ -47,16 +47,19 @@ def run(
     force: Annotated[bool, typer.Option(help="Replace the records an existing --out folder holds.")] = False,
     repeat: Annotated[int, typer.Option(help="Run every engine N times; records hold medians and each repeat's values.")] = 1,
     shard: Annotated[str | None, typer.Option(help="Run only share I/N of the suite's engines (for CI matrices).")] = None,
+    alerts: Annotated[str | None, typer.Option(help=alert_flags.RUN_HELP)] = None,
     *,
     flags: RunFlags,
 ) -> None:
     """Run a suite: every engine on the same workload; print and write a comparison."""
+    from kvbench.report.alerts import parse_rules
     from kvbench.report.tables import table_rows
     from kvbench.run.execute import execute_plan
     from kvbench.run.overrides import resolve_suite
     from kvbench.run.plan import plan_run
     from kvbench.run.sharding import Shard
 
+    rules = parse_rules(alerts) if alerts is not None else None
     the_suite, base = resolve_suite(suite, flags)
     the_shard = Shard.parse(shard) if shard is not None else None
     plan = plan_run(the_suite, base, out, command_line(), repeats=repeat, shard=the_shard,
@@ -87,6 +90,8 @@ def run(
         table.add_row(*row)
     print_table(console, table)
     warn(plan.warnings[n_warnings:])
+    if rules is not None:
+        alert_flags.report_run(records, rules, plan.out_dir)
     console.print(f"records, summary.md and figures written to {plan.out_dir}")
     exit_for(records, interrupts)
 

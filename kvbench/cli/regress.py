@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from kvbench.cli import alert_flags
 from kvbench.errors import KvbenchError
 
 err_console = Console(stderr=True)
@@ -24,8 +25,10 @@ def compare(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write every comparison as JSON here.")] = None,
     strict: Annotated[bool, typer.Option(help="Improvements beyond tolerance fail too (refresh the baselines).")] = False,
     allow_missing: Annotated[bool, typer.Option(help="An engine the baseline has but the new run lacks is skipped instead of failing.")] = False,
+    alerts: Annotated[str | None, typer.Option(help=alert_flags.COMPARE_HELP)] = None,
 ) -> None:
-    """Gate NEW against BASELINE: exit 0 pass, 1 regression or missing engine, 2 unusable input."""
+    """Gate NEW against BASELINE: exit 0 pass, 1 regression, missing engine or fired alert, 2 unusable input."""
+    from kvbench.report.alerts import parse_rules
     from kvbench.report.compare import INPUT_ROW, CompareResult, Row, compare_records
     from kvbench.report.gate_outputs import json_report, junit_xml, markdown_summary
     from kvbench.report.outputs import check_output_file, write_outputs
@@ -37,9 +40,12 @@ def compare(
     for path, what in outputs:
         check_output_file(path, what)
     label = str(thresholds) if thresholds is not None else DEFAULT_LABEL
+    rules = parse_rules(alerts) if alerts is not None else None
+    found = []
     try:
+        found = load_records([new])
         result = compare_records(
-            load_records([new]), load_records([baseline]), load_thresholds(thresholds),
+            found, load_records([baseline]), load_thresholds(thresholds),
             strict=strict, allow_missing=allow_missing, thresholds_path=label,
         )
     except KvbenchError as exc:
@@ -48,10 +54,16 @@ def compare(
             Row(suite="", engine="", metric=INPUT_ROW, verdict="unusable", detail=str(exc))
         ])
     render = {"--markdown": markdown_summary, "--junit": junit_xml, "--json": json_report}
-    write_outputs([(path, render[what](result), what) for path, what in outputs])
+    texts = {what: render[what](result) for what in render}
+    code, section = result.exit_code, ""
+    if rules is not None:
+        section, texts["--junit"], code = alert_flags.gate_compare(
+            [f.record for f in found], rules, texts["--junit"], code)
+        texts["--markdown"] += section
+    write_outputs([(path, texts[what], what) for path, what in outputs])
     # Plain output: the summary is Markdown meant to be copied, not re-wrapped.
-    typer.echo(markdown_summary(result, details=False))
-    raise typer.Exit(result.exit_code)
+    typer.echo(markdown_summary(result, details=False) + section)
+    raise typer.Exit(code)
 
 
 def baseline_save(
