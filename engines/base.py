@@ -65,9 +65,11 @@ class DeviceMemory:
     Live tensors (``allocated_bytes``): the weights, the KV cache, the activations of the
     linear layers, the attention kernel's workspace and masks, and encoder outputs (with the
     encoder's own activations in ``activation_bytes``). The caching allocator also holds
-    ``cached_bytes`` that no tensor does (freed blocks it keeps, rounding): with them,
-    ``reserved_bytes``. ``non_torch_bytes`` (CUDA context, library handles) is device memory
-    outside the allocator: with it, ``used_bytes``, what ``nvidia-smi`` shows.
+    memory that no tensor does (freed blocks it keeps, rounding, split remainders): around
+    the KV cache's tensors (``kv_cached_bytes``, its fragmentation) and around the step
+    workspace (``workspace_cached_bytes``, activations freed after an earlier, larger step);
+    with them, ``reserved_bytes``. ``non_torch_bytes`` (CUDA context, library handles) is
+    device memory outside the allocator: with it, ``used_bytes``, what ``nvidia-smi`` shows.
     """
 
     tp: int
@@ -76,13 +78,15 @@ class DeviceMemory:
     activation_bytes: int
     attention_bytes: int
     encoder_bytes: int
-    cached_bytes: int
+    kv_cached_bytes: int
+    workspace_cached_bytes: int
     non_torch_bytes: int
 
     # The components live tensors hold; with the allocator's cache and non-torch memory, the
     # components that sum to used_bytes, in this order.
     ALLOCATED = ("weights", "kv", "activation", "attention", "encoder")
-    COMPONENTS = (*ALLOCATED, "cached", "non_torch")
+    CACHED = ("kv_cached", "workspace_cached")
+    COMPONENTS = (*ALLOCATED, *CACHED, "non_torch")
 
     @property
     def allocated_bytes(self) -> int:
@@ -90,7 +94,7 @@ class DeviceMemory:
 
     @property
     def reserved_bytes(self) -> int:
-        return self.allocated_bytes + self.cached_bytes
+        return self.allocated_bytes + self.kv_cached_bytes + self.workspace_cached_bytes
 
     @property
     def used_bytes(self) -> int:

@@ -233,12 +233,13 @@ class DeviceMemoryModel:
     def _snapshot(self, activation: int, attention: int, encoder: int) -> DeviceMemory:
         tp = self.tp
         workspace = activation + attention + encoder
-        cached = (self._kv.reserved - self._kv.allocated) + max(
-            0, self._workspace_reserved - workspace)
+        workspace_cached = max(0, self._workspace_reserved - workspace)
         return DeviceMemory(
             tp=tp, weights_bytes=self._weights * tp, kv_bytes=self._kv.allocated * tp,
             activation_bytes=activation * tp, attention_bytes=attention * tp,
-            encoder_bytes=encoder * tp, cached_bytes=cached * tp,
+            encoder_bytes=encoder * tp,
+            kv_cached_bytes=(self._kv.reserved - self._kv.allocated) * tp,
+            workspace_cached_bytes=workspace_cached * tp,
             non_torch_bytes=NON_TORCH_BYTES * tp,
         )
 

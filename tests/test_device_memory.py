@@ -29,6 +29,8 @@ from kvbench.workloads.model import Request, Segment
 
 LLAMA = get_preset("llama-2-7b")
 GiB = 2**30
+COMPONENTS = ("weights", "kv", "activation", "attention", "encoder", "kv_cached",
+              "workspace_cached", "non_torch")
 
 
 DEFAULT = MemoryOptions()
@@ -57,12 +59,10 @@ def _workload(prompt: int = 1024, output: int = 64, n: int = 8, gap_s: float = 0
 def test_components_sum_to_the_reported_total() -> None:
     run = _run(_settings(8 * GiB), _workload())
     cols = device_columns(run.steps)
-    parts = sum(cols[f"device_{n}_bytes"] for n in ("weights", "kv", "activation", "attention",
-                                                    "encoder", "cached", "non_torch"))
+    parts = sum(cols[f"device_{n}_bytes"] for n in COMPONENTS)
     assert np.array_equal(parts, cols["device_used_bytes"])
     s = summarize(run)
-    at_peak = [s[f"peak_device_{n}_bytes"] for n in ("weights", "kv", "activation", "attention",
-                                                     "encoder", "cached", "non_torch")]
+    at_peak = [s[f"peak_device_{n}_bytes"] for n in COMPONENTS]
     assert sum(at_peak) == s["peak_device_bytes"]
     assert s["peak_device_weights_bytes"] == LLAMA.weight_bytes
     assert s["peak_device_kv_bytes"] == run.last_kv.capacity_bytes  # the whole pool
@@ -87,7 +87,7 @@ def test_on_demand_grows_and_keeps_freed_memory_cached() -> None:
     assert np.all(np.diff(used) >= 0)  # nothing goes back to the device without a failure
     assert used[-1] > used[0] + kv.max() / 2
     assert kv[-1] < kv.max()  # finished sequences' tensors were freed...
-    assert cols["device_cached_bytes"][-1] >= kv.max() - kv[-1]  # ...into the cache
+    assert cols["device_kv_cached_bytes"][-1] >= kv.max() - kv[-1]  # ...into the cache
 
 
 def test_leaked_sequences_keep_their_tensors_on_demand() -> None:
@@ -191,9 +191,7 @@ def test_on_demand_out_of_memory_fails_the_step_that_overflows() -> None:
     assert s["completed"] == 4  # the short requests finished before and are kept
     assert s["device_oom_needed_bytes"] > s["device_oom_memory_bytes"] == memory
     assert s["device_oom_free_bytes"] == memory - small_used[-1]
-    assert sum(s[f"device_oom_{c}_bytes"] for c in ("weights", "kv", "activation", "attention",
-                                                  "encoder", "cached", "non_torch")) == (
-        s["device_oom_needed_bytes"])
+    assert sum(s[f"device_oom_{c}_bytes"] for c in COMPONENTS) == s["device_oom_needed_bytes"]
 
 
 def test_preallocated_step_beyond_the_profile_runs_out_of_memory() -> None:

@@ -57,7 +57,8 @@ def device_columns(steps: StepLog) -> dict[str, np.ndarray]:
            for name, values in steps.device.items()}
     allocated = sum(out[f"device_{n}_bytes"] for n in DeviceMemory.ALLOCATED)
     out["device_allocated_bytes"] = allocated
-    out["device_reserved_bytes"] = allocated + out["device_cached_bytes"]
+    out["device_reserved_bytes"] = allocated + sum(out[f"device_{n}_bytes"]
+                                                   for n in DeviceMemory.CACHED)
     out["device_used_bytes"] = out["device_reserved_bytes"] + out["device_non_torch_bytes"]
     return out
 

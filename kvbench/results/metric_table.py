@@ -40,7 +40,8 @@ Direction = Literal["lower", "higher", "none"]
 DEVICE_COMPONENTS = (
     ("weights", "weights"), ("kv", "KV cache"), ("activation", "activations"),
     ("attention", "attention workspace"), ("encoder", "encoder outputs"),
-    ("cached", "allocator cache"), ("non_torch", "non-torch memory"),
+    ("kv_cached", "allocator cache around KV"),
+    ("workspace_cached", "allocator cache of the workspace"), ("non_torch", "non-torch memory"),
 )
 Kind = Literal["deterministic", "clock", "timing", "device"]
 # What a metric needs to have a value: a goodput SLO (--slo), a soak run, a CUDA device, a

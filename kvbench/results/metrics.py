@@ -71,8 +71,9 @@ Modelled device memory (engines that model it, the simulator; see
   tensor-parallel ranks; ``peak_device_allocated_bytes`` / ``peak_device_reserved_bytes``:
   the largest step peaks of live tensors / of the allocator's reservation.
 - ``peak_device_<component>_bytes`` for weights, kv, activation, attention, encoder,
-  cached (reserved, held by no tensor) and non_torch: the components at the step of
-  ``peak_device_bytes``; they sum to it.
+  kv_cached and workspace_cached (reserved by the allocator, held by no tensor: around the
+  KV cache's tensors and around the step workspace) and non_torch: the components at the
+  step of ``peak_device_bytes``; they sum to it.
 - ``device_growth_pct`` of the used memory, as above, and ``memory_growth_pct`` equal to it:
   the simulator's own RSS (``peak_rss_bytes``, ``rss_growth_pct``) is a host metric.
 - After an out-of-memory failure (a step, or the start-up, that does not fit a rank):
