@@ -6,9 +6,11 @@
 #   3. runs the decode-attention micro-benchmarks (paged vs contiguous, JSON),
 #   4. runs `kvbench run --device cuda` paged vs contiguous on Llama-3-8B shapes with random
 #      weights and the Triton attention,
+#   5. checks the simulator's activation memory model against torch.cuda.max_memory_allocated
+#      of the same batch shapes (kvbench.tools.activation_check),
 # writing everything under $OUT (default ./gpu-results): check.log (all output),
-# summary.md (steps, benchmark table, run table), bench.json, kernels-cuda.xml (JUnit) and
-# run/ (the run's records). It installs into the Python environment of $PYTHON (default
+# summary.md (steps, benchmark table, run table, memory check), bench.json,
+# kernels-cuda.xml (JUnit), activation-check.md and run/ (the run's records). It installs into the Python environment of $PYTHON (default
 # python3). Exit status: 0 when every step passed, 1 when one failed, 3 without CUDA.
 #
 # Usage: benchmarks/gpu/check.sh [--dry-run]   (--dry-run prints the steps, runs none)
@@ -29,9 +31,9 @@ RUN_ARGS=(
   --workload mixed-text --num-requests 48 --kv-memory 8GiB --max-model-len 4096
   --out "$OUT/run"
 )
-STEPS=(install kernels bench run)
+STEPS=(install kernels bench run memory)
 # Seconds per step; together under the 8-minute budget with room for start-up.
-declare -A LIMIT=([install]=45 [kernels]=150 [bench]=90 [run]=180)
+declare -A LIMIT=([install]=45 [kernels]=150 [bench]=80 [run]=160 [memory]=30)
 
 if [[ $DRY_RUN == 1 ]]; then
   echo "GPU check plan (writes under $OUT, Python: $PY):"
@@ -41,6 +43,8 @@ if [[ $DRY_RUN == 1 ]]; then
     "-k 'not test_interpreter' --junitxml $OUT/kernels-cuda.xml"
   echo "  bench:   pytest benchmarks/test_bench_attention_gpu.py --benchmark-json $OUT/bench.json"
   echo "  run:     $PY -m kvbench.cli.app run ${RUN_ARGS[*]}"
+  echo "  memory:  $PY -m kvbench.tools.activation_check --device cuda --dtype bfloat16" \
+    "> $OUT/activation-check.md"
   for s in "${STEPS[@]}"; do printf '  limit %-8s %4ss\n' "$s" "${LIMIT[$s]}"; done
   exit 0
 fi
@@ -104,6 +108,7 @@ if [[ $FAILED == 0 ]]; then
   run_step bench "$PY" -m pytest benchmarks/test_bench_attention_gpu.py -q -p no:cacheprovider \
     --benchmark-json "$OUT/bench.json" --benchmark-columns median,iqr,rounds
   run_step run "$PY" -m kvbench.cli.app run "${RUN_ARGS[@]}"
+  run_step memory bash -c "'$PY' -m kvbench.tools.activation_check --device cuda --dtype bfloat16 > '$OUT/activation-check.md'"
 fi
 
 {
@@ -129,6 +134,12 @@ fi
     echo "## kvbench run ${RUN_ARGS[*]}"
     echo
     cat "$OUT/run/summary.md"
+  fi
+  if [[ -s $OUT/activation-check.md ]]; then
+    echo
+    echo "## Activation memory model vs torch.cuda.max_memory_allocated"
+    echo
+    cat "$OUT/activation-check.md"
   fi
 } >"$SUMMARY"
 cat "$SUMMARY"
