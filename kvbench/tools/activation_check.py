@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -186,10 +187,12 @@ def check_eager(preset: ModelPreset, device: str) -> list[Row]:
 
 
 def markdown(rows: list[Row]) -> str:
-    lines = ["| scenario | step | attention | tokens | chunks | decodes | measured MiB "
+    lines = ["| scenario | step | attention | tokens | chunks (new/keys) | decodes | measured MiB "
              "| model MiB | error |", "|---|---:|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:
-        chunks = " ".join(f"{q}/{k}" for q, k in r.shape.chunks) or "-"
+        counts = Counter(r.shape.chunks)
+        chunks = " ".join(f"{n} x {q}/{k}" if n > 1 else f"{q}/{k}"
+                          for (q, k), n in counts.items()) or "-"
         lines.append(
             f"| {r.scenario} | {r.step} | {r.attention} | {r.shape.num_tokens} | {chunks} | "
             f"{r.shape.num_decodes} | {r.measured_bytes / 2**20:.2f} | "
