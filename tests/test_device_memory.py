@@ -244,3 +244,17 @@ def test_on_demand_budget_is_the_device_less_the_weights(tmp_path: Path) -> None
                     tmp_path / "o", "test")
     memory = parse_device("sim:a100-80gb").hardware.memory_bytes
     assert plan.settings.kv_bytes == memory - LLAMA.weight_bytes
+
+
+def test_blowup_suites_run_and_the_fixes_lower_the_on_demand_peak(tmp_path: Path) -> None:
+    from kvbench.run.execute import execute_plan
+    from kvbench.run.overrides import RunFlags, resolve_suite
+
+    peaks = {}
+    for name in ("seed-blowup", "seed-blowup-fixed"):
+        suite, base = resolve_suite(name, RunFlags(num_requests=8, kv_allocation="on-demand"))
+        (record,) = execute_plan(plan_run(suite, base, tmp_path / name, "test"))
+        assert record.status == "ok", record.error
+        assert record.model["name"] == "deepseek-r1-distill-qwen-7b"
+        peaks[name] = record.summary["peak_device_bytes"]
+    assert peaks["seed-blowup-fixed"] < peaks["seed-blowup"]
