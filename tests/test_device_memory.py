@@ -235,8 +235,13 @@ def test_preallocation_that_does_not_fit_fails_to_start(tmp_path: Path) -> None:
 
 
 def test_memory_options_are_refused_on_measured_devices(tmp_path: Path) -> None:
+    from kvbench.run.overrides import RunFlags, resolve_suite
+
     with pytest.raises(KvbenchError, match="simulated device"):
         plan_run(_suite(device="cpu", attention_impl="eager"), None, tmp_path / "o", "test")
+    # Another device on the command line drops the suite's model of its simulated device.
+    suite, _ = resolve_suite("seed-blowup", RunFlags(device="cpu"))
+    assert (suite.run.attention_impl, suite.run.extra_kv_window_tokens) == ("fused", 0)
 
 
 def test_on_demand_budget_is_the_device_less_the_weights(tmp_path: Path) -> None:

@@ -135,6 +135,8 @@ def resolve_suite(ref: str | None, flags: RunFlags) -> tuple[Suite, Path | None]
         r.max_model_len, r.kv_memory, m.dtype = None, None, None
     if flags.device is not None:
         r.clock, r.kv_memory = "auto", None
+        # How the suite's simulated device's memory is modelled belongs to that device.
+        r.attention_impl, r.kv_allocation, r.extra_kv_window_tokens = "fused", "preallocated", 0
     data = suite.model_dump()
     for f in fields(RunFlags):
         value = getattr(flags, f.name)
