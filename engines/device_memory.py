@@ -95,7 +95,6 @@ class DeviceOutOfMemory(Exception):
 
     def __init__(self, when: str, needed: DeviceMemory, memory_bytes: int, in_use_bytes: int,
                  hint: str) -> None:
-        self.when = when
         self.needed = needed
         self.memory_bytes = memory_bytes
         self.in_use_bytes = in_use_bytes
@@ -191,14 +190,14 @@ class DeviceMemoryModel:
         decoder = peak.total
         activation, attention = decoder - peak.attention, peak.attention
         if encoded:
-            towers = [
-                self._activations.encoder_peak(VISION_TOWER if s.kind == "image" else AUDIO_TOWER,
-                                               [s.tokens])
-                for s in encoded
-            ]
-            # The encoders run before the decoder forward, with the cache already filled.
-            if sum(towers) > decoder:
-                activation, attention = sum(towers), 0
+            # One forward per tower over its segments, before the decoder's, with their
+            # outputs already cached.
+            towers = max(
+                self._activations.encoder_peak(tower, [s.tokens for s in encoded if s.kind == kind])
+                for kind, tower in (("image", VISION_TOWER), ("audio", AUDIO_TOWER))
+            )
+            if towers > decoder:
+                activation, attention = towers, 0
         encoder = self._encoder.nbytes
         snapshot = self._fit(activation, attention, encoder, in_use)
         self._encoder.release_done(batch.items)
@@ -211,8 +210,7 @@ class DeviceMemoryModel:
 
     def _fit(self, activation: int, attention: int, encoder: int, in_use: int) -> DeviceMemory:
         workspace = activation + attention + encoder
-        before = self._workspace_reserved
-        self._workspace_reserved = max(before, _segments_up(workspace))
+        self._workspace_reserved = max(self._workspace_reserved, _segments_up(workspace))
         snapshot = self._snapshot(activation, attention, encoder)
         if snapshot.used_bytes // self.tp <= self.memory_bytes:
             return snapshot
