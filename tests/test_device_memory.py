@@ -159,6 +159,8 @@ def test_tensor_parallel_ranks_sum_to_the_whole() -> None:
     assert two["peak_device_weights_bytes"] == 2 * (LLAMA.weight_bytes // 2)
     assert two["peak_device_kv_bytes"] == one["peak_device_kv_bytes"]
     assert two["peak_device_non_torch_bytes"] == 2 * NON_TORCH_BYTES
+    assert two["peak_device_bytes_per_rank"] * 2 == two["peak_device_bytes"]
+    assert two["peak_device_bytes_per_rank"] < one["peak_device_bytes_per_rank"]
 
 
 def _oom_workload():

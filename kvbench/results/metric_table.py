@@ -179,6 +179,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("memory_growth_pct", "%", "lower", "device", "memory growth after warm-up %", ".1f"),
     # A simulated device's memory (kvbench.engines.device_memory): step peaks, and the
     # components at the step of peak_device_bytes.
+    _m("peak_device_bytes_per_rank", "bytes", "lower", "device",
+       "peak device memory per rank (modelled)", "bytes", needs=("device",)),
     _m("peak_device_allocated_bytes", "bytes", "lower", "device",
        "peak device allocated (modelled)", "bytes", needs=("device",)),
     _m("peak_device_reserved_bytes", "bytes", "lower", "device",

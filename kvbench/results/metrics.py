@@ -68,7 +68,8 @@ Modelled device memory (engines that model it, the simulator; see
 
 - ``peak_device_bytes``: the largest step peak of the device's used memory (reserved by the
   caching allocator plus non-torch memory: what nvidia-smi would show), summed over
-  tensor-parallel ranks; ``peak_device_allocated_bytes`` / ``peak_device_reserved_bytes``:
+  tensor-parallel ranks (``peak_device_bytes_per_rank``: one rank's share, all ranks being
+  alike); ``peak_device_allocated_bytes`` / ``peak_device_reserved_bytes``:
   the largest step peaks of live tensors / of the allocator's reservation.
 - ``peak_device_<component>_bytes`` for weights, kv, activation, attention, encoder,
   kv_cached and workspace_cached (reserved by the allocator, held by no tensor: around the
@@ -368,6 +369,7 @@ def modelled_device_metrics(run: EngineRun) -> dict[str, Any]:
     at = int(np.argmax(used))
     out: dict[str, Any] = {
         "peak_device_bytes": int(used[at]),
+        "peak_device_bytes_per_rank": int(used[at]) // run.steps.device_ranks,
         "peak_device_allocated_bytes": int(cols["device_allocated_bytes"].max()),
         "peak_device_reserved_bytes": int(cols["device_reserved_bytes"].max()),
         **{f"peak_device_{name}_bytes": int(cols[f"device_{name}_bytes"][at])

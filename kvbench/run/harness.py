@@ -89,8 +89,9 @@ class StepLog:
     kv_copied_bytes: list[int | None] = field(default_factory=list)
     page_table_entries: list[int | None] = field(default_factory=list)
     # Modelled device memory at each step's peak (engines that model it: the simulator),
-    # one column per DeviceMemory component, summed over tensor-parallel ranks.
+    # one column per DeviceMemory component, summed over the tensor-parallel ranks.
     device: dict[str, list[int]] = field(default_factory=dict)
+    device_ranks: int = 1
 
     def __len__(self) -> int:
         return len(self.t_s)
@@ -299,6 +300,7 @@ def _log_step(run: EngineRun, report: StepReport, t0: float, t1: float) -> None:
         s.page_table_entries.append(kv.page_table_entries)
     device = report.device
     if device is not None:
+        s.device_ranks = device.tp
         columns = s.device
         for name, value in device.components().items():
             columns.setdefault(name, []).append(value)
