@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.engines.kv.base import SlotCopy
+from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.kernels import reference
 
 HKV, D = 2, 16

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvbench.engines.kv.base import SlotCopy
+from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.errors import KvbenchError
 from kvbench.kernels import reference
 from kvbench.kernels.backend import get_backend
