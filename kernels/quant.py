@@ -132,8 +132,9 @@ def plan_scales(
     rows = torch.arange(num_tokens, device=slots.device)
     # Each token's leader: the last leader at or before it, in slot order.
     lead = torch.where(leader, rows, 0).cummax(0).values
-    need = torch.zeros(num_tokens, x.shape[1], device=x.device).index_reduce_(
-        0, lead, x[order].abs().amax(-1).float() / QMAX[dtype], "amax"
+    amax = x[order].abs().amax(-1).float() / QMAX[dtype]
+    need = torch.zeros_like(amax).scatter_reduce_(
+        0, lead[:, None].expand_as(amax), amax, "amax"
     )[lead]
     # A group's smallest written slot is its leader's: the group restarts if it is the first.
     fresh = (slots % group == 0)[:, None]

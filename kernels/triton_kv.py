@@ -14,7 +14,7 @@ from kvbench.errors import KvbenchError
 from kvbench.kernels.triton_attention import check_device
 
 if TYPE_CHECKING:
-    from kvbench.engines.kv.base import SlotCopy
+    from kvbench.kernels.slot_copy import SlotCopy
 
 COPY_SLOTS = 16  # slots per program and step of a copy
 COPY_ROW = 256  # row elements per inner step

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.kernels import reference
+from kvbench.kernels.slot_copy import SlotCopy
 
 HKV, D = 2, 16
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
@@ -204,3 +204,58 @@ def test_copy_slots_property(raw):
     want = _copy_oracle(caches.numpy(), copies)
     reference.copy_slots(caches, copies)
     assert np.array_equal(caches.numpy(), want)
+
+
+@pytest.mark.parametrize("min_view_blocks", [0, 2, 100])
+def test_runs_read_in_place_and_gathered(monkeypatch, min_view_blocks):
+    """Tables mixing runs of consecutive blocks and lone blocks: runs at least
+    ``min_view_blocks`` long are read in place, the others gathered (all of them at 100,
+    none at 0), with prefill chunks whose causal square spans several runs."""
+    block_size = 4
+    row_bytes = 2 * HKV * D * 4
+    monkeypatch.setattr(reference, "MIN_VIEW_BYTES", min_view_blocks * block_size * row_bytes)
+    case = Case([1, 9, 1, 14], [37, 30, 5, 14], 4, block_size, torch.float32, seed=11)
+    # Block ids in runs: 0-3, 9, 4-5, 12, 6-8 ... handed out in this order.
+    order = [0, 1, 2, 3, 9, 4, 5, 12, 6, 7, 8, 15, 16, 17, 10, 11, 13, 14, 18, 19, 20, 21, 22, 24]
+    case.block_tables.fill_(-1)
+    k, v = torch.zeros_like(case.paged_k), torch.zeros_like(case.paged_v)
+    used = 0
+    for b, n in enumerate(case.ctx_lens):
+        need = -(-n // block_size)
+        blocks = torch.tensor(order[used : used + need])
+        used += need
+        case.block_tables[b, :need] = blocks.int()
+        pos = torch.arange(n)
+        slots = blocks[pos // block_size] * block_size + pos % block_size
+        k[slots], v[slots] = case.keys[b], case.values[b]
+    case.paged_k, case.paged_v = k, v
+    torch.testing.assert_close(case.paged().double(), case.expected(), atol=1e-5, rtol=1e-5)
+
+
+def test_sequences_without_keys_give_zero_rows():
+    """A pool may hold none of a sequence's keys (context 0): its rows are 0, lse -inf."""
+    case = Case([1, 2], [5, 3], 2, 4, torch.float32)
+    lens = torch.tensor([0, 3], dtype=torch.int32)
+    out, lse = reference.paged_attention(
+        case.query[:3], case.paged_k, case.paged_v, case.block_tables, lens,
+        torch.tensor([0, 1, 3], dtype=torch.int32), 4, case.scale, return_lse=True,
+    )
+    assert not out[0].any() and (lse[0] == float("-inf")).all()
+    assert torch.isfinite(lse[1:]).all()
+
+
+def test_kernels_import_only_themselves_and_errors():
+    """``kvbench.kernels`` is a leaf: engines import from it, never the reverse."""
+    import ast
+    from pathlib import Path
+
+    import kvbench.kernels
+
+    for path in Path(kvbench.kernels.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
+                "kvbench"
+            ):
+                assert node.module.startswith("kvbench.kernels") or node.module == (
+                    "kvbench.errors"
+                ), f"{path.name} imports {node.module}"

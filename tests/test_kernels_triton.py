@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.errors import KvbenchError
 from kvbench.kernels import reference
 from kvbench.kernels.backend import get_backend
+from kvbench.kernels.slot_copy import SlotCopy
 
 HAS_TRITON = find_spec("triton") is not None
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
