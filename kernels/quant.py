@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from kvbench.errors import KvbenchError
+from kvbench.kernels.slot_copy import SlotCopy
 
 # The largest code of each storage dtype.
 QMAX: dict[torch.dtype, float] = {torch.int8: 127.0}
@@ -147,3 +148,22 @@ def plan_scales(
     ratio = torch.where(new > 0, old / torch.where(new > 0, new, 1.0), 1.0)
     requantise = leader & ((old > 0) & rise).any(-1)
     return ScalePlan(order, slots, groups, leader, old, new, ratio, requantise)
+
+
+def copy_group(caches: Tensor, scales: Tensor) -> int:
+    """Slots per scale group of ``caches`` ``[num_caches, S, ...]`` with ``scales``
+    ``[num_caches, S // group, ...]``."""
+    if scales.shape[0] != caches.shape[0] or caches.shape[1] % scales.shape[1]:
+        raise KvbenchError(
+            f"scales {list(scales.shape)} do not match caches {list(caches.shape)}: need "
+            "[num_caches, num_slots // group, ...]"
+        )
+    return caches.shape[1] // scales.shape[1]
+
+
+def check_aligned(copy: SlotCopy, group: int) -> None:
+    if copy.src % group or copy.dst % group:
+        raise KvbenchError(
+            f"slot copy {copy.src} -> {copy.dst} of a quantised cache must start on "
+            f"scale-group boundaries (every {group} slots)"
+        )

@@ -56,7 +56,15 @@ import torch
 from torch import Tensor
 
 from kvbench.errors import KvbenchError
-from kvbench.kernels.quant import decode, encode, plan_scales, scale_group, to_codes
+from kvbench.kernels.quant import (
+    check_aligned,
+    copy_group,
+    decode,
+    encode,
+    plan_scales,
+    scale_group,
+    to_codes,
+)
 from kvbench.kernels.slot_copy import SlotCopy
 
 # A run of fewer K+V bytes than this is cheaper to gather than to attend on its own: one
@@ -116,11 +124,11 @@ def copy_slots(
     ranges (a compaction sliding an extent left) are correct.
     """
     data = _bytes(caches)
-    group = _copy_group(caches, scales)
+    group = copy_group(caches, scales) if scales is not None else 0
     for c in copies:
         _copy_range(data, c.src, c.dst, c.num_slots)
         if scales is not None:
-            _check_aligned(c, group)
+            check_aligned(c, group)
             _copy_range(scales, c.src // group, c.dst // group, -(-c.num_slots // group))
 
 
@@ -129,25 +137,6 @@ def _copy_range(t: Tensor, src: int, dst: int, n: int) -> None:
     if abs(src - dst) < n:
         piece = piece.clone()
     t[:, dst : dst + n] = piece
-
-
-def _copy_group(caches: Tensor, scales: Tensor | None) -> int:
-    if scales is None:
-        return 0
-    if scales.shape[0] != caches.shape[0] or caches.shape[1] % scales.shape[1]:
-        raise KvbenchError(
-            f"scales {list(scales.shape)} do not match caches {list(caches.shape)}: need "
-            "[num_caches, num_slots // group, ...]"
-        )
-    return caches.shape[1] // scales.shape[1]
-
-
-def _check_aligned(c: SlotCopy, group: int) -> None:
-    if c.src % group or c.dst % group:
-        raise KvbenchError(
-            f"slot copy {c.src} -> {c.dst} of a quantised cache must start on scale-group "
-            f"boundaries (every {group} slots)"
-        )
 
 
 def merge_attention(
