@@ -6,8 +6,9 @@ heads over 2 KV heads of 32) and a 7B-class model's (``mistral-7b``: 32 over 8 o
 float32, the CPU engine's dtype.
 
 Layouts: ``contiguous`` (one extent per sequence), ``paged`` (each sequence's blocks
-physically consecutive, as a fresh pool hands them out) and ``paged-scattered`` (blocks
-permuted over the whole pool, as after many allocations and frees). Decode batches have all
+physically consecutive, as a fresh pool hands them out), ``paged-recycled`` (consecutive but
+descending, as a pool that takes freed blocks back tail first hands them out again) and
+``paged-scattered`` (blocks permuted over the whole pool, the worst case). Decode batches have all
 sequences at ``context`` (``equal``) or spread evenly from ``context / 8`` to ``context``
 (``ragged``); a prefill step is one chunk of 256 queries on top of ``context - 256`` cached
 tokens.
@@ -31,7 +32,7 @@ from kvbench.kernels import reference
 HEADS = {"tiny": get_preset("tiny"), "7b": get_preset("mistral-7b")}
 BLOCK_SIZE = 16
 PREFILL_CHUNK = 256
-LAYOUTS = ("contiguous", "paged", "paged-scattered")
+LAYOUTS = ("contiguous", "paged", "paged-recycled", "paged-scattered")
 KV_DTYPES = {"float32": torch.float32, "int8": torch.int8, "float8": torch.float8_e4m3fn}
 
 
@@ -72,7 +73,9 @@ def _inputs(layout: str, heads: str, q_lens: list[int], ctx_lens: list[int],
         ids = np.random.default_rng(0).permutation(ids)
     tables = torch.zeros(num_seqs, max(blocks), dtype=torch.int32)
     for b in range(num_seqs):
-        tables[b, : blocks[b]] = torch.from_numpy(ids[first[b] : first[b + 1]])
+        own = ids[first[b] : first[b + 1]]
+        tables[b, : blocks[b]] = torch.from_numpy(own[::-1].copy() if layout == "paged-recycled"
+                                                  else own)
     return paged_fn, (query, k_cache, v_cache, tables, lens, cu, BLOCK_SIZE, scale)
 
 

@@ -247,6 +247,21 @@ def _clip(segs: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return np.stack([slot + a - key, a, b - a])[:, keep]
 
 
+def _coalesce(segs: np.ndarray) -> np.ndarray:
+    """Runs whose order does not matter (no causal mask among them) sorted by slot and
+    joined where one ends at the next's start: a pool recycles a sequence's blocks tail
+    first, so later sequences get descending runs of blocks, one range of slots each. The
+    joined runs' key indices are no longer meaningful."""
+    if segs.shape[1] < 2:
+        return segs
+    segs = segs[:, np.argsort(segs[0], kind="stable")]
+    slot, n = segs[0], segs[2]
+    start = np.ones(len(slot), dtype=bool)
+    start[1:] = slot[1:] != slot[:-1] + n[:-1]
+    first = np.flatnonzero(start)
+    return np.stack([slot[first], segs[1][first], np.add.reduceat(n, first)])
+
+
 @dataclass(frozen=True, slots=True)
 class _Gather:
     """Short runs (first slots, lengths) copied together, in order, as ``units`` of ``unit``
@@ -299,31 +314,42 @@ class _Attention:
         self, runs: _Runs, cu_seqlens_q: Tensor, return_lse: bool
     ) -> Tensor | tuple[Tensor, Tensor]:
         query = self.query
-        out = torch.zeros_like(query)
-        lse = torch.full(query.shape[:2], float("-inf"), device=query.device)
         cu = cu_seqlens_q.tolist()
+        # Sequences' rows are back to back: their outputs are concatenated, in one copy.
+        outs, lses = [], []
         for b in range(len(cu) - 1):
             q0, q1 = cu[b], cu[b + 1]
             p0, p1 = runs.ptr[b], runs.ptr[b + 1]
-            if q1 == q0 or p1 == p0 or runs.context[b] == 0:
+            if q1 == q0:
                 continue
-            o, lse_b = self.sequence(q0, q1, runs.segs[:, p0:p1], runs.context[b])
-            out[q0:q1] = o
-            lse[q0:q1] = lse_b
-        return (out, lse) if return_lse else out
+            if p1 == p0 or runs.context[b] == 0:
+                outs.append(query.new_zeros(q1 - q0, *query.shape[1:]))
+                lses.append(torch.full((q1 - q0, query.shape[1]), float("-inf"),
+                                       device=query.device))
+                continue
+            o, lse = self.sequence(q0, q1, runs.segs[:, p0:p1], runs.context[b])
+            outs.append(o)
+            lses.append(lse)
+        if not outs:
+            empty = torch.empty(0, query.shape[1], device=query.device)
+            return (torch.zeros_like(query), empty) if return_lse else torch.zeros_like(query)
+        out = torch.cat(outs).to(query.dtype)
+        return (out, torch.cat(lses)) if return_lse else out
 
     def sequence(self, q0: int, q1: int, segs: np.ndarray, ctx: int) -> tuple[Tensor, Tensor]:
         """Sequence rows ``q0 : q1`` over its key runs: ``[nq, Hq, D]`` output, ``[nq, Hq]``
         log-sum-exp."""
-        q = self.query[q0:q1].to(self.dtype)
+        q = self.query[q0:q1]
+        if q.dtype != self.dtype:
+            q = q.to(self.dtype)
         nq = q1 - q0
         if self.query_positions is not None or nq == 1:
-            parts = [(segs, False)]
+            parts = [(_coalesce(segs), False)]
         else:
             # Keys before the chunk are seen by every query; the chunk's own keys form a
             # causal square.
             split = ctx - nq
-            parts = [(_clip(segs, 0, split), False), (_clip(segs, split, ctx), True)]
+            parts = [(_coalesce(_clip(segs, 0, split)), False), (_clip(segs, split, ctx), True)]
         outs = [
             self._attend(q, q0, q1, piece, causal)
             for part, causal in parts
@@ -371,11 +397,13 @@ class _Attention:
             slots = piece.token_slots(cache.device) if scale is not None else None
         else:
             x = cache[piece[0] : piece[0] + piece[1]]
-            slots = torch.arange(piece[0], piece[0] + piece[1], device=cache.device)
+            slots = None
+            if scale is not None:
+                slots = torch.arange(piece[0], piece[0] + piece[1], device=cache.device)
         if scale is not None:
             assert slots is not None
             return decode(x, scale[torch.div(slots, group, rounding_mode="floor")][:, :, None])
-        return x.to(self.dtype)
+        return x if x.dtype == self.dtype else x.to(self.dtype)
 
     def _key_positions(self, piece: _Piece) -> Tensor:
         assert self.slot_positions is not None
@@ -417,8 +445,8 @@ class _Attention:
             attn_mask=mask, scale=self.scale,
         )
         if nq == 1:
-            return o.float().reshape(1, hq, d), lse.reshape(1, hq)
-        return o[0].transpose(0, 1).float(), lse[0].transpose(0, 1)
+            return o.reshape(1, hq, d), lse.reshape(1, hq)
+        return o[0].transpose(0, 1), lse[0].transpose(0, 1)
 
     def _math(self, q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None,
               causal: bool) -> tuple[Tensor, Tensor]:

@@ -110,8 +110,17 @@ def test_attention_matches_dense(dtype, block_size, group):
         torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_paged_and_contiguous_are_bitwise_equal():
+def test_consecutive_blocks_equal_an_extent_bitwise():
+    """A fresh pool's consecutive blocks are read as the contiguous layout reads an extent."""
     case = Case(Q_LENS, CTX_LENS, 4, 16, torch.float32, seed=3)
+    need = [-(-n // 16) for n in CTX_LENS]
+    first = np.cumsum([0, *need])
+    k, v = torch.zeros_like(case.paged_k), torch.zeros_like(case.paged_v)
+    for b, n in enumerate(CTX_LENS):
+        case.block_tables[b, : need[b]] = torch.arange(first[b], first[b + 1]).int()
+        k[first[b] * 16 : first[b] * 16 + n] = case.keys[b]
+        v[first[b] * 16 : first[b] * 16 + n] = case.values[b]
+    case.paged_k, case.paged_v = k, v
     assert torch.equal(case.paged(), case.contiguous())
 
 
@@ -231,6 +240,37 @@ def test_runs_read_in_place_and_gathered(monkeypatch, min_view_blocks):
         k[slots], v[slots] = case.keys[b], case.values[b]
     case.paged_k, case.paged_v = k, v
     torch.testing.assert_close(case.paged().double(), case.expected(), atol=1e-5, rtol=1e-5)
+
+
+def test_descending_blocks_are_read_as_one_range(monkeypatch):
+    """A recycled pool hands blocks out tail first: each sequence's blocks are consecutive
+    but descending. Decodes and the part of a chunk before its own tokens read them as one
+    slice; results match the oracle."""
+    calls = []
+    real = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def counting(q, k, *args, **kw):
+        calls.append(k.shape[2])
+        return real(q, k, *args, **kw)
+
+    monkeypatch.setattr(reference, "MIN_VIEW_BYTES", 0)
+    monkeypatch.setattr(reference, "MERGE_COST", 0)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", counting)
+    case = Case([1, 8], [30, 40], 4, 4, torch.float32, seed=12)
+    k, v = torch.zeros_like(case.paged_k), torch.zeros_like(case.paged_v)
+    for b, first in enumerate([8, 20]):  # blocks 7..0 and 19..10
+        need = -(-case.ctx_lens[b] // 4)
+        blocks = torch.arange(first - 1, first - 1 - need, -1)
+        case.block_tables[b, :need] = blocks.int()
+        pos = torch.arange(case.ctx_lens[b])
+        slots = blocks[pos // 4] * 4 + pos % 4
+        k[slots], v[slots] = case.keys[b], case.values[b]
+    case.paged_k, case.paged_v = k, v
+    torch.testing.assert_close(case.paged().double(), case.expected(), atol=1e-5, rtol=1e-5)
+    # The decode: its partial last block (the lowest, slots past the context never read) and
+    # one call over the 28 keys of the other blocks; the chunk's 32 earlier keys in one call,
+    # its own 8 (descending blocks, kept in order for the causal mask) gathered into another.
+    assert calls == [2, 28, 32, 8]
 
 
 def test_sequences_without_keys_give_zero_rows():
