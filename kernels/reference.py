@@ -36,14 +36,17 @@ Attention accumulates in float32 (a float cache in the query's dtype is read as 
 float32 accumulation) and returns ``query``'s dtype. Kernels read only up to ``context_len``.
 
 The CPU path reads KV in place: a sequence's KV is a list of runs of physically consecutive
-slots (one extent; a fresh pool's consecutive blocks), each attended as a strided view of the
-cache with no copy, and runs are combined by their log-sum-exp. Runs too short to be worth a
-call of their own (scattered blocks) are gathered together into one small copy. Sequences run
-one by one, so unequal lengths cost no padding; prefill chunks split their keys into the part
-every query sees (no mask) and the causal square of their own positions. The plan is made on
-the host from the block tables and lengths; on CPU reading them is no device sync. On other
-devices, where the reference is only the Triton kernels' oracle, the same plan runs on
-explicit matmuls.
+slots (one extent; a fresh pool's consecutive blocks; a recycled pool's descending ones,
+joined where order does not matter), each attended as a strided view of the cache with no
+copy by torch's fused CPU attention, and runs are combined by their log-sum-exp. Runs too
+short to be worth a call of their own (scattered blocks) are gathered together into one
+copy. Sequences run one by one, so unequal lengths cost no padding, except short decodes
+(a few hundred KiB of K+V), which share one call over a padded copy: a call each would cost
+more. Prefill chunks split their keys into the part every query sees (no mask) and the
+causal square of their own positions. Both layouts go through the same plan, so neither pays
+a copy the other does not. The plan is made on the host from the block tables and lengths;
+on CPU reading them is no device sync. On other devices, where the reference is only the
+Triton kernels' oracle, the same plan runs on explicit matmuls.
 """
 
 from __future__ import annotations
@@ -73,6 +76,10 @@ from kvbench.kernels.slot_copy import SlotCopy
 # much as copying a megabyte, and a merge passes over its outputs a few times.
 MIN_VIEW_BYTES = 2**20
 MERGE_COST = 4
+# Decodes whose K+V take at most this many bytes are attended together, in one call over a
+# padded copy of their keys: a call per sequence costs more than copying this little (and
+# padding wastes at most this much per sequence). Both layouts take this path alike.
+SHORT_DECODE_BYTES = 256 * 2**10
 
 
 def store_kv(
@@ -127,11 +134,14 @@ def copy_slots(
     ranges (a compaction sliding an extent left) are correct.
     """
     data = _bytes(caches)
-    group = copy_group(caches, scales) if scales is not None else 0
+    group = 0
+    if scales is not None:
+        group = copy_group(caches, scales)
+        for c in copies:
+            check_aligned(c, group)
     for c in copies:
         _copy_range(data, c.src, c.dst, c.num_slots)
         if scales is not None:
-            check_aligned(c, group)
             _copy_range(scales, c.src // group, c.dst // group, -(-c.num_slots // group))
 
 
@@ -315,19 +325,30 @@ class _Attention:
     ) -> Tensor | tuple[Tensor, Tensor]:
         query = self.query
         cu = cu_seqlens_q.tolist()
+        num_seqs = len(cu) - 1
+        done: dict[int, tuple[Tensor, Tensor]] = {}
+        short = [
+            b for b in range(num_seqs)
+            if cu[b + 1] - cu[b] == 1 and runs.ptr[b + 1] > runs.ptr[b]
+            and 0 < runs.context[b] * self.row_bytes <= SHORT_DECODE_BYTES
+        ]
+        if len(short) > 1 and query.device.type == "cpu":
+            o, lse = self.short_decodes(short, cu, runs)
+            done = {b: (o[i : i + 1], lse[i : i + 1]) for i, b in enumerate(short)}
         # Sequences' rows are back to back: their outputs are concatenated, in one copy.
         outs, lses = [], []
-        for b in range(len(cu) - 1):
+        for b in range(num_seqs):
             q0, q1 = cu[b], cu[b + 1]
             p0, p1 = runs.ptr[b], runs.ptr[b + 1]
             if q1 == q0:
                 continue
-            if p1 == p0 or runs.context[b] == 0:
-                outs.append(query.new_zeros(q1 - q0, *query.shape[1:]))
-                lses.append(torch.full((q1 - q0, query.shape[1]), float("-inf"),
-                                       device=query.device))
-                continue
-            o, lse = self.sequence(q0, q1, runs.segs[:, p0:p1], runs.context[b])
+            if b in done:
+                o, lse = done[b]
+            elif p1 == p0 or runs.context[b] == 0:
+                o = query.new_zeros(q1 - q0, *query.shape[1:])
+                lse = torch.full((q1 - q0, query.shape[1]), float("-inf"), device=query.device)
+            else:
+                o, lse = self.sequence(q0, q1, runs.segs[:, p0:p1], runs.context[b])
             outs.append(o)
             lses.append(lse)
         if not outs:
@@ -335,6 +356,53 @@ class _Attention:
             return (torch.zeros_like(query), empty) if return_lse else torch.zeros_like(query)
         out = torch.cat(outs).to(query.dtype)
         return (out, torch.cat(lses)) if return_lse else out
+
+    def short_decodes(self, seqs: list[int], cu: list[int], runs: _Runs
+                      ) -> tuple[Tensor, Tensor]:
+        """Decodes of sequences ``seqs`` in one call over a ``[n, longest, Hkv, D]`` copy of
+        their keys, padding masked; padding repeats each sequence's first key, a finite
+        value, since masked probabilities still multiply what they mask."""
+        first = np.array([runs.ptr[b] for b in seqs])
+        counts = np.array([runs.ptr[b + 1] for b in seqs]) - first
+        ends = np.cumsum(counts)
+        picked = np.arange(ends[-1]) + np.repeat(first - (ends - counts), counts)
+        slot, key, length = runs.segs[:, picked]
+        owner = np.repeat(np.arange(len(seqs)), counts)
+        lens = np.array([runs.context[b] for b in seqs])
+        tok_ends = np.cumsum(length)
+        offset = np.arange(tok_ends[-1]) - np.repeat(tok_ends - length, length)
+        slots = np.repeat(slot[ends - counts], lens.max()).reshape(len(seqs), -1)
+        slots[np.repeat(owner, length), np.repeat(key, length) + offset] = (
+            np.repeat(slot, length) + offset
+        )
+        index = torch.from_numpy(slots)
+        visible = torch.from_numpy(np.arange(slots.shape[1])[None, :] < lens[:, None])
+        rows = torch.tensor([cu[b] for b in seqs])
+        if self.query_positions is not None:
+            assert self.slot_positions is not None
+            visible &= self.slot_positions[index] <= self.query_positions[rows][:, None]
+        k, v = (
+            self._rows(cache, scale, group, index)
+            for cache, scale, group in ((self.k_cache, self.k_scale, self.k_group),
+                                        (self.v_cache, self.v_scale, self.v_group))
+        )
+        n, hq, d = len(seqs), self.query.shape[1], self.query.shape[2]
+        q = self.query[rows].to(self.dtype).view(n, -1, self.group_size, d)
+        mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
+            attn_mask=mask[:, None, None], scale=self.scale,
+        )
+        lse = lse.reshape(n, hq).masked_fill(~visible.any(-1, keepdim=True), float("-inf"))
+        return o.reshape(n, hq, d), lse
+
+    def _rows(self, cache: Tensor, scale: Tensor | None, group: int, index: Tensor) -> Tensor:
+        """``cache`` at slots ``index`` ``[n, L]``, as ``[n, L, Hkv, D]`` of the compute dtype."""
+        x = _bytes(cache).index_select(0, index.flatten()).view(cache.dtype)
+        x = x.view(*index.shape, *cache.shape[1:])
+        if scale is not None:
+            return decode(x, scale[torch.div(index, group, rounding_mode="floor")][..., None])
+        return x if x.dtype == self.dtype else x.to(self.dtype)
 
     def sequence(self, q0: int, q1: int, segs: np.ndarray, ctx: int) -> tuple[Tensor, Tensor]:
         """Sequence rows ``q0 : q1`` over its key runs: ``[nq, Hq, D]`` output, ``[nq, Hq]``
@@ -392,8 +460,13 @@ class _Attention:
 
     def _load(self, cache: Tensor, scale: Tensor | None, group: int, piece: _Piece) -> Tensor:
         if isinstance(piece, _Gather):
-            units = _bytes(cache).unflatten(0, (-1, piece.unit)).index_select(0, piece.units)
-            x = units.flatten(0, 1)[: int(piece.lengths.sum())].view(cache.dtype)
+            raw = _bytes(cache)
+            # Rows of whole units index faster flat than as [units, unit, Hkv, D].
+            units = raw.view(-1, piece.unit * raw[0].numel()) if raw.is_contiguous() else (
+                raw.unflatten(0, (-1, piece.unit))
+            )
+            x = units.index_select(0, piece.units).view(-1, *cache.shape[1:])
+            x = x[: int(piece.lengths.sum())].view(cache.dtype)
             slots = piece.token_slots(cache.device) if scale is not None else None
         else:
             x = cache[piece[0] : piece[0] + piece[1]]

@@ -366,3 +366,37 @@ def test_copy_slots_moves_scales_with_blocks(dtype):
     assert torch.equal(after, want)
     with pytest.raises(KvbenchError, match="scale-group boundaries"):
         reference.copy_slots(caches, [SlotCopy(src=1, dst=8, num_slots=3)], scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *QDTYPES])
+@pytest.mark.parametrize("positions", [False, True])
+def test_batched_short_decodes_equal_one_by_one(monkeypatch, dtype, positions):
+    """Short decodes go through one padded call; one call per sequence gives the same rows,
+    with quantised pages and with key positions (a query seeing no key included)."""
+    pool = Pool(dtype, num_blocks=16, block_size=4)
+    gen = torch.Generator().manual_seed(10)
+    for chunks in ([9, 1], [1], [13], [3, 1, 1]):
+        fill(pool, chunks, gen)
+    query = torch.randn(4, HKV * 4, D, generator=gen)
+    cu = torch.arange(5, dtype=torch.int32)
+    kw = {}
+    if positions:
+        slot_pos = torch.full((pool.k.shape[0],), 99, dtype=torch.int32)
+        for seq in range(4):
+            slot_pos[pool.slots(seq)] = torch.arange(pool.lens[seq], dtype=torch.int32) * 2
+        kw = dict(slot_positions=slot_pos,
+                  query_positions=torch.tensor([17, -1, 7, 9], dtype=torch.int32))
+    batched = pool.attention(query, cu, return_lse=True, **kw)
+    monkeypatch.setattr(reference, "SHORT_DECODE_BYTES", 0)
+    one_by_one = pool.attention(query, cu, return_lse=True, **kw)
+    torch.testing.assert_close(batched[0], one_by_one[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(batched[1], one_by_one[1], atol=1e-6, rtol=1e-6)
+    if positions:
+        assert (batched[1][1] == NEG_INF).all() and not batched[0][1].any()
+    for b in range(4):
+        k, v = pool.stored(b)
+        n = pool.lens[b]
+        k_pos = torch.arange(n) * 2 if positions else torch.arange(n)
+        q_pos = kw["query_positions"][b : b + 1] if positions else torch.tensor([n - 1])
+        want, _ = dense_attention(query[b : b + 1], k, v, D**-0.5, q_pos, k_pos)
+        torch.testing.assert_close(batched[0][b : b + 1].double(), want, atol=1e-5, rtol=1e-5)
