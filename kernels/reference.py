@@ -421,7 +421,7 @@ class _Attention:
         outs = [
             self._attend(q, q0, q1, piece, causal)
             for part, causal in parts
-            for piece in self._pieces(part, nq, one=causal)
+            for piece in self._pieces(part, nq, causal)
         ]
         if len(outs) == 1:
             return outs[0]
@@ -431,28 +431,34 @@ class _Attention:
         w = torch.exp(lse - torch.where(total == float("-inf"), 0.0, total))
         return (w[..., None] * o).sum(0), total
 
-    def _pieces(self, segs: np.ndarray, nq: int, one: bool) -> list[_Piece]:
+    def _pieces(self, segs: np.ndarray, nq: int, causal: bool) -> list[_Piece]:
         """Runs long enough to attend on their own as slices, the others gathered together;
-        ``one`` asks for a single piece."""
+        a ``causal`` part (a chunk's own keys) is one piece with its keys in order."""
         if segs.shape[1] == 1:
             return [(int(segs[0, 0]), int(segs[2, 0]))]
         out_bytes = nq * self.query[0].numel() * 4
         long = segs[2] * self.row_bytes >= MIN_VIEW_BYTES + MERGE_COST * out_bytes
-        if one:
+        if causal:
             long[:] = False
         pieces: list[_Piece] = [(int(a), int(n)) for a, n in segs[[0, 2]][:, long].T]
         short = segs[:, ~long]
         if short.shape[1] == 1:
             pieces.append((int(short[0, 0]), int(short[2, 0])))
         elif short.shape[1]:
-            pieces.append(self._gather(short[0], short[2]))
+            pieces.append(self._gather(short[0], short[2], in_order=causal))
         return pieces
 
-    def _gather(self, slots: np.ndarray, lengths: np.ndarray) -> _Gather:
+    def _gather(self, slots: np.ndarray, lengths: np.ndarray, in_order: bool) -> _Gather:
         # Copy in the largest units that the runs allow (whole blocks, as a rule): indexing
-        # long rows is several times faster than indexing single tokens.
+        # long rows is several times faster than indexing single tokens. Only the last run
+        # may end inside a unit, so where order is free a partial block (a sequence's last,
+        # anywhere once runs are sorted by slot) goes last.
         num_slots = self.k_cache.shape[0]
-        unit = int(np.gcd.reduce(np.concatenate([slots, lengths[:-1], [num_slots]])))
+        unit = int(np.gcd.reduce(np.append(slots, num_slots)))
+        if not in_order:
+            last = np.argsort(lengths % unit != 0, kind="stable")
+            slots, lengths = slots[last], lengths[last]
+        unit = int(np.gcd.reduce(np.append(lengths[:-1], unit)))
         counts = -(-lengths // unit)
         ends = np.cumsum(counts)
         ids = np.arange(ends[-1]) + np.repeat(slots // unit - (ends - counts), counts)

@@ -273,6 +273,31 @@ def test_descending_blocks_are_read_as_one_range(monkeypatch):
     assert calls == [2, 28, 32, 8]
 
 
+@pytest.mark.parametrize("q_len", [1, 6])
+def test_gathered_runs_with_a_partial_block_first(monkeypatch, q_len):
+    """Descending blocks gathered whole: sorted by slot, the partial last block comes first
+    and is moved to the end so that whole blocks are copied; a chunk's own keys keep their
+    order."""
+    monkeypatch.setattr(reference, "MIN_VIEW_BYTES", 2**40)
+    units = []
+    real = reference._Attention._gather
+
+    def spy(self, *args, **kw):
+        piece = real(self, *args, **kw)
+        units.append(piece.unit)
+        return piece
+
+    monkeypatch.setattr(reference._Attention, "_gather", spy)
+    case = Case([q_len], [27], 2, 4, torch.float32, seed=13)
+    blocks = torch.tensor([9, 7, 5, 3, 1, 8, 6])  # recycled: runs of 1-2 blocks once sorted
+    case.block_tables[0, :7] = blocks.int()
+    pos = torch.arange(27)
+    slots = blocks[pos // 4] * 4 + pos % 4
+    case.paged_k[slots], case.paged_v[slots] = case.keys[0], case.values[0]
+    torch.testing.assert_close(case.paged().double(), case.expected(), atol=1e-5, rtol=1e-5)
+    assert units[0] == 4
+
+
 def test_sequences_without_keys_give_zero_rows():
     """A pool may hold none of a sequence's keys (context 0): its rows are 0, lse -inf."""
     case = Case([1, 2], [5, 3], 2, 4, torch.float32)
