@@ -12,16 +12,17 @@ group boundary or uses ``group = 1`` (one scale per token and head, never requan
 Store rule. Decode appends one token at a time, so a group's scale must stay valid as its
 tokens arrive:
 
-- A group starts afresh (scale 0, nothing valid in it) when a store writes its first slot: a
-  block is filled from offset 0, by one owner, after every allocation. Writes go to a group's
-  first slot before its others (true of paged blocks; contiguous extents must start on group
-  boundaries).
+- A group's slots are written in order, by one owner at a time: a block is filled from
+  offset 0 after every allocation and appended to after that (true of paged blocks, copied
+  ones included; contiguous extents must start on group boundaries). So a store that
+  writes a group's first slot starts it afresh (scale 0), and the group's valid codes are
+  those before the store's first slot in it.
 - When new tokens' absmax exceeds the group's range (``scale x qmax``), the scale rises to
   ``old x 2^k``, the smallest power-of-two multiple that covers them (or exactly absmax /
-  qmax on a fresh group), and the group's existing codes are requantised: real work, done
-  by the store, once per rise. A power-of-two ratio keeps requantisation exact for fp8 (an
-  exponent shift) and bounds int8 drift: fitting the scale exactly would let a code that
-  rounds back to itself ride many small rises, its value growing with the scale.
+  qmax on a fresh group), and the group's codes written so far are requantised: real work,
+  done by the store, once per rise. A power-of-two ratio keeps requantisation exact for fp8
+  (an exponent shift) and bounds int8 drift: fitting the scale exactly would let a code
+  that rounds back to itself ride many small rises, its value growing with the scale.
 
 Error bounds (``s`` = the group's final scale, ``x`` a stored value):
 
@@ -116,8 +117,9 @@ class ScalePlan:
     """One store's scale updates, per token in slot order (``order`` indexes the store's
     tokens). ``leader`` marks the first token of each scale group in this store; ``old`` and
     ``new`` are that group's scales ``[T, Hkv]`` before and after (0 before when the store
-    starts the group afresh); ``requantise`` marks leaders whose group holds codes that the
-    rise must rescale by ``ratio`` = old / new, a power of two."""
+    starts the group afresh); ``requantise`` marks leaders whose group holds codes (the
+    slots before the leader's) that the rise must rescale by ``ratio`` = old / new, a power
+    of two."""
 
     order: Tensor
     slots: Tensor

@@ -108,11 +108,16 @@ def _store(cache: Tensor, x: Tensor, slot_mapping: Tensor, scale: Tensor | None,
     plan = plan_scales(scale, x, slot_mapping, group, cache.dtype)
     codes = _bytes(cache)
     if plan.requantise.any():
-        groups = plan.groups[plan.requantise]
-        blocks = cache.view(-1, group, *cache.shape[1:])
-        ratio = plan.ratio[plan.requantise][:, None, :, None]
-        old = _bytes(blocks)[groups].view(cache.dtype)
-        _bytes(blocks)[groups] = _bytes(to_codes(decode(old, ratio), cache.dtype))
+        # The codes written so far: the group's slots before this store's first one.
+        first = plan.slots[plan.requantise]
+        counts = first % group
+        rows = torch.repeat_interleave(first - counts, counts)
+        rows += torch.arange(rows.shape[0]) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts
+        )
+        ratio = torch.repeat_interleave(plan.ratio[plan.requantise], counts, dim=0)
+        old = codes.index_select(0, rows).view(cache.dtype)
+        codes.index_copy_(0, rows, _bytes(to_codes(decode(old, ratio[:, :, None]), cache.dtype)))
     scale[plan.groups] = plan.new
     new = encode(x[plan.order].float(), plan.new[:, :, None], cache.dtype)
     codes.index_copy_(0, plan.slots, _bytes(new))

@@ -84,21 +84,23 @@ def _copy_kernel(
 
 @triton.jit
 def _requantise_kernel(
-    cache_ptr, groups_ptr, ratio_ptr, redo_ptr,
+    cache_ptr, slots_ptr, ratio_ptr, redo_ptr,
     stride_cs, stride_ch, stride_cd, stride_rt, stride_rh,
     QMAX: tl.constexpr, INT8: tl.constexpr, SCALE_GROUP: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
 ):
-    """One planned token: if it leads a group whose scale rose, rescale the group's codes."""
+    """One planned token: if it leads a group whose scale rose, rescale the group's codes
+    written so far (the slots before the token's)."""
     t = tl.program_id(0).to(tl.int64)
     if tl.load(redo_ptr + t) == 0:
         return
-    first = tl.load(groups_ptr + t).to(tl.int64) * SCALE_GROUP
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    first = slot - slot % SCALE_GROUP
     h = tl.arange(0, H_PAD)[:, None]
     d = tl.arange(0, D_PAD)[None, :]
     mask = (h < NUM_HEADS) & (d < HEAD_DIM)
     ratio = tl.load(ratio_ptr + t * stride_rt + h * stride_rh, mask=h < NUM_HEADS, other=1.0)
-    for i in range(SCALE_GROUP):
+    for i in range(slot - first):
         ptr = cache_ptr + (first + i) * stride_cs + h * stride_ch + d * stride_cd
         y = tl.load(ptr, mask=mask, other=0.0).to(tl.float32) * ratio
         tl.store(ptr, _to_codes(y, QMAX, INT8).to(cache_ptr.dtype.element_ty), mask=mask)
@@ -197,7 +199,7 @@ def _store_quantised(cache: Tensor, x: Tensor, slot_mapping: Tensor, scale: Tens
         H_PAD=triton.next_power_of_2(num_heads), D_PAD=triton.next_power_of_2(head_dim),
     )
     _requantise_kernel[(num_tokens,)](
-        cache, plan.groups, plan.ratio, plan.requantise.to(torch.int8),
+        cache, plan.slots, plan.ratio, plan.requantise.to(torch.int8),
         *cache.stride(), *plan.ratio.stride(), SCALE_GROUP=group, **consts,
     )
     scale[plan.groups] = plan.new
