@@ -308,20 +308,3 @@ def test_sequences_without_keys_give_zero_rows():
     )
     assert not out[0].any() and (lse[0] == float("-inf")).all()
     assert torch.isfinite(lse[1:]).all()
-
-
-def test_kernels_import_only_themselves_and_errors():
-    """``kvbench.kernels`` is a leaf: engines import from it, never the reverse."""
-    import ast
-    from pathlib import Path
-
-    import kvbench.kernels
-
-    for path in Path(kvbench.kernels.__file__).parent.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
-                "kvbench"
-            ):
-                assert node.module.startswith("kvbench.kernels") or node.module == (
-                    "kvbench.errors"
-                ), f"{path.name} imports {node.module}"
