@@ -77,9 +77,8 @@ from kvbench.kernels.slot_copy import SlotCopy
 MIN_VIEW_BYTES = 2**20
 MERGE_COST = 4
 # Decodes whose K+V take at most this many bytes are attended together, in one call over a
-# padded copy of their keys: a call per sequence costs more than copying this little. Both
-# layouts take this path alike. Decodes whose keys would be gathered anyway (scattered
-# blocks) join them, in groups by length so that padding at most doubles a group's work.
+# padded copy of their keys: a call per sequence costs more than copying this little (and
+# padding wastes at most this much per sequence). Both layouts take this path alike.
 SHORT_DECODE_BYTES = 256 * 2**10
 
 
@@ -278,19 +277,6 @@ def _coalesce(segs: np.ndarray) -> np.ndarray:
     return np.stack([slot[first], segs[1][first], np.add.reduceat(n, first)])
 
 
-def _buckets(seqs: list[int], context: list[int]) -> list[list[int]]:
-    """``seqs`` by context length into groups whose longest is at most twice their
-    shortest, so that padding to the longest at most doubles a group's work."""
-    order = sorted(seqs, key=context.__getitem__, reverse=True)
-    groups: list[list[int]] = []
-    for b in order:
-        if groups and 2 * context[b] >= context[groups[-1][0]]:
-            groups[-1].append(b)
-        else:
-            groups.append([b])
-    return groups
-
-
 @dataclass(frozen=True, slots=True)
 class _Gather:
     """Short runs (first slots, lengths) copied together, in order, as ``units`` of ``unit``
@@ -346,18 +332,14 @@ class _Attention:
         cu = cu_seqlens_q.tolist()
         num_seqs = len(cu) - 1
         done: dict[int, tuple[Tensor, Tensor]] = {}
-        decodes = [b for b in range(num_seqs) if cu[b + 1] - cu[b] == 1 and runs.context[b]]
-        short = [b for b in decodes if runs.context[b] * self.row_bytes <= SHORT_DECODE_BYTES]
-        copied = [
-            b for b in decodes
-            if runs.context[b] * self.row_bytes > SHORT_DECODE_BYTES
-            and self._copied(runs.segs[:, runs.ptr[b] : runs.ptr[b + 1]])
+        short = [
+            b for b in range(num_seqs)
+            if cu[b + 1] - cu[b] == 1 and runs.ptr[b + 1] > runs.ptr[b]
+            and 0 < runs.context[b] * self.row_bytes <= SHORT_DECODE_BYTES
         ]
-        if len(short) + len(copied) > 1 and query.device.type == "cpu":
-            for group in [short, *_buckets(copied, runs.context)]:
-                if group:
-                    o, lse = self.short_decodes(group, cu, runs)
-                    done.update({b: (o[i : i + 1], lse[i : i + 1]) for i, b in enumerate(group)})
+        if len(short) > 1 and query.device.type == "cpu":
+            o, lse = self.short_decodes(short, cu, runs)
+            done = {b: (o[i : i + 1], lse[i : i + 1]) for i, b in enumerate(short)}
         # Sequences' rows are back to back: their outputs are concatenated, in one copy.
         outs, lses = [], []
         for b in range(num_seqs):
@@ -379,13 +361,6 @@ class _Attention:
             return (torch.zeros_like(query), empty) if return_lse else torch.zeros_like(query)
         out = torch.cat(outs).to(query.dtype)
         return (out, torch.cat(lses)) if return_lse else out
-
-    def _copied(self, segs: np.ndarray) -> bool:
-        """Whether a decode over runs ``segs`` would gather all its keys anyway (scattered
-        blocks): it may as well share the batched call."""
-        segs = _coalesce(segs)
-        threshold = MIN_VIEW_BYTES + MERGE_COST * self.query[0].numel() * 4
-        return segs.shape[1] > 1 and bool((segs[2] * self.row_bytes < threshold).all())
 
     def short_decodes(self, seqs: list[int], cu: list[int], runs: _Runs
                       ) -> tuple[Tensor, Tensor]:
