@@ -1,6 +1,9 @@
-"""Kernel backends: the four KV-cache kernels the model and executor call, by name.
+"""Kernel backends: the KV-cache kernels the model and executor call, by name.
 
-A backend is a set of functions with the signatures of :mod:`kvbench.kernels.reference`.
+A backend is a set of functions with the signatures of :mod:`kvbench.kernels.reference`:
+``store_kv``, ``paged_attention``, ``contiguous_attention``, ``copy_slots`` and
+``merge_attention``, with the same optional quantisation scales, key positions and
+log-sum-exp output.
 The torch reference runs anywhere; the Triton backend (:mod:`kvbench.kernels.triton_attention`,
 :mod:`kvbench.kernels.triton_kv`) has the same signatures, is checked against the reference,
 and is imported only when asked for, so the reference path never needs triton.
@@ -27,6 +30,7 @@ class KernelBackend:
     paged_attention: Callable[..., Tensor]
     contiguous_attention: Callable[..., Tensor]
     copy_slots: Callable[..., None]
+    merge_attention: Callable[..., Tensor | tuple[Tensor, Tensor]]
 
 
 def _reference(device: torch.device | None) -> KernelBackend:
@@ -36,6 +40,7 @@ def _reference(device: torch.device | None) -> KernelBackend:
         paged_attention=reference.paged_attention,
         contiguous_attention=reference.contiguous_attention,
         copy_slots=reference.copy_slots,
+        merge_attention=reference.merge_attention,
     )
 
 
@@ -55,6 +60,7 @@ def _triton(device: torch.device | None) -> KernelBackend:
         paged_attention=triton_attention.paged_attention,
         contiguous_attention=triton_attention.contiguous_attention,
         copy_slots=triton_kv.copy_slots,
+        merge_attention=triton_attention.merge_attention,
     )
 
 

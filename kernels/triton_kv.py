@@ -1,9 +1,15 @@
-"""Triton KV store and slot copy with the signatures of :mod:`kvbench.kernels.reference`."""
+"""Triton KV store and slot copy with the signatures of :mod:`kvbench.kernels.reference`.
+
+A quantised store (see :mod:`kvbench.kernels.quant`) plans its scale updates with torch ops on
+the device (no read-back), then runs two kernels: one program per scale group whose scale
+rose requantises the group's codes in place, and once that is done one program per token
+writes the token's codes at its group's new scale. Slot copies move scale groups as ranges of
+the scale tensor, with the same kernel.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -11,10 +17,9 @@ import triton.language as tl
 from torch import Tensor
 
 from kvbench.errors import KvbenchError
+from kvbench.kernels.quant import QMAX, check_aligned, copy_group, plan_scales, scale_group
+from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.kernels.triton_attention import check_device
-
-if TYPE_CHECKING:
-    from kvbench.engines.kv.base import SlotCopy
 
 COPY_SLOTS = 16  # slots per program and step of a copy
 COPY_ROW = 256  # row elements per inner step
@@ -77,20 +82,105 @@ def _copy_kernel(
             )
 
 
+@triton.jit
+def _requantise_kernel(
+    cache_ptr, slots_ptr, ratio_ptr, redo_ptr,
+    stride_cs, stride_ch, stride_cd, stride_rt, stride_rh,
+    QMAX: tl.constexpr, INT8: tl.constexpr, SCALE_GROUP: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """One planned token: if it leads a group whose scale rose, rescale the group's codes
+    written so far (the slots before the token's)."""
+    t = tl.program_id(0).to(tl.int64)
+    if tl.load(redo_ptr + t) == 0:
+        return
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    first = slot - slot % SCALE_GROUP
+    h = tl.arange(0, H_PAD)[:, None]
+    d = tl.arange(0, D_PAD)[None, :]
+    mask = (h < NUM_HEADS) & (d < HEAD_DIM)
+    ratio = tl.load(ratio_ptr + t * stride_rt + h * stride_rh, mask=h < NUM_HEADS, other=1.0)
+    for i in range(slot - first):
+        ptr = cache_ptr + (first + i) * stride_cs + h * stride_ch + d * stride_cd
+        y = tl.load(ptr, mask=mask, other=0.0).to(tl.float32) * ratio
+        tl.store(ptr, _to_codes(y, QMAX, INT8).to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _to_codes(y, QMAX: tl.constexpr, INT8: tl.constexpr):
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    if INT8:  # noqa: SIM108 (a constexpr branch keeps the other rounding out of the kernel)
+        # Round half up, as the reference does; the clamp above keeps it in range.
+        y = tl.floor(y + 0.5)
+    else:
+        y = _round_e4m3(y)
+    return y
+
+
+@triton.jit
+def _round_e4m3(y):
+    """``y`` rounded to the nearest float8 e4m3 value (ties to even) in float32 arithmetic,
+    so the cast after it is exact: the interpreter's own cast drops the carry when rounding
+    up crosses a power of two (124.7 becomes 64)."""
+    bits = y.to(tl.int32, bitcast=True)
+    # Adding 2^(e + 20) to a value of exponent e leaves float32 steps of 2^(e - 3): e4m3's
+    # 3-bit mantissa. Below 2^-6 e4m3 is subnormal, with the steps of 2^-6.
+    exponent = tl.maximum((bits >> 23) & 0xFF, 127 - 6)
+    shift = ((exponent + 20) << 23).to(tl.float32, bitcast=True)
+    r = (tl.abs(y) + shift) - shift
+    return tl.where(bits < 0, -r, r)
+
+
+@triton.jit
+def _quantised_store_kernel(
+    cache_ptr, x_ptr, order_ptr, slots_ptr, scale_ptr,
+    stride_cs, stride_ch, stride_cd, stride_xt, stride_xh, stride_xd, stride_st, stride_sh,
+    QMAX: tl.constexpr, INT8: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """One planned token: its codes at its group's new scale into its slot."""
+    t = tl.program_id(0).to(tl.int64)
+    row = tl.load(order_ptr + t).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    h = tl.arange(0, H_PAD)[:, None]
+    d = tl.arange(0, D_PAD)[None, :]
+    mask = (h < NUM_HEADS) & (d < HEAD_DIM)
+    x = tl.load(x_ptr + row * stride_xt + h * stride_xh + d * stride_xd, mask=mask, other=0.0)
+    s = tl.load(scale_ptr + t * stride_st + h * stride_sh, mask=h < NUM_HEADS, other=0.0)
+    y = tl.where(s > 0.0, x.to(tl.float32) / tl.where(s > 0.0, s, 1.0), 0.0)
+    tl.store(
+        cache_ptr + slot * stride_cs + h * stride_ch + d * stride_cd,
+        _to_codes(y, QMAX, INT8).to(cache_ptr.dtype.element_ty), mask=mask,
+    )
+
+
 def store_kv(
-    k_cache: Tensor, v_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor
+    k_cache: Tensor,
+    v_cache: Tensor,
+    key: Tensor,
+    value: Tensor,
+    slot_mapping: Tensor,
+    *,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` to slots ``slot_mapping``
-    ``[T]`` int64 (distinct slots)."""
+    ``[T]`` int64 (distinct slots); a quantised cache encodes them, updating its scales."""
     check_device(k_cache.device)
+    k_group = scale_group(k_cache, k_scale, "k_scale")
+    v_group = scale_group(v_cache, v_scale, "v_scale")
+    num_tokens, num_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    if k_scale is not None and v_scale is not None:
+        _store_quantised(k_cache, key, slot_mapping, k_scale, k_group)
+        _store_quantised(v_cache, value, slot_mapping, v_scale, v_group)
+        return
     if not (k_cache.dtype == v_cache.dtype == key.dtype == value.dtype):
         raise KvbenchError(
             f"store_kv needs one dtype for caches and new KV; got {k_cache.dtype}, "
             f"{v_cache.dtype}, {key.dtype}, {value.dtype}"
         )
-    num_tokens, num_heads, head_dim = key.shape
-    if num_tokens == 0:
-        return
     _store_kernel[(num_tokens,)](
         k_cache, v_cache, key, value, slot_mapping,
         *k_cache.stride(), *v_cache.stride(), *key.stride(), *value.stride(),
@@ -99,20 +189,54 @@ def store_kv(
     )
 
 
+def _store_quantised(cache: Tensor, x: Tensor, slot_mapping: Tensor, scale: Tensor,
+                     group: int) -> None:
+    plan = plan_scales(scale, x, slot_mapping, group, cache.dtype)
+    num_tokens, num_heads, head_dim = x.shape
+    consts = dict(
+        QMAX=QMAX[cache.dtype], INT8=cache.dtype == torch.int8,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+        H_PAD=triton.next_power_of_2(num_heads), D_PAD=triton.next_power_of_2(head_dim),
+    )
+    _requantise_kernel[(num_tokens,)](
+        cache, plan.slots, plan.ratio, plan.requantise.to(torch.int8),
+        *cache.stride(), *plan.ratio.stride(), SCALE_GROUP=group, **consts,
+    )
+    scale[plan.groups] = plan.new
+    _quantised_store_kernel[(num_tokens,)](
+        cache, x, plan.order, plan.slots, plan.new,
+        *cache.stride(), *x.stride(), *plan.new.stride(), **consts,
+    )
+
+
 # (src, dst, num_slots)
 _Move = tuple[int, int, int]
 
 
-def copy_slots(caches: Tensor, copies: Sequence[SlotCopy]) -> None:
+def copy_slots(
+    caches: Tensor, copies: Sequence[SlotCopy], scales: Tensor | None = None
+) -> None:
     """Apply slot-range copies, in order, to every cache at once.
 
-    ``caches`` is ``[num_caches, S, ...]``. The result is as if each copy read through a
-    temporary, one after another. Consecutive copies that neither read nor write what an
-    earlier one in the same run writes go in one launch (copy-on-write of many blocks); a
-    copy overlapping itself (compaction sliding an extent) goes through a bounded staging
-    buffer.
+    ``caches`` is ``[num_caches, S, ...]``; ``scales``, for a quantised pool, is
+    ``[num_caches, S // group, ...]`` and its groups move with their slots. The result is as
+    if each copy read through a temporary, one after another. Consecutive copies that neither
+    read nor write what an earlier one in the same run writes go in one launch (copy-on-write
+    of many blocks); a copy overlapping itself (compaction sliding an extent) goes through a
+    bounded staging buffer.
     """
     check_device(caches.device)
+    if scales is not None:
+        group = copy_group(caches, scales)
+        for c in copies:
+            check_aligned(c, group)
+        _copy(scales, [SlotCopy(c.src // group, c.dst // group, -(-c.num_slots // group))
+                       for c in copies])
+    # Codes move as bytes: the interpreter does not load every float8 type.
+    _copy(caches.view(torch.uint8) if caches.element_size() == 1 else caches, copies)
+
+
+def _copy(caches: Tensor, copies: Sequence[SlotCopy]) -> None:
     flat = caches.view(caches.shape[0], caches.shape[1], -1)
     run: list[_Move] = []
     for c in copies:

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.engines.kv.base import SlotCopy
 from kvbench.kernels import reference
+from kvbench.kernels.slot_copy import SlotCopy
 
 HKV, D = 2, 16
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
@@ -110,8 +110,17 @@ def test_attention_matches_dense(dtype, block_size, group):
         torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_paged_and_contiguous_are_bitwise_equal():
+def test_consecutive_blocks_equal_an_extent_bitwise():
+    """A fresh pool's consecutive blocks are read as the contiguous layout reads an extent."""
     case = Case(Q_LENS, CTX_LENS, 4, 16, torch.float32, seed=3)
+    need = [-(-n // 16) for n in CTX_LENS]
+    first = np.cumsum([0, *need])
+    k, v = torch.zeros_like(case.paged_k), torch.zeros_like(case.paged_v)
+    for b, n in enumerate(CTX_LENS):
+        case.block_tables[b, : need[b]] = torch.arange(first[b], first[b + 1]).int()
+        k[first[b] * 16 : first[b] * 16 + n] = case.keys[b]
+        v[first[b] * 16 : first[b] * 16 + n] = case.values[b]
+    case.paged_k, case.paged_v = k, v
     assert torch.equal(case.paged(), case.contiguous())
 
 
@@ -204,3 +213,98 @@ def test_copy_slots_property(raw):
     want = _copy_oracle(caches.numpy(), copies)
     reference.copy_slots(caches, copies)
     assert np.array_equal(caches.numpy(), want)
+
+
+@pytest.mark.parametrize("min_view_blocks", [0, 2, 100])
+def test_runs_read_in_place_and_gathered(monkeypatch, min_view_blocks):
+    """Tables mixing runs of consecutive blocks and lone blocks: runs at least
+    ``min_view_blocks`` long are read in place, the others gathered (all of them at 100,
+    none at 0), with prefill chunks whose causal square spans several runs."""
+    block_size = 4
+    row_bytes = 2 * HKV * D * 4
+    monkeypatch.setattr(reference, "MIN_VIEW_BYTES", min_view_blocks * block_size * row_bytes)
+    monkeypatch.setattr(reference, "MERGE_COST", 0)
+    case = Case([1, 9, 1, 14], [37, 30, 5, 14], 4, block_size, torch.float32, seed=11)
+    # Block ids in runs: 0-3, 9, 4-5, 12, 6-8 ... handed out in this order.
+    order = [0, 1, 2, 3, 9, 4, 5, 12, 6, 7, 8, 15, 16, 17, 10, 11, 13, 14, 18, 19, 20, 21, 22, 24]
+    case.block_tables.fill_(-1)
+    k, v = torch.zeros_like(case.paged_k), torch.zeros_like(case.paged_v)
+    used = 0
+    for b, n in enumerate(case.ctx_lens):
+        need = -(-n // block_size)
+        blocks = torch.tensor(order[used : used + need])
+        used += need
+        case.block_tables[b, :need] = blocks.int()
+        pos = torch.arange(n)
+        slots = blocks[pos // block_size] * block_size + pos % block_size
+        k[slots], v[slots] = case.keys[b], case.values[b]
+    case.paged_k, case.paged_v = k, v
+    torch.testing.assert_close(case.paged().double(), case.expected(), atol=1e-5, rtol=1e-5)
+
+
+def test_descending_blocks_are_read_as_one_range(monkeypatch):
+    """A recycled pool hands blocks out tail first: each sequence's blocks are consecutive
+    but descending. Decodes and the part of a chunk before its own tokens read them as one
+    slice; results match the oracle."""
+    calls = []
+    real = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def counting(q, k, *args, **kw):
+        calls.append(k.shape[2])
+        return real(q, k, *args, **kw)
+
+    monkeypatch.setattr(reference, "MIN_VIEW_BYTES", 0)
+    monkeypatch.setattr(reference, "MERGE_COST", 0)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", counting)
+    case = Case([1, 8], [30, 40], 4, 4, torch.float32, seed=12)
+    k, v = torch.zeros_like(case.paged_k), torch.zeros_like(case.paged_v)
+    for b, first in enumerate([8, 20]):  # blocks 7..0 and 19..10
+        need = -(-case.ctx_lens[b] // 4)
+        blocks = torch.arange(first - 1, first - 1 - need, -1)
+        case.block_tables[b, :need] = blocks.int()
+        pos = torch.arange(case.ctx_lens[b])
+        slots = blocks[pos // 4] * 4 + pos % 4
+        k[slots], v[slots] = case.keys[b], case.values[b]
+    case.paged_k, case.paged_v = k, v
+    torch.testing.assert_close(case.paged().double(), case.expected(), atol=1e-5, rtol=1e-5)
+    # The decode: its partial last block (the lowest, slots past the context never read) and
+    # one call over the 28 keys of the other blocks; the chunk's 32 earlier keys in one call,
+    # its own 8 (descending blocks, kept in order for the causal mask) gathered into another.
+    assert calls == [2, 28, 32, 8]
+
+
+@pytest.mark.parametrize("q_len", [1, 6])
+def test_gathered_runs_with_a_partial_block_first(monkeypatch, q_len):
+    """Descending blocks gathered whole: sorted by slot, the partial last block comes first
+    and is moved to the end so that whole blocks are copied; a chunk's own keys keep their
+    order."""
+    monkeypatch.setattr(reference, "MIN_VIEW_BYTES", 2**40)
+    units = []
+    real = reference._Attention._gather
+
+    def spy(self, *args, **kw):
+        piece = real(self, *args, **kw)
+        units.append(piece.unit)
+        return piece
+
+    monkeypatch.setattr(reference._Attention, "_gather", spy)
+    case = Case([q_len], [27], 2, 4, torch.float32, seed=13)
+    blocks = torch.tensor([9, 7, 5, 3, 1, 8, 6])  # recycled: runs of 1-2 blocks once sorted
+    case.block_tables[0, :7] = blocks.int()
+    pos = torch.arange(27)
+    slots = blocks[pos // 4] * 4 + pos % 4
+    case.paged_k[slots], case.paged_v[slots] = case.keys[0], case.values[0]
+    torch.testing.assert_close(case.paged().double(), case.expected(), atol=1e-5, rtol=1e-5)
+    assert units[0] == 4
+
+
+def test_sequences_without_keys_give_zero_rows():
+    """A pool may hold none of a sequence's keys (context 0): its rows are 0, lse -inf."""
+    case = Case([1, 2], [5, 3], 2, 4, torch.float32)
+    lens = torch.tensor([0, 3], dtype=torch.int32)
+    out, lse = reference.paged_attention(
+        case.query[:3], case.paged_k, case.paged_v, case.block_tables, lens,
+        torch.tensor([0, 1, 3], dtype=torch.int32), 4, case.scale, return_lse=True,
+    )
+    assert not out[0].any() and (lse[0] == float("-inf")).all()
+    assert torch.isfinite(lse[1:]).all()

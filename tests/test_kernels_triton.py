@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvbench.engines.kv.base import SlotCopy
 from kvbench.errors import KvbenchError
 from kvbench.kernels import reference
 from kvbench.kernels.backend import get_backend
+from kvbench.kernels.slot_copy import SlotCopy
 
 HAS_TRITON = find_spec("triton") is not None
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -279,6 +279,177 @@ def test_copy_slots_staged_in_pieces(monkeypatch, copy):
     reference.copy_slots(want, [copy])
     triton_kv.copy_slots(caches, [copy])
     assert torch.equal(caches, want)
+
+
+QDTYPES = [torch.int8, *([torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else [])]
+
+
+def quantised(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, group: int):
+    """Codes and scales of float caches ``k``/``v``, written by the reference store (every
+    slot at once, so each group fits its own values)."""
+    num_slots, heads, _ = k.shape
+    codes_k, codes_v = torch.zeros_like(k).to(dtype), torch.zeros_like(v).to(dtype)
+    k_scale = torch.zeros(num_slots // group, heads, device=k.device)
+    v_scale = torch.zeros_like(k_scale)
+    reference.store_kv(codes_k, codes_v, k.float(), v.float(),
+                       torch.arange(num_slots, device=k.device), k_scale=k_scale, v_scale=v_scale)
+    return codes_k, codes_v, k_scale, v_scale
+
+
+def check_quantised(batch: Batch, dtype: torch.dtype, paged_group: int, **kw) -> None:
+    """Triton over int8/fp8 pages (paged: ``paged_group`` slots per scale; contiguous: one
+    scale per slot) against the reference over the same codes."""
+    tr = triton_backend()
+    tol = TOL[batch.query.dtype]
+    pk, pv, pks, pvs = quantised(batch.paged_k, batch.paged_v, dtype, paged_group)
+    ck, cv, cks, cvs = quantised(batch.cont_k, batch.cont_v, dtype, 1)
+    paged = dict(query=batch.query, k_cache=pk, v_cache=pv, block_tables=batch.block_tables,
+                 context_lens=batch.context_lens, cu_seqlens_q=batch.cu,
+                 block_size=batch.block_size, scale=batch.scale, k_scale=pks, v_scale=pvs)
+    cont = dict(query=batch.query, k_cache=ck, v_cache=cv, extent_starts=batch.extent_starts,
+                context_lens=batch.context_lens, cu_seqlens_q=batch.cu, scale=batch.scale,
+                k_scale=cks, v_scale=cvs)
+    for fn, ref, args in ((tr.paged_attention, reference.paged_attention, paged),
+                          (tr.contiguous_attention, reference.contiguous_attention, cont)):
+        want, want_lse = ref(**args, return_lse=True)
+        got, got_lse = fn(**args, return_lse=True, **kw)
+        assert got.dtype == batch.query.dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(got_lse, want_lse, atol=tol, rtol=tol)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize(("block_size", "paged_group", "group"), [(8, 8, 4), (16, 4, 1), (8, 8, 7)])
+def test_quantised_attention(dtype, block_size, paged_group, group):
+    """Decodes, a later prefill chunk and a first chunk over quantised pages; per-block and
+    sub-block scale groups; GQA groups of 4, 1 and 7."""
+    batch = make_batch([1, 5, 1, 9], [21, 19, 2, 9], block_size=block_size, group=group,
+                       num_kv_heads=2 if group == 4 else 1)
+    check_quantised(batch, dtype, paged_group)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_quantised_split_k_decode(short_splits, dtype):
+    batch = make_batch([1, 1], [70, 3], block_size=16, group=4, num_kv_heads=1)
+    check_quantised(batch, dtype, 16, num_splits=3)
+
+
+@kernel_test
+@pytest.mark.parametrize("qdtype", [torch.float16, torch.bfloat16])
+def test_quantised_with_half_precision_queries(qdtype):
+    check_quantised(make_batch([1, 7], [9, 30], group=4, dtype=qdtype), torch.int8, 16)
+
+
+@kernel_test
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_lse_matches_the_reference(short_splits, num_splits):
+    batch = make_batch([1, 1, 1], [50, 1, 33], block_size=8, group=4, num_kv_heads=1)
+    tr = triton_backend()
+    want, want_lse = batch.paged(reference.paged_attention, return_lse=True)
+    for fn, call in ((tr.paged_attention, batch.paged), (tr.contiguous_attention,
+                                                          batch.contiguous)):
+        got, got_lse = call(fn, return_lse=True, num_splits=num_splits)
+        torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+        torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+@kernel_test
+@pytest.mark.parametrize("quant", [None, torch.int8])
+def test_positions_and_merge_match_the_reference(quant):
+    """Two pools holding alternate stretches of one sequence's positions, each attended with
+    key positions and merged, with queries before, inside and after the stretches."""
+    tr = triton_backend()
+    length, block_size = 40, 8
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(length, 2, 16, generator=gen).to(DEVICE)
+    v = torch.randn(length, 2, 16, generator=gen).to(DEVICE)
+    q_pos = torch.tensor([3, 12, 13, 25, 39], dtype=torch.int32, device=DEVICE)
+    query = torch.randn(5, 8, 16, generator=gen).to(DEVICE)
+    cu = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    results = {}
+    for name, keep in (("a", lambda p: (p // 10) % 2 == 0), ("b", lambda p: (p // 10) % 2 == 1)):
+        pos = [p for p in range(length) if keep(p)]
+        num_slots = 4 * block_size
+        pk, pv = torch.zeros(num_slots, 2, 16, device=DEVICE), torch.zeros(num_slots, 2, 16,
+                                                                          device=DEVICE)
+        table = torch.tensor([[3, 0, 2, 1]], dtype=torch.int32, device=DEVICE)
+        slots = (table[0].long()[torch.arange(len(pos), device=DEVICE) // block_size] *
+                 block_size + torch.arange(len(pos), device=DEVICE) % block_size)
+        pk[slots], pv[slots] = k[pos], v[pos]
+        slot_pos = torch.full((num_slots,), -1, dtype=torch.int32, device=DEVICE)
+        slot_pos[slots] = torch.tensor(pos, dtype=torch.int32, device=DEVICE)
+        extra = {}
+        if quant is not None:
+            pk, pv, ks, vs = quantised(pk, pv, quant, block_size)
+            extra = dict(k_scale=ks, v_scale=vs)
+        args = (query, pk, pv, table, torch.tensor([len(pos)], dtype=torch.int32,
+                                                   device=DEVICE), cu, block_size, 0.25)
+        kw = dict(slot_positions=slot_pos, query_positions=q_pos, return_lse=True, **extra)
+        want = reference.paged_attention(*args, **kw)
+        got = tr.paged_attention(*args, **kw)
+        torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(got[1], want[1], atol=2e-5, rtol=2e-5)
+        results[name] = got
+    assert (results["b"][1][0] == float("-inf")).all()  # position 3 precedes pool b
+    want_o, want_lse = reference.merge_attention(*results["a"], *results["b"], return_lse=True)
+    got_o, got_lse = tr.merge_attention(*results["a"], *results["b"], return_lse=True)
+    torch.testing.assert_close(got_o, want_o, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-6, rtol=1e-6)
+    half = tr.merge_attention(results["a"][0].bfloat16(), results["a"][1],
+                              results["b"][0].bfloat16(), results["b"][1])
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), want_o, atol=2e-2, rtol=2e-2)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("group", [1, 4])
+def test_quantised_store_matches_the_reference(dtype, group):
+    """The same appends (prefill chunks and decodes, magnitudes rising so that scales rise
+    and groups requantise) through both stores: equal scales, codes within one step."""
+    gen = torch.Generator().manual_seed(6)
+    num_slots = 32
+    stores = {"ref": reference.store_kv, "triton": triton_backend().store_kv}
+    state = {
+        name: ([torch.zeros(num_slots, 2, 16, device=DEVICE).to(dtype) for _ in range(2)],
+               [torch.zeros(num_slots // group, 2, device=DEVICE) for _ in range(2)])
+        for name in stores
+    }
+    start = 0
+    for n, mag in ((5, 1.0), (1, 3.0), (1, 0.5), (3, 20.0), (1, 1.0), (6, 0.1)):
+        slots = torch.arange(start, start + n, device=DEVICE)
+        start += n
+        key = mag * torch.randn(n, 2, 16, generator=gen).to(DEVICE)
+        value = mag * torch.randn(n, 2, 16, generator=gen).to(DEVICE)
+        for name, store in stores.items():
+            (kc, vc), (ks, vs) = state[name]
+            store(kc, vc, key, value, slots, k_scale=ks, v_scale=vs)
+    (rk, rv), (rks, rvs) = state["ref"]
+    (tk, tv), (tks, tvs) = state["triton"]
+    assert torch.equal(tks, rks) and torch.equal(tvs, rvs)
+    for got, want in ((tk, rk), (tv, rv)):
+        step = (got.float() - want.float()).abs()
+        if dtype == torch.int8:
+            assert step.max() <= 1 and (step == 0).float().mean() > 0.99
+        else:
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_copy_slots_moves_scales(dtype):
+    caches = torch.randn(4, 32, 2, 3, device=DEVICE).to(dtype)
+    scales = torch.rand(4, 8, 2, device=DEVICE)
+    copies = COPY_CASES["copy-on-write"] + [SlotCopy(src=20, dst=8, num_slots=8)]
+    want, want_scales = caches.clone(), scales.clone()
+    reference.copy_slots(want, copies, want_scales)
+    triton_backend().copy_slots(caches, copies, scales)
+    assert torch.equal(caches.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    with pytest.raises(KvbenchError, match="scale-group boundaries"):
+        triton_backend().copy_slots(caches, [SlotCopy(src=2, dst=8, num_slots=4)], scales)
 
 
 @kernel_test
