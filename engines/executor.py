@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench.engines.base import DeviceMemory
-from kvbench.engines.kv.base import KVManager, SlotCopy
+from kvbench.engines.kv.base import KVManager
 from kvbench.engines.sequence import Sequence
+from kvbench.kernels.slot_copy import SlotCopy
 
 
 @dataclass(slots=True)

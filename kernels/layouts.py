@@ -34,9 +34,10 @@ class KVLayout(Protocol):
 
     def attend(
         self, kernels: KernelBackend, query: Tensor, k_cache: Tensor, v_cache: Tensor,
-        context_lens: Tensor, cu_seqlens_q: Tensor, scale: float,
-    ) -> Tensor:
-        """Varlen attention of ``query`` over each sequence's KV in this layout."""
+        context_lens: Tensor, cu_seqlens_q: Tensor, scale: float, **options: Any,
+    ) -> Any:
+        """Varlen attention of ``query`` over each sequence's KV in this layout; ``options``
+        go to the kernel (scales of quantised pages, key positions, ``return_lse``)."""
         ...
 
 
@@ -54,11 +55,11 @@ class BlockTables:
 
     def attend(
         self, kernels: KernelBackend, query: Tensor, k_cache: Tensor, v_cache: Tensor,
-        context_lens: Tensor, cu_seqlens_q: Tensor, scale: float,
-    ) -> Tensor:
+        context_lens: Tensor, cu_seqlens_q: Tensor, scale: float, **options: Any,
+    ) -> Any:
         return kernels.paged_attention(
             query, k_cache, v_cache, self.block_tables, context_lens, cu_seqlens_q,
-            self.block_size, scale,
+            self.block_size, scale, **options,
         )
 
 
@@ -75,8 +76,9 @@ class Extents:
 
     def attend(
         self, kernels: KernelBackend, query: Tensor, k_cache: Tensor, v_cache: Tensor,
-        context_lens: Tensor, cu_seqlens_q: Tensor, scale: float,
-    ) -> Tensor:
+        context_lens: Tensor, cu_seqlens_q: Tensor, scale: float, **options: Any,
+    ) -> Any:
         return kernels.contiguous_attention(
             query, k_cache, v_cache, self.extent_starts, context_lens, cu_seqlens_q, scale,
+            **options,
         )

@@ -10,11 +10,11 @@ import torch
 from model_driver import SMALL
 
 from kvbench.engines.executor import ScheduledBatch, ScheduledSeq
-from kvbench.engines.kv.base import SlotCopy
 from kvbench.engines.sequence import Sequence
 from kvbench.engines.torch_executor import TorchExecutor
 from kvbench.errors import KvbenchError
 from kvbench.kernels.layouts import BlockTables, Extents
+from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.workloads.modalities import audio_token_count, image_token_count
 from kvbench.workloads.model import Request, Segment
 

@@ -11,7 +11,6 @@ backs the slots with nothing.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,21 +19,8 @@ from kvbench.engines.base import KVStats
 from kvbench.engines.kv.spec import Footprint, KVSpec, never_runs
 from kvbench.engines.sequence import Sequence
 from kvbench.kernels.layouts import KVLayout
+from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.workloads.model import Request
-
-
-@dataclass(frozen=True, slots=True)
-class SlotCopy:
-    """Copy ``num_slots`` token slots from ``src`` to ``dst`` before the step's compute.
-
-    Used for copy-on-write of a shared partial block, contiguous compaction and contiguous
-    fork. Ranges may overlap (compaction slides left); executors must copy as if through a
-    temporary.
-    """
-
-    src: int
-    dst: int
-    num_slots: int
 
 
 class KVManager(ABC):

@@ -21,11 +21,12 @@ import numpy as np
 from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, KVPolicy
 from kvbench.engines.kv.arena import FITS, Arena, Fit
-from kvbench.engines.kv.base import KVManager, SlotCopy
+from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.spec import Footprint, KVSpec
 from kvbench.engines.sequence import Sequence
 from kvbench.errors import KvbenchError
 from kvbench.kernels.layouts import Extents
+from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.workloads.model import Request
 
 Reservation = Literal["max_model_len", "request", "pow2"]

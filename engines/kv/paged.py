@@ -20,13 +20,14 @@ import numpy as np
 
 from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, KVPolicy, Paging
-from kvbench.engines.kv.base import KVManager, SlotCopy
+from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
 from kvbench.engines.kv.spec import Footprint, KVSpec
 from kvbench.engines.sequence import Sequence
 from kvbench.errors import KvbenchError
 from kvbench.kernels.layouts import BlockTables
+from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.workloads.model import Request
 
 
