@@ -39,7 +39,8 @@ def server():
 def record(server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("served")
     rec, _ = run_served(make_workload(_workload()), tmp,
-                        {"endpoint": server.endpoint, "scrape_interval_ms": 20})
+                        {"endpoint": server.endpoint, "scrape_interval_ms": 20,
+                         "scrape_max_duty": 1.0})
     return rec
 
 
@@ -160,7 +161,8 @@ def test_metrics_of_another_kind_degrade_too(tmp_path) -> None:
 def test_sglang_metrics_give_token_granular_kv(tmp_path) -> None:
     with fake_server(metrics="sglang", first_token_delay_s=0.2) as s:
         rec, _ = run_served(make_workload(_workload()), tmp_path,
-                            {"endpoint": s.endpoint, "scrape_interval_ms": 20})
+                            {"endpoint": s.endpoint, "scrape_interval_ms": 20,
+                             "scrape_max_duty": 1.0})
     assert rec.status == "ok"
     assert rec.engine_config["server"]["flavor"] == "sglang"
     assert rec.summary["kv_capacity_bytes"] == 64 * BLOCK_BYTES

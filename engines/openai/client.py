@@ -3,8 +3,8 @@ aiohttp session with a bounded connection pool, one task per request streaming i
 completion, and a task scraping ``/metrics``. Tasks put what they see on a queue that the
 harness thread drains at each step, so the synchronous harness never waits on the network.
 
-Every streamed chunk is stamped with ``time.perf_counter()`` when its bytes arrive, as
-``vllm bench serve`` stamps them: TTFT, ITL, TPOT and E2EL come from these stamps. A request
+Every streamed event is stamped with ``time.perf_counter()`` as it is read, as ``vllm bench
+serve`` stamps them: TTFT, ITL, TPOT and E2EL come from these stamps. A request
 ends at its last token chunk (the usage chunk and ``[DONE]`` follow it).
 
 A request never raises: an HTTP status other than 200, an error event in the stream, a
@@ -16,6 +16,7 @@ dropped request from a server that died.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import queue
 import threading
@@ -32,6 +33,10 @@ from kvbench.engines.openai.server_metrics import ServerSample, parse_metrics
 T = TypeVar("T")
 # How long to wait for an answer about whether the server is still up.
 ALIVE_TIMEOUT_S = 3.0
+# After a drain, how often to re-read /metrics until the server shows no requests (its
+# gauges may lag the last streamed token by an engine step), and how long between reads.
+DRAIN_SCRAPES = 10
+DRAIN_WAIT_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +69,14 @@ class Failed:
 
 @dataclass(frozen=True, slots=True)
 class Scrape:
-    """One ``/metrics`` reading: its start time, cost, and the sample or the error."""
+    """One ``/metrics`` reading: its start time, cost, and the sample or the error;
+    ``drained`` marks the reading taken after the client had nothing in flight."""
 
     t: float
     duration_s: float
     sample: ServerSample | None
     error: str | None = None
+    drained: bool = False
 
 
 Event = Chunk | Done | Failed | Scrape
@@ -108,6 +115,8 @@ class ClientConfig:
     max_connections: int
     request_timeout_s: float
     scrape_interval_s: float
+    # The most of the server's time its /metrics pages may take (see OpenAISection).
+    scrape_max_duty: float
 
 
 @dataclass(slots=True)
@@ -119,6 +128,7 @@ class ScrapeCost:
     total_s: float = 0.0
     max_s: float = 0.0
     last_error: str | None = None
+    longest_interval_s: float = 0.0  # the interval the duty cap stretched the reads to
 
     def add(self, scrape: Scrape) -> None:
         self.count += 1
@@ -133,8 +143,20 @@ class ScrapeCost:
         return {
             "count": self.count, "failed": self.failed,
             "mean_ms": None if mean is None else 1000 * mean, "max_ms": 1000 * self.max_s,
+            "longest_interval_ms": 1000 * self.longest_interval_s,
             "last_error": self.last_error,
         }
+
+    def throttled(self, interval_s: float, max_duty: float) -> str | None:
+        """Why readings were further apart than ``interval_s``, if they were."""
+        if self.longest_interval_s <= 1.01 * interval_s:
+            return None
+        return (
+            f"scrape-throttled: /metrics took the server up to {1000 * self.max_s:.0f} ms to "
+            f"render, so it was read as seldom as every {1000 * self.longest_interval_s:.0f} "
+            f"ms instead of {1000 * interval_s:g} ms, keeping its cost under "
+            f"{100 * max_duty:g}% of the server's time (scrape_max_duty)"
+        )
 
 
 @dataclass(slots=True)
@@ -145,6 +167,7 @@ class Client:
     events: queue.SimpleQueue[Event]
     session: aiohttp.ClientSession
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    cost: ScrapeCost = field(default_factory=ScrapeCost)
 
     @classmethod
     async def open(cls, config: ClientConfig, events: queue.SimpleQueue[Event]) -> Client:
@@ -190,10 +213,12 @@ class Client:
                     return
                 usage, done, buf = None, False, b""
                 async for data in resp.content.iter_any():
-                    t = time.perf_counter()
                     buf += data
                     *messages, buf = buf.split(b"\n\n")
                     for message in messages:
+                        # Each event its own stamp, as bench serve takes them: chunks that
+                        # arrive together still count as separate inter-token gaps.
+                        t = time.perf_counter()
                         payload = _sse_data(message)
                         if payload is None:
                             continue
@@ -239,6 +264,11 @@ class Client:
     # -- metrics --------------------------------------------------------------------------
 
     async def scrape(self) -> Scrape:
+        scrape = await self._read_metrics()
+        self.cost.add(scrape)
+        return scrape
+
+    async def _read_metrics(self) -> Scrape:
         assert self.config.metrics_url is not None
         t0 = time.perf_counter()
         try:
@@ -257,14 +287,32 @@ class Client:
         self.spawn(self._scrape_forever())
 
     async def _scrape_forever(self) -> None:
-        interval = self.config.scrape_interval_s
         due = time.perf_counter()
         while True:
-            self.events.put(await self.scrape())
-            due += interval
+            scrape = await self.scrape()
+            self.events.put(scrape)
+            interval = max(self.config.scrape_interval_s,
+                           scrape.duration_s / self.config.scrape_max_duty)
+            self.cost.longest_interval_s = max(self.cost.longest_interval_s, interval)
             # Behind schedule (a slow server): the next reading starts now, not in a burst.
-            due = max(due, time.perf_counter())
+            due = max(due + interval, time.perf_counter())
             await asyncio.sleep(due - time.perf_counter())
+
+    def scrape_drained(self) -> None:
+        """Read /metrics until the server shows nothing running (bounded), then hand the
+        reading over marked ``drained``: the KV after a drain is then the server's state
+        after it, not before."""
+        self.spawn(self._scrape_drained())
+
+    async def _scrape_drained(self) -> None:
+        for _ in range(DRAIN_SCRAPES):
+            scrape = await self.scrape()
+            sample = scrape.sample
+            if sample is None or not (sample.running or sample.waiting):
+                break
+            self.events.put(scrape)
+            await asyncio.sleep(DRAIN_WAIT_S)
+        self.events.put(dataclasses.replace(scrape, drained=True))
 
 
 def _sse_data(message: bytes) -> str | None:

@@ -21,8 +21,8 @@ allocations and frees, per-request preemptions and queue times, and batch shapes
 
 from __future__ import annotations
 
+import gc
 import queue
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -38,7 +38,6 @@ from kvbench.engines.openai.client import (
     Failed,
     LoopThread,
     Scrape,
-    ScrapeCost,
 )
 from kvbench.engines.openai.discovery import ServerInfo, api_headers
 from kvbench.engines.openai.payload import PromptFormat, build_payload
@@ -50,10 +49,6 @@ if TYPE_CHECKING:
 
 # How long a step waits for an event: the most the harness can be late adding an arrival.
 POLL_S = 0.001
-# At a drain, how often to re-read /metrics until the server shows no requests (its gauges
-# lag the last streamed token by up to one engine step).
-DRAIN_SCRAPES = 10
-DRAIN_WAIT_S = 0.02
 _SETUP_TIMEOUT_S = 30.0
 ABSENT_KV_FIELDS = (
     "used_bytes", "reserved_ahead_bytes", "shared_bytes", "block_allocs", "block_frees",
@@ -125,14 +120,19 @@ class OpenAIEngine:
         self._rejected: list[Finished] = []
         self._fatal: str | None = None
         self._observed = _Observed()
-        self._scrapes = ScrapeCost()
-        self._drained = True
+        # Whether a reading after the last drain is still to come (see has_unfinished).
+        self._awaiting_drain = False
         sample = info.sample
         self._kv = ServerKV.of(sample, self.bytes_per_token) if sample is not None else None
         self._base = sample
         self._latest = sample
         self._kv_now: KVStats | None = None
         self._preempted_pending = 0
+        # A collection of the whole heap (torch and the rest of this process) stops every
+        # thread for up to hundreds of milliseconds, delaying the stamps of streamed chunks;
+        # freezing what exists now keeps the run's collections to the run's own objects.
+        gc.collect()
+        gc.freeze()
         self._loop = LoopThread()
         try:
             self._client = self._loop.run(Client.open(self._client_config(), self._events),
@@ -146,6 +146,7 @@ class OpenAIEngine:
                 self._loop.loop.call_soon_threadsafe(self._client.start_scraping)
         except BaseException:
             self._loop.close()
+            gc.unfreeze()
             raise
 
     def _auto_format(self) -> PromptFormat:
@@ -161,7 +162,7 @@ class OpenAIEngine:
         return ClientConfig(
             base_url=s.endpoint, metrics_url=self.info.metrics_url, headers=api_headers(s),
             max_connections=s.max_connections, request_timeout_s=s.request_timeout_s,
-            scrape_interval_s=s.scrape_interval_ms / 1000.0,
+            scrape_interval_s=s.scrape_interval_ms / 1000.0, scrape_max_duty=s.scrape_max_duty,
         )
 
     # -- Engine protocol ------------------------------------------------------------------
@@ -187,24 +188,26 @@ class OpenAIEngine:
             request, payload.prompt_format, request.prompt_tokens if exact else None
         )
         obs.peak_in_flight = max(obs.peak_in_flight, len(self._inflight))
-        self._drained = False
         path = "/completions" if payload.api == "completions" else "/chat/completions"
         self._loop.loop.call_soon_threadsafe(self._client.send, request.id, path, payload.body)
 
     def has_unfinished(self) -> bool:
-        # A pending fatal error is raised by the next step, after this one's results.
-        return bool(self._inflight or self._rejected or self._fatal)
+        # A pending fatal error is raised by the next step, after this one's results. Once
+        # nothing is in flight, the run holds until a /metrics reading taken after the
+        # drain has come: the KV a wave or the run ends with is then the drained server's.
+        return bool(self._inflight or self._rejected or self._fatal or self._awaiting_drain)
 
     def step(self) -> StepReport:
         if self._fatal is not None:
             raise RuntimeError(self._fatal)
         report = StepReport(finished=self._rejected, stamps=Stamps())
         self._rejected = []
-        for event in self._drain(wait=not report.finished):
+        had_inflight = bool(self._inflight)
+        for event in self._take_events(wait=not report.finished):
             self._apply(event, report)
-        if not self._inflight and not self._drained:
-            self._drained = True
-            self._scrape_drained()
+        if had_inflight and not self._inflight and self.info.metrics_url is not None:
+            self._awaiting_drain = True
+            self._loop.loop.call_soon_threadsafe(self._client.scrape_drained)
         sample = self._latest
         if sample is not None and sample.running is not None:
             report.num_running = round(sample.running)
@@ -221,6 +224,7 @@ class OpenAIEngine:
                 self._loop.run(self._client.close(), _SETUP_TIMEOUT_S)
             finally:
                 self._loop.close()
+                gc.unfreeze()
 
     def describe(self) -> dict[str, Any]:
         s, info = self.section, self.info
@@ -254,13 +258,15 @@ class OpenAIEngine:
         if sum(self._observed.apis.values()):
             # Learned while running (the harness adds keys it did not have at the start).
             out["observed"] = self._observed.to_json(s.max_connections)
-            out["scrapes"] = self._scrapes.to_json()
+            cost = self._client.cost
+            out["scrapes"] = {**cost.to_json(), "throttled": cost.throttled(
+                self.section.scrape_interval_ms / 1000.0, self.section.scrape_max_duty)}
             out["server_counters"] = self._counters()
         return out
 
     # -- events ---------------------------------------------------------------------------
 
-    def _drain(self, wait: bool) -> list[Event]:
+    def _take_events(self, wait: bool) -> list[Event]:
         events: list[Event] = []
         try:
             events.append(self._events.get(timeout=POLL_S) if wait else self._events.get_nowait())
@@ -330,7 +336,8 @@ class OpenAIEngine:
         return cached if isinstance(cached, int) else None
 
     def _on_scrape(self, scrape: Scrape) -> None:
-        self._scrapes.add(scrape)
+        if scrape.drained:
+            self._awaiting_drain = False
         sample = scrape.sample
         if sample is None or self._kv is None or self._base is None:
             return
@@ -340,19 +347,6 @@ class OpenAIEngine:
                                                                           or 0)))
         self._latest = sample
         self._kv_now = self._kv.stats(sample, self._base)
-
-    def _scrape_drained(self) -> None:
-        """Read /metrics until the server shows nothing running, so that the KV after a
-        drain (soak waves, the run's end) is the server's state after it, not before."""
-        if self.info.metrics_url is None:
-            return
-        for _ in range(DRAIN_SCRAPES):
-            scrape = self._loop.run(self._client.scrape(), _SETUP_TIMEOUT_S)
-            self._on_scrape(scrape)
-            sample = scrape.sample
-            if sample is None or not (sample.running or sample.waiting):
-                return
-            time.sleep(DRAIN_WAIT_S)
 
     def _counters(self) -> dict[str, float | None]:
         """The server's counters over the run and its last gauges not in KVStats."""

