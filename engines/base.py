@@ -149,10 +149,13 @@ class Stamps:
     """Exact ``time.perf_counter()`` times of what a step reports, from engines whose events
     happen between steps (a live server's streamed chunks): ``tokens[rid]`` holds one time
     per token of ``StepReport.tokens[rid]``, ``finished[rid]`` the end of each completed
-    request. The harness uses them instead of the step's end time."""
+    request, ``sent[rid]`` when a request actually left for the server (its latencies count
+    from then, as ``vllm bench serve`` counts them). The harness uses them instead of the
+    step's end time."""
 
     tokens: dict[str, list[float]] = field(default_factory=dict)
     finished: dict[str, float] = field(default_factory=dict)
+    sent: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

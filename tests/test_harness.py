@@ -98,9 +98,9 @@ def test_record_schema_mismatch_is_clear(tmp_path) -> None:
 
 
 class StampedEngine:
-    """Reports what a served engine would: a token per step at its own time (one ms apart,
-    long before the step ends), a completion at its last token, and ``idle`` empty steps
-    first, more than the harness allows an engine that computes."""
+    """Reports what a served engine would: a send time, a token per step at its own time
+    (one ms apart, long before the step ends), a completion at its last token, and ``idle``
+    empty steps first, more than the harness allows an engine that computes."""
 
     name = "stamped"
 
@@ -108,6 +108,7 @@ class StampedEngine:
         self.idle = idle
         self.pending: dict[str, int] = {}
         self.times: dict[str, list[float]] = {}
+        self.sent: dict[str, float] = {}
 
     def add(self, request: Any) -> None:
         self.pending[request.id] = request.output_tokens
@@ -128,6 +129,8 @@ class StampedEngine:
             rep.stamps.tokens[rid] = [at]
             if len(self.times[rid]) == 1:
                 rep.first_token.add(rid)
+                self.sent[rid] = at - 0.01
+                rep.stamps.sent[rid] = self.sent[rid]
             self.pending[rid] -= 1
             if self.pending[rid] == 0:
                 del self.pending[rid]
@@ -152,6 +155,8 @@ def test_stamped_events_keep_their_own_times_and_idle_steps_are_no_stall() -> No
         expected = [clock.at_perf(x) for x in engine.times[rid]]
         assert t.token_times_s == expected
         assert t.first_token_s == expected[0] and t.finish_s == expected[-1]
+        # Latencies count from the send, which the record keeps as the arrival.
+        assert t.request.arrival_s == clock.at_perf(engine.sent[rid])
     failed = run.timings["r2"]
     assert failed.status == "failed" and failed.error == "HTTP 503" and failed.finish_s is None
     s = summarize(run)

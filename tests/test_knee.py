@@ -35,6 +35,13 @@ def test_preemptions_count_as_kv_pressure() -> None:
     assert knee.rate == pytest.approx(1.5) and "12 preemptions" in knee.finding
 
 
+def test_an_early_slow_rate_without_kv_pressure_does_not_hide_the_knee() -> None:
+    # Latency already doubled at 2 req/s (other load), KV pressure only from 4 req/s.
+    runs = [_at(1, 40, 0.3), _at(2, 90, 0.4), _at(4, 150, 0.95)]
+    knee = kv_pressure_knee(saturation_curve(runs))
+    assert knee.slow_rate == 2 and knee.rate == 4  # the rate below was slow already
+
+
 def test_latency_rising_without_kv_pressure_is_no_kv_knee() -> None:
     knee = kv_pressure_knee(saturation_curve([_at(1, 40, 0.2), _at(2, 200, 0.4)]))
     assert knee.rate is None and knee.slow_rate == 2

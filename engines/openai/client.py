@@ -40,6 +40,14 @@ DRAIN_WAIT_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)
+class Sent:
+    """The request left for the server at ``t``."""
+
+    rid: str
+    t: float
+
+
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """Tokens of one choice (sample ``index``) that arrived at ``t``."""
 
@@ -79,7 +87,7 @@ class Scrape:
     drained: bool = False
 
 
-Event = Chunk | Done | Failed | Scrape
+Event = Sent | Chunk | Done | Failed | Scrape
 
 
 class LoopThread:
@@ -202,6 +210,7 @@ class Client:
         put = self.events.put
         url = self.config.base_url + path
         last = time.perf_counter()
+        put(Sent(rid, last))
         try:
             async with self.session.post(
                 url, data=body, headers={"Content-Type": "application/json"}

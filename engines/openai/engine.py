@@ -4,8 +4,11 @@ The harness adds each request at its arrival time under the wall clock; ``add`` 
 the client's event loop, which streams it from the server. A step waits at most
 ``POLL_S`` for something to happen (so the harness adds the next arrival at most that
 late), then reports what arrived since the last step: tokens, with the exact time each
-chunk came (``StepReport.stamps``), completions and failures. Queue sizes, preemptions and
-KV memory come from the latest ``/metrics`` scrape (every ``scrape_interval_ms``), through
+chunk came (``StepReport.stamps``), completions and failures. A request's latencies count
+from when it was sent, as ``vllm bench serve`` counts them (the record's ``arrival_s`` is
+that time; ``observed.send_lag_ms`` says how long the client took to send after the harness
+added it). Queue sizes, preemptions and KV memory come from the latest ``/metrics`` scrape
+(every ``scrape_interval_ms``, at most ``scrape_max_duty`` of the server's time), through
 :mod:`kvbench.engines.openai.server_metrics`; when the server publishes none, running is
 the number of requests in flight and KV is absent.
 
@@ -23,9 +26,12 @@ from __future__ import annotations
 
 import gc
 import queue
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from kvbench.engines.base import Finished, KVStats, Stamps, StepReport, output_digest
 from kvbench.engines.config import EngineConfig
@@ -38,6 +44,7 @@ from kvbench.engines.openai.client import (
     Failed,
     LoopThread,
     Scrape,
+    Sent,
 )
 from kvbench.engines.openai.discovery import ServerInfo, api_headers
 from kvbench.engines.openai.payload import PromptFormat, build_payload
@@ -64,6 +71,7 @@ class _InFlight:
     request: Request
     prompt_format: PromptFormat
     expected_prompt: int | None  # the prompt's token count, where sent as token ids
+    added_s: float  # perf_counter() when the harness added it
     samples: dict[int, list[int]] = field(default_factory=dict)
     tokens: int = 0
     ids_known: bool = True
@@ -84,6 +92,8 @@ class _Observed:
     stream_mismatch: int = 0  # tokens streamed differ from the server's own count
     errors: Counter[str] = field(default_factory=Counter)
     peak_in_flight: int = 0
+    # From the harness adding a request to the client sending it (the event loop's delay).
+    send_lag_s: list[float] = field(default_factory=list)
 
     def to_json(self, max_connections: int) -> dict[str, Any]:
         return {
@@ -97,10 +107,19 @@ class _Observed:
                 "streamed_token_mismatches": self.stream_mismatch,
             },
             "errors": dict(self.errors),
+            "send_lag_ms": _lag_ms(self.send_lag_s),
             "peak_in_flight": self.peak_in_flight,
             # Requests beyond the pool wait in the client: their latency includes the wait.
             "client_queued": self.peak_in_flight > max_connections,
         }
+
+
+def _lag_ms(lags_s: list[float]) -> dict[str, float] | None:
+    if not lags_s:
+        return None
+    ms = np.asarray(lags_s) * 1000.0
+    return {"median": float(np.median(ms)), "p99": float(np.percentile(ms, 99)),
+            "max": float(ms.max())}
 
 
 class OpenAIEngine:
@@ -185,7 +204,8 @@ class OpenAIEngine:
         obs.placeholders += payload.placeholders
         exact = payload.api == "completions" and payload.prompt_format == "token_ids"
         self._inflight[request.id] = _InFlight(
-            request, payload.prompt_format, request.prompt_tokens if exact else None
+            request, payload.prompt_format, request.prompt_tokens if exact else None,
+            time.perf_counter(),
         )
         obs.peak_in_flight = max(obs.peak_in_flight, len(self._inflight))
         path = "/completions" if payload.api == "completions" else "/chat/completions"
@@ -285,6 +305,10 @@ class OpenAIEngine:
         stamps = report.stamps
         assert stamps is not None
         rid = event.rid
+        if isinstance(event, Sent):
+            stamps.sent[rid] = event.t
+            self._observed.send_lag_s.append(event.t - state.added_s)
+            return
         if isinstance(event, Chunk):
             if state.tokens == 0:
                 report.first_token.add(rid)

@@ -9,8 +9,8 @@ Method (stated in every result):
   90%) of the KV capacity, or when the engine preempted requests (it ran out of KV).
 - The **knee** is the lowest swept rate that is both slow and under KV pressure. Its rate is
   interpolated linearly between the swept rate below it and the knee's own rate, at the
-  point where the latency crosses the threshold: the rate at which latency rises as KV
-  usage nears full.
+  point where the latency crosses the threshold (the knee's own rate when the rate below
+  was already slow): the rate at which latency rises as KV usage nears full.
 - Latency rising without KV pressure is a compute (or queueing) limit, not a KV knee: the
   result says so and names the rate. No rate slow: no knee within the sweep.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 
 from kvbench.results.schema import RunRecord
 
@@ -78,7 +77,8 @@ def _method(latency: str, factor: float, kv_full: float) -> str:
     return (
         f"knee = lowest swept rate whose {latency} exceeds {factor:g}x its value at the "
         f"lowest rate while peak KV reserved is >= {100 * kv_full:g}% of capacity or requests "
-        "were preempted; its rate interpolated linearly where the latency crosses the threshold"
+        "were preempted; its rate interpolated linearly where the latency crosses the "
+        "threshold from the rate below"
     )
 
 
@@ -98,30 +98,35 @@ def kv_pressure_knee(
     base = usable[0]
     assert base.latency_ms is not None
     threshold = latency_factor * base.latency_ms
-    for below, p in pairwise(usable):
-        assert p.latency_ms is not None and below.latency_ms is not None
-        if p.latency_ms <= threshold:
-            continue
-        pressured = (p.kv_peak_fraction is not None and p.kv_peak_fraction >= kv_full) or bool(
-            p.preemptions
-        )
-        if not pressured:
-            kv = "unknown" if p.kv_peak_fraction is None else f"{100 * p.kv_peak_fraction:.0f}%"
-            return Knee(None, p.rate, threshold,
-                        f"{latency} passes {threshold:.1f} ms at {p.rate:g} req/s with peak KV "
-                        f"at {kv} of capacity and no preemptions: a compute or queueing "
-                        "limit, not a KV knee", method)
-        # Where the latency crosses the threshold between the two swept rates.
-        span = p.latency_ms - below.latency_ms
-        frac = (threshold - below.latency_ms) / span if span > 0 else 1.0
-        rate = below.rate + frac * (p.rate - below.rate)
-        return Knee(rate, p.rate, threshold,
+    slow = [p for p in usable[1:] if p.latency_ms is not None and p.latency_ms > threshold]
+    knee = next((p for p in slow if _pressured(p, kv_full)), None)
+    if knee is not None:
+        below = usable[usable.index(knee) - 1]
+        assert knee.latency_ms is not None and below.latency_ms is not None
+        rate = knee.rate
+        if below.latency_ms <= threshold:
+            # Where the latency crosses the threshold between the two swept rates.
+            frac = (threshold - below.latency_ms) / (knee.latency_ms - below.latency_ms)
+            rate = below.rate + frac * (knee.rate - below.rate)
+        return Knee(rate, slow[0].rate, threshold,
                     f"{latency} rises past {threshold:.1f} ms ({latency_factor:g}x "
                     f"{base.latency_ms:.1f} ms at {base.rate:g} req/s) at about {rate:.3g} "
-                    f"req/s, as KV reaches {_pressure(p)}", method)
+                    f"req/s, as KV reaches {_pressure(knee)}", method)
+    if slow:
+        p = slow[0]
+        kv = "unknown" if p.kv_peak_fraction is None else f"{100 * p.kv_peak_fraction:.0f}%"
+        return Knee(None, p.rate, threshold,
+                    f"{latency} passes {threshold:.1f} ms at {p.rate:g} req/s with peak KV "
+                    f"at {kv} of capacity and no preemptions, and no slow rate is under KV "
+                    "pressure: a compute or queueing limit, not a KV knee", method)
     return Knee(None, None, threshold,
                 f"{latency} stays within {latency_factor:g}x its lowest-rate value up to "
                 f"{usable[-1].rate:g} req/s: no knee within the sweep", method)
+
+
+def _pressured(p: RatePoint, kv_full: float) -> bool:
+    full = p.kv_peak_fraction is not None and p.kv_peak_fraction >= kv_full
+    return full or bool(p.preemptions)
 
 
 def _pressure(p: RatePoint) -> str:

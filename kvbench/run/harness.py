@@ -264,6 +264,11 @@ def _record_requests(
     requests that ended."""
     timings = run.timings
     stamps = report.stamps
+    if stamps is not None:
+        for rid, t in stamps.sent.items():
+            # Sent later than it arrived (the client was busy): its record says when.
+            timing = timings[rid]
+            timing.request = dataclasses.replace(timing.request, arrival_s=clock.at_perf(t))
     for rid in report.scheduled_first:
         timings[rid].first_scheduled_s = t0
     for rid, count in report.tokens.items():

@@ -93,7 +93,8 @@ def mixed(server, tmp_path_factory) -> RunRecord:
         'name = "served-vllm"\n[workload]\nfile = "mixed.jsonl"\n[model]\npreset = "tiny"\n'
         f'[run]\ndevice = "cpu"\nblock_size = {BLOCK}\nmax_model_len = {MAX_MODEL_LEN}\n'
         f'[engines.served]\nkind = "openai"\nendpoint = "{server.endpoint}"\n'
-        f"server_pid = {server.proc.pid}\n"
+        # A run of half a second: read /metrics every 100 ms whatever it costs the server.
+        f"server_pid = {server.proc.pid}\nscrape_max_duty = 1.0\n"
     )
     result = CliRunner().invoke(app, ["run", str(path), "--engines", "served",
                                       "--out", str(tmp / "out")])
@@ -277,3 +278,41 @@ def test_in_process_and_served_vllm_hold_the_same_kv(server, tmp_path) -> None:
     digests = {r.id: r.output_digest for r in inproc.requests}
     same = sum(digests[r.id] == r.output_digest for r in served.requests)
     print(f"  output digests equal for {same} of {PAIR_REQUESTS} requests")
+
+
+# -- a request-rate sweep: saturation curve and KV-pressure knee -------------------------
+
+# Requests of 10 blocks each (224 + 96 tokens): 6 fit in the 63 usable blocks while 8 may
+# run, so past some rate KV fills, requests wait or are preempted, and TTFT climbs.
+SWEEP_RATES = (0.5, 2.0, 8.0, 32.0)
+SWEEP_REQUESTS, SWEEP_PROMPT, SWEEP_OUTPUT = 16, 224, 96
+
+
+def test_a_rate_sweep_finds_the_kv_pressure_knee(server, tmp_path) -> None:
+    from kvbench.results.knee import kv_pressure_knee, saturation_curve
+    from kvbench.workloads.spec import WorkloadSpec, generate
+
+    runs = []
+    for i, rate in enumerate(SWEEP_RATES):
+        spec = WorkloadSpec.model_validate({
+            "arrival": {"kind": "poisson", "rate": rate}, "num_requests": SWEEP_REQUESTS,
+            "classes": [{"name": "long", "prompt": {"kind": "fixed", "value": SWEEP_PROMPT},
+                         "output": {"kind": "fixed", "value": SWEEP_OUTPUT}}],
+        })
+        wl = generate(spec, None, 50 + i, name=f"rate-{rate:g}", source="tests")
+        [rec] = _run(_suite(server, tmp_path, _file(tmp_path, wl), ["served-100ms"]),
+                     tmp_path / f"rate-{rate:g}")
+        assert rec.status == "ok" and rec.summary["completed"] == SWEEP_REQUESTS, rec.error
+        runs.append((rate, rec))
+    points = saturation_curve(runs)
+    knee = kv_pressure_knee(points)
+    print("\nrate sweep on the served vLLM (16 requests of 224+96 tokens per rate):")
+    for p in points:
+        print(f"  {p.rate:5g} req/s: {p.request_throughput:.2f} req/s done, median TTFT "
+              f"{p.latency_ms:8.1f} ms, peak KV {100 * p.kv_peak_fraction:5.1f}%, "
+              f"{p.preemptions} preemptions")
+    print(f"  knee: {knee.finding}\n  method: {knee.method}")
+    # At the lowest rate requests rarely overlap; at the highest KV is the limit.
+    assert points[0].kv_peak_fraction < 0.5
+    assert points[-1].kv_peak_fraction >= 0.9 or points[-1].preemptions
+    assert knee.rate is not None and SWEEP_RATES[0] < knee.rate <= SWEEP_RATES[-1]
