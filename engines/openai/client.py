@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import json
 import queue
+import statistics
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -37,6 +38,8 @@ ALIVE_TIMEOUT_S = 3.0
 # gauges may lag the last streamed token by an engine step), and how long between reads.
 DRAIN_SCRAPES = 10
 DRAIN_WAIT_S = 0.02
+# Readings whose median cost spaces the next ones (see ScrapeCost.typical_s).
+RECENT_SCRAPES = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,10 +140,12 @@ class ScrapeCost:
     max_s: float = 0.0
     last_error: str | None = None
     longest_interval_s: float = 0.0  # the interval the duty cap stretched the reads to
+    recent_s: list[float] = field(default_factory=list)  # the last few durations
 
     def add(self, scrape: Scrape) -> None:
         self.count += 1
         self.total_s += scrape.duration_s
+        self.recent_s = [*self.recent_s[-(RECENT_SCRAPES - 1):], scrape.duration_s]
         self.max_s = max(self.max_s, scrape.duration_s)
         if scrape.sample is None:
             self.failed += 1
@@ -155,13 +160,19 @@ class ScrapeCost:
             "last_error": self.last_error,
         }
 
+    def typical_s(self) -> float:
+        """A reading's usual cost: the median of the last few, so that one slow reading
+        (the server busy for a moment) does not stall the next ones for seconds."""
+        return statistics.median(self.recent_s) if self.recent_s else 0.0
+
     def throttled(self, interval_s: float, max_duty: float) -> str | None:
         """Why readings were further apart than ``interval_s``, if they were."""
         if self.longest_interval_s <= 1.01 * interval_s:
             return None
         return (
             f"scrape-throttled: /metrics took the server up to {1000 * self.max_s:.0f} ms to "
-            f"render, so it was read as seldom as every {1000 * self.longest_interval_s:.0f} "
+            f"render (typically {1000 * self.typical_s():.0f} ms), so it was read as seldom as "
+            f"every {1000 * self.longest_interval_s:.0f} "
             f"ms instead of {1000 * interval_s:g} ms, keeping its cost under "
             f"{100 * max_duty:g}% of the server's time (scrape_max_duty)"
         )
@@ -298,10 +309,9 @@ class Client:
     async def _scrape_forever(self) -> None:
         due = time.perf_counter()
         while True:
-            scrape = await self.scrape()
-            self.events.put(scrape)
+            self.events.put(await self.scrape())
             interval = max(self.config.scrape_interval_s,
-                           scrape.duration_s / self.config.scrape_max_duty)
+                           self.cost.typical_s() / self.config.scrape_max_duty)
             self.cost.longest_interval_s = max(self.cost.longest_interval_s, interval)
             # Behind schedule (a slow server): the next reading starts now, not in a burst.
             due = max(due + interval, time.perf_counter())

@@ -153,7 +153,8 @@ def bench_serve_args(server: VllmServer, trace: Path, num_prompts: int, out: Pat
         "--timed-trace-sec-multiplier", "0.001", "--timed-trace-chunk-hash-size", "512",
         "--num-prompts", str(num_prompts), "--temperature", "0",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm",
-        "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+        "--save-result", "--save-detailed", "--result-dir", str(out.parent),
+        "--result-filename", out.name,
     ]
 
 
@@ -212,3 +213,14 @@ def bench_serve_running(args: list[str], out: Path) -> Iterator[Callable[[], dic
             proc.kill()
         proc.wait(STOP_TIMEOUT_S)
         out.with_suffix(".log").write_text("".join(lines))
+
+
+def overloaded(load_before: float) -> str | None:
+    """Why timing-sensitive checks cannot be trusted now, or None: the machine's 1-minute
+    load average (before or after the measurement) above its core count means the server
+    and the clients waited for CPU, and their clocks measured the waiting."""
+    cores = os.cpu_count() or 1
+    load = max(load_before, os.getloadavg()[0])
+    if load <= cores:
+        return None
+    return f"the machine was overloaded (load average {load:.1f} on {cores} cores)"
