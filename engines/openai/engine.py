@@ -29,7 +29,7 @@ import queue
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -48,11 +48,9 @@ from kvbench.engines.openai.client import (
 )
 from kvbench.engines.openai.discovery import ServerInfo, api_headers
 from kvbench.engines.openai.payload import PromptFormat, build_payload
+from kvbench.engines.openai.section import OpenAISection, served_rejection
 from kvbench.engines.openai.server_metrics import ServerKV
 from kvbench.workloads.model import Request
-
-if TYPE_CHECKING:
-    from kvbench.engines.openai.section import OpenAISection
 
 # How long a step waits for an event: the most the harness can be late adding an arrival.
 POLL_S = 0.001
@@ -69,7 +67,6 @@ NOT_OBSERVED = (
 @dataclass(slots=True)
 class _InFlight:
     request: Request
-    prompt_format: PromptFormat
     expected_prompt: int | None  # the prompt's token count, where sent as token ids
     added_s: float  # perf_counter() when the harness added it
     samples: dict[int, list[int]] = field(default_factory=dict)
@@ -187,8 +184,6 @@ class OpenAIEngine:
     # -- Engine protocol ------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        from kvbench.engines.openai.section import served_rejection
-
         reason = served_rejection(self.info.max_model_len, request)
         if reason is not None:
             self._rejected.append(Finished(request.id, rejected=reason))
@@ -204,8 +199,7 @@ class OpenAIEngine:
         obs.placeholders += payload.placeholders
         exact = payload.api == "completions" and payload.prompt_format == "token_ids"
         self._inflight[request.id] = _InFlight(
-            request, payload.prompt_format, request.prompt_tokens if exact else None,
-            time.perf_counter(),
+            request, request.prompt_tokens if exact else None, time.perf_counter()
         )
         obs.peak_in_flight = max(obs.peak_in_flight, len(self._inflight))
         path = "/completions" if payload.api == "completions" else "/chat/completions"
