@@ -26,9 +26,10 @@ def output_digest(samples: Sequence[Sequence[int]]) -> str:
 @dataclass(slots=True)
 class KVStats:
     """A snapshot of KV-cache memory. Counters (``prefix_*``, ``block_*``, ``evictions``,
-    ``copied_bytes`` and the policy counters below) are cumulative; the rest are gauges."""
+    ``copied_bytes`` and the policy counters below) are cumulative; the rest are gauges.
+    ``capacity_bytes`` is None only where a served engine does not publish its pool size."""
 
-    capacity_bytes: int
+    capacity_bytes: int | None
     used_bytes: int | None = None
     reserved_bytes: int | None = None
     # Of reserved_bytes, the slots live sequences will still write (their remaining prompt
@@ -132,12 +133,29 @@ class BatchShape:
 
 @dataclass(slots=True)
 class Finished:
-    """A request that completed (all samples) or was rejected this step."""
+    """A request that completed (all samples), was rejected, or failed (``error``: a served
+    engine's HTTP status, timeout or dropped connection) this step. ``cached_tokens`` is
+    None where the engine does not say."""
 
     request_id: str
     output_digest: str | None = None
-    cached_tokens: int = 0
+    cached_tokens: int | None = 0
     rejected: str | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Stamps:
+    """Exact ``time.perf_counter()`` times of what a step reports, from engines whose events
+    happen between steps (a live server's streamed chunks): ``tokens[rid]`` holds one time
+    per token of ``StepReport.tokens[rid]``, ``finished[rid]`` the end of each completed
+    request, ``sent[rid]`` when a request actually left for the server (its latencies count
+    from then, as ``vllm bench serve`` counts them). The harness uses them instead of the
+    step's end time."""
+
+    tokens: dict[str, list[float]] = field(default_factory=dict)
+    finished: dict[str, float] = field(default_factory=dict)
+    sent: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -160,6 +178,7 @@ class StepReport:
     kv: KVStats | None = None
     batch: BatchShape = field(default_factory=BatchShape)
     device: DeviceMemory | None = None
+    stamps: Stamps | None = None
 
 
 class Engine(Protocol):

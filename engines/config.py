@@ -70,12 +70,23 @@ class EngineConfig:
         return self.num_pages * self.kv.page_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class ServerProcess:
+    """Where a served engine's memory can be read on this machine: the server's process
+    (and its children) and the index of its GPU; None where unknown or not local."""
+
+    pid: int | None = None
+    gpu_index: int | None = None
+
+
 class EngineSection(BaseModel):
-    """Base of every engine kind's section. ``summary`` is its one line in `kvbench list`."""
+    """Base of every engine kind's section. ``summary`` is its one line in `kvbench list`;
+    ``realtime`` kinds drive a live system, so their runs need the wall clock."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     kind: str
     summary: ClassVar[str]
+    realtime: ClassVar[bool] = False
 
     def resolved(self, settings: EngineSettings) -> Self:
         """This section with every inherited field filled from ``settings``."""
@@ -97,8 +108,15 @@ class EngineSection(BaseModel):
         """What the run's block size must be a multiple of for this kind on ``device``."""
         return 1
 
-    def check(self, config: EngineConfig) -> None:
-        """Fail before any work when this kind cannot run ``config``."""
+    def check(self, config: EngineConfig) -> list[str]:
+        """Fail before any work when this kind cannot run ``config``; return warnings about
+        what it will run only in part (the run goes on)."""
+        return []
+
+    def server(self) -> ServerProcess | None:
+        """The server process whose memory telemetry should read instead of this one's
+        (None: the engine runs in this process)."""
+        return None
 
     @abstractmethod
     def build(self, config: EngineConfig) -> Engine:

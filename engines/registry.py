@@ -15,6 +15,7 @@ from kvbench.engines.config import EngineConfig, EngineSection
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.contiguous import ContiguousKVManager, ContiguousPolicy
 from kvbench.engines.kv.paged import PagedKVManager, PagedPolicy
+from kvbench.engines.openai import OpenAISection
 from kvbench.engines.vllm import VllmSection
 from kvbench.errors import KvbenchError
 from kvbench.kernels.layouts import BlockTables, Extents
@@ -45,12 +46,13 @@ KINDS: dict[str, Kind] = {
         Kind(PagedPolicy, PagedKVManager, BlockTables),
         Kind(ContiguousPolicy, ContiguousKVManager, Extents),
         Kind(VllmSection),
+        Kind(OpenAISection),
     )
 }
 
 # A suite's [engines.NAME] table: validated by its kind's model.
 AnyEngineSection = Annotated[
-    PagedPolicy | ContiguousPolicy | VllmSection, Field(discriminator="kind")
+    PagedPolicy | ContiguousPolicy | VllmSection | OpenAISection, Field(discriminator="kind")
 ]
 _SECTION = TypeAdapter(AnyEngineSection)
 
@@ -64,6 +66,8 @@ NAMED_ENGINES: dict[str, EngineSection] = {
     "contiguous-pow2": ContiguousPolicy(reservation="pow2"),
     "contiguous-compact": ContiguousPolicy(reservation="request", compaction=True),
     "vllm": VllmSection(),
+    # A server on this machine at vLLM's default port; suites name others.
+    "openai": OpenAISection(),
 }
 
 

@@ -112,8 +112,9 @@ class VllmSection(Paging):
     def block_multiple(self, device: DeviceSpec) -> int:
         return CPU_BLOCK_MULTIPLE if device.kind == "cpu" else 1
 
-    def check(self, config: EngineConfig) -> None:
+    def check(self, config: EngineConfig) -> list[str]:
         check_vllm(config)
+        return []
 
     def build(self, config: EngineConfig) -> VllmEngine:
         check_vllm(config)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
 from helpers import make_workload, text_request
-from kvbench.engines.base import BatchShape, Finished, KVStats, StepReport
+from kvbench.engines.base import BatchShape, Finished, KVStats, Stamps, StepReport
 from kvbench.results.build import build_record
 from kvbench.results.metrics import summarize
 from kvbench.results.schema import load_record
@@ -94,3 +95,81 @@ def test_record_schema_mismatch_is_clear(tmp_path) -> None:
     p.write_text('{"schema_version": 99}')
     with pytest.raises(Exception, match="schema_version 99"):
         load_record(p)
+
+
+class StampedEngine:
+    """Reports what a served engine would: a send time, a token per step at its own time
+    (one ms apart, long before the step ends), a completion at its last token, and ``idle``
+    empty steps first, more than the harness allows an engine that computes."""
+
+    name = "stamped"
+
+    def __init__(self, idle: int) -> None:
+        self.idle = idle
+        self.pending: dict[str, int] = {}
+        self.times: dict[str, list[float]] = {}
+        self.sent: dict[str, float] = {}
+
+    def add(self, request: Any) -> None:
+        self.pending[request.id] = request.output_tokens
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending)
+
+    def step(self) -> StepReport:
+        rep = StepReport(stamps=Stamps())
+        if self.idle:
+            self.idle -= 1
+            return rep
+        t = time.perf_counter() - 0.5  # events that happened between steps
+        for k, rid in enumerate(list(self.pending)):
+            at = t + 0.001 * k
+            self.times.setdefault(rid, []).append(at)
+            rep.tokens[rid] = 1
+            rep.stamps.tokens[rid] = [at]
+            if len(self.times[rid]) == 1:
+                rep.first_token.add(rid)
+                self.sent[rid] = at - 0.01
+                rep.stamps.sent[rid] = self.sent[rid]
+            self.pending[rid] -= 1
+            if self.pending[rid] == 0:
+                del self.pending[rid]
+                rep.finished.append(Finished(rid, error="HTTP 503" if rid == "r2" else None))
+                rep.stamps.finished[rid] = at
+        return rep
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+
+def test_stamped_events_keep_their_own_times_and_idle_steps_are_no_stall() -> None:
+    engine = StampedEngine(idle=1500)
+    clock = WallClock()
+    run = run_engine(engine, _wl(), clock)
+    assert run.status == "ok", run.error
+    for rid in ("r0", "r1"):
+        t = run.timings[rid]
+        expected = [clock.at_perf(x) for x in engine.times[rid]]
+        assert t.token_times_s == expected
+        assert t.first_token_s == expected[0] and t.finish_s == expected[-1]
+        # Latencies count from the send, which the record keeps as the arrival.
+        assert t.request.arrival_s == clock.at_perf(engine.sent[rid])
+    failed = run.timings["r2"]
+    assert failed.status == "failed" and failed.error == "HTTP 503" and failed.finish_s is None
+    s = summarize(run)
+    assert s["completed"] == 2 and s["failed"] == 1
+
+
+def test_the_virtual_clock_refuses_wall_stamps() -> None:
+    from kvbench.engines.costmodel import CostModel
+    from kvbench.engines.presets import get_preset
+    from kvbench.run.clocks import VirtualClock
+    from kvbench.run.devices import parse_device
+
+    device = parse_device("sim:h200")
+    clock = VirtualClock(CostModel(get_preset("tiny"), device.hardware, 1))
+    run = run_engine(StampedEngine(idle=0), _wl(), clock)
+    assert run.status == "failed" and "--clock wall" in run.error

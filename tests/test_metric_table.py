@@ -82,7 +82,7 @@ def test_every_table_entry_is_produced_or_says_what_it_needs(records) -> None:
 def test_every_curve_is_produced_or_comes_from_a_cuda_probe(records) -> None:
     produced = {k for r in records["run"] for k, v in r.curves.items() if v}
     nvml = NvmlProbe(SimpleNamespace(nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=1)),
-                     None, per_process=True)
+                     None, per_process=True, pids=set)
     cuda = set(CudaProbe.columns) | set(nvml.columns)
     for spec in CURVES:
         assert (spec.name in produced) != ("cuda" in spec.needs), spec.name

@@ -81,11 +81,16 @@ def _fake_nvml(pids: list[int]) -> SimpleNamespace:
 def test_nvml_probe_reads_device_and_own_process() -> None:
     import os
 
-    probe = NvmlProbe(_fake_nvml([1, os.getpid()]), handle=object(), per_process=True)
+    own = os.getpid()
+    probe = NvmlProbe(
+        _fake_nvml([1, own]), handle=object(), per_process=True, pids=lambda: {own}
+    )
     assert probe.columns == ("nvml_device_used_bytes", "nvml_process_used_bytes")
     assert probe.read() == (5 * 2**30, 3 * 2**30)
     assert probe.info() == {"device_total_bytes": 80 * 2**30}
-    device_only = NvmlProbe(_fake_nvml([1]), handle=object(), per_process=False)
+    device_only = NvmlProbe(
+        _fake_nvml([1]), handle=object(), per_process=False, pids=lambda: {own}
+    )
     assert device_only.columns == ("nvml_device_used_bytes",)
     assert device_only.read() == (5 * 2**30,)
 

@@ -40,7 +40,7 @@ def request_rows(run: EngineRun) -> list[RequestRow]:
                 preemptions=t.preemptions,
                 cached_tokens=t.cached_tokens,
                 output_digest=t.output_digest,
-                reason=t.rejected,
+                reason=t.rejected if t.rejected is not None else t.error,
             )
         )
     return rows

@@ -108,6 +108,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("num_requests", "requests", "none", "deterministic", "requests", "d"),
     _m("completed", "requests", "higher", "clock", "completed requests", "d", report=True),
     _m("rejected", "requests", "lower", "deterministic", "rejected requests", "d", report=True),
+    # Requests a served engine could not complete (HTTP errors, timeouts, lost connections).
+    _m("failed", "requests", "lower", "clock", "failed requests", "d"),
     _m("duration_s", "s", "lower", "clock", "duration (s)", ".2f", report=True),
     _m("wall_time_s", "s", "lower", "timing", "wall time (s)", ".2f"),
     _m("num_steps", "steps", "none", "clock", "engine steps", "d"),

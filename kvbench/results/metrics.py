@@ -18,7 +18,9 @@ Throughput and goodput:
   requests, output tokens, prompt + output tokens of completed requests, per second of run.
 - ``request_goodput``: completed requests meeting the SLO (``--slo ttft:MS,tpot:MS``) per
   second of run; ``slo_attainment_pct``: those requests as a share of all requests
-  (rejected and unfinished ones miss). Both None without an SLO.
+  (rejected, failed and unfinished ones miss). Both None without an SLO.
+- ``failed``: requests a served engine could not complete (HTTP errors, timeouts, dropped
+  connections; each row's ``reason`` says which).
 
 Concurrency:
 
@@ -159,6 +161,7 @@ def summarize(run: EngineRun, slo: SLO | None = None) -> dict[str, Any]:
     timings = list(run.timings.values())
     completed = [t for t in timings if t.status == "ok"]
     rejected = sum(t.status == "rejected" for t in timings)
+    failed = sum(t.status == "failed" for t in timings)
     duration = run.duration_s
     out_tokens = sum(t.output_tokens_emitted for t in timings)
     prompt_done = sum(t.request.prompt_tokens for t in completed)
@@ -168,6 +171,7 @@ def summarize(run: EngineRun, slo: SLO | None = None) -> dict[str, Any]:
         "num_requests": len(timings),
         "completed": len(completed),
         "rejected": rejected,
+        "failed": failed,
         "duration_s": duration,
         "wall_time_s": run.wall_time_s,
         "num_steps": len(run.steps),

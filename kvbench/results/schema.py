@@ -36,15 +36,15 @@ class RequestRow(BaseModel):
     prompt_tokens: int
     output_tokens: int
     n: int = 1
-    status: Literal["ok", "rejected", "unfinished"]
+    status: Literal["ok", "rejected", "failed", "unfinished"]
     queue_ms: float | None = None
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2el_ms: float | None = None
     preemptions: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int | None = 0
     output_digest: str | None = None
-    reason: str | None = None
+    reason: str | None = None  # why it was rejected or failed
 
 
 class TelemetryInfo(BaseModel):

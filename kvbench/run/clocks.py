@@ -34,6 +34,10 @@ class Clock(ABC):
     def after_step(self, report: StepReport) -> None:
         """Account for a finished step (the virtual clock advances by its predicted time)."""
 
+    @abstractmethod
+    def at_perf(self, perf_s: float) -> float:
+        """The clock time of a ``time.perf_counter()`` reading (an engine's event stamp)."""
+
 
 class WallClock(Clock):
     name = "wall"
@@ -55,6 +59,9 @@ class WallClock(Clock):
     def after_step(self, report: StepReport) -> None:
         """Real time has already passed."""
 
+    def at_perf(self, perf_s: float) -> float:
+        return perf_s - self._t0
+
 
 class VirtualClock(Clock):
     name = "virtual"
@@ -74,3 +81,9 @@ class VirtualClock(Clock):
 
     def after_step(self, report: StepReport) -> None:
         self._t += self.cost.step_time_s(report.batch)
+
+    def at_perf(self, perf_s: float) -> float:
+        raise RuntimeError(
+            "an engine stamped its events in real time, which the virtual clock does not "
+            "keep: run it with --clock wall"
+        )

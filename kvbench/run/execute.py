@@ -25,10 +25,15 @@ from kvbench.run.signals import interrupt_reason
 from kvbench.run.telemetry import Telemetry
 
 
-def make_telemetry(plan: RunPlan) -> Telemetry:
+def make_telemetry(plan: RunPlan, config: EngineConfig) -> Telemetry:
+    """The probes of one engine's run: of this process and its device, or of the server a
+    served engine drives."""
     # The record's machine identity imports torch; do it before the first engine runs, so
     # that every engine's RSS includes the same libraries.
     machine_info()
+    server = config.section.server()
+    if server is not None:
+        return Telemetry.for_server(server.pid, server.gpu_index)
     return Telemetry.for_device(plan.device.kind, plan.device.torch_device)
 
 
@@ -75,7 +80,8 @@ def start_and_run(
     described = {**section, **engine.describe()}
     run = run_engine(
         engine, plan.workload, make_clock(plan), progress,
-        telemetry=make_telemetry(plan), waves=waves, max_concurrency=plan.max_concurrency,
+        telemetry=make_telemetry(plan, config), waves=waves,
+        max_concurrency=plan.max_concurrency,
     )
     # Facts learned while running (vLLM's kv-equivalent multimodal inputs) complete it.
     described.update((k, v) for k, v in engine.describe().items() if k not in described)

@@ -42,14 +42,17 @@ class RequestTiming:
     token_times_s: list[float] = field(default_factory=list)
     finish_s: float | None = None
     preemptions: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int | None = 0
     output_digest: str | None = None
     rejected: str | None = None
+    error: str | None = None
 
     @property
     def status(self) -> str:
         if self.rejected is not None:
             return "rejected"
+        if self.error is not None:
+            return "failed"
         return "ok" if self.finish_s is not None else "unfinished"
 
     @property
@@ -197,7 +200,7 @@ def run_engine(
                 report = engine.step()
                 clock.after_step(report)
                 t1 = clock.now()
-                ended = _record_requests(run, report, t0, t1)
+                ended = _record_requests(run, report, t0, t1, clock)
                 in_flight -= ended
                 w1 = time.perf_counter()
                 _log_step(run, report, t0, t1)
@@ -213,7 +216,10 @@ def run_engine(
                 run.telemetry_wall_s += w2 - w1
                 if on_progress is not None:
                     on_progress(done)
-                if report.batch.num_tokens == 0 and not report.finished and idx >= n:
+                # A live server's stalls are bounded by the engine's request timeouts; its
+                # steps only observe, so an empty one is no sign of a stuck scheduler.
+                stalled = report.batch.num_tokens == 0 and report.stamps is None
+                if stalled and not report.finished and idx >= n:
                     idle += 1
                     if idle >= _MAX_IDLE_STEPS:
                         raise RuntimeError(
@@ -250,17 +256,29 @@ def run_engine(
     return run
 
 
-def _record_requests(run: EngineRun, report: StepReport, t0: float, t1: float) -> int:
-    """Fold one step's tokens and completions into the request timings; returns the number
-    of requests that ended."""
+def _record_requests(
+    run: EngineRun, report: StepReport, t0: float, t1: float, clock: Clock
+) -> int:
+    """Fold one step's tokens and completions into the request timings, at the step's end
+    time or, when the engine stamped them, at their own times; returns the number of
+    requests that ended."""
     timings = run.timings
+    stamps = report.stamps
+    if stamps is not None:
+        for rid, t in stamps.sent.items():
+            # Sent later than it arrived (the client was busy): its record says when.
+            timing = timings[rid]
+            timing.request = dataclasses.replace(timing.request, arrival_s=clock.at_perf(t))
     for rid in report.scheduled_first:
         timings[rid].first_scheduled_s = t0
     for rid, count in report.tokens.items():
         times = timings[rid].token_times_s
-        times.extend([t1] * count)
+        if stamps is None:
+            times.extend([t1] * count)
+        else:
+            times.extend(clock.at_perf(t) for t in stamps.tokens[rid])
     for rid in report.first_token:
-        timings[rid].first_token_s = t1
+        timings[rid].first_token_s = t1 if stamps is None else timings[rid].token_times_s[0]
     for rid in report.preempted_ids:
         timings[rid].preemptions += 1
     for fin in report.finished:
@@ -268,7 +286,10 @@ def _record_requests(run: EngineRun, report: StepReport, t0: float, t1: float) -
         if fin.rejected is not None:
             timing.rejected = fin.rejected
             continue
-        timing.finish_s = t1
+        if fin.error is not None:
+            timing.error = fin.error
+            continue
+        timing.finish_s = t1 if stamps is None else clock.at_perf(stamps.finished[fin.request_id])
         timing.output_digest = fin.output_digest
         timing.cached_tokens = fin.cached_tokens
     return len(report.finished)

@@ -210,8 +210,14 @@ def _block_size(
 def _precheck(plan: RunPlan, name: str, config: EngineConfig) -> None:
     """Fail before any work when an engine cannot run, or can run none of the requests; warn
     about requests it rejects."""
-    config.section.check(config)
-    rejection = config.section.admission(config)
+    section = config.section
+    if section.realtime and plan.clock != "wall":
+        raise KvbenchError(
+            f"engine {name!r} ({section.kind}) drives a live server in real time: use "
+            "--clock wall (and a real --device, not sim:...)"
+        )
+    plan.warnings += [f"engine {name!r}: {w}" for w in section.check(config)]
+    rejection = section.admission(config)
     reasons = [r for r in map(rejection, plan.workload.requests) if r is not None]
     if len(reasons) == len(plan.workload.requests):
         raise KvbenchError(f"engine {name!r} can run none of the requests: {reasons[0]}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,38 @@ class RssProbe(Probe):
             self._fd = None
 
 
+class ServerRssProbe(Probe):
+    """Resident set size of a server process and its children, summed: vLLM's API server
+    runs its engine core, which holds the weights and the KV cache, as a child process.
+    Pages shared between them count once per process (as RSS does)."""
+
+    name = "rss"
+    columns = ("rss_bytes",)
+    # psutil walks /proc for the children: about a millisecond a reading.
+    period_s = 0.1
+
+    def __init__(self, pid: int) -> None:
+        self._proc = psutil.Process(pid)
+
+    def read(self) -> tuple[int, ...]:
+        total = self._proc.memory_info().rss  # raises once the server has gone
+        for child in self._proc.children(recursive=True):
+            try:
+                total += child.memory_info().rss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue  # a worker that exited between the listing and the reading
+        return (total,)
+
+    def pids(self) -> set[int]:
+        try:
+            return {self._proc.pid} | {c.pid for c in self._proc.children(recursive=True)}
+        except psutil.NoSuchProcess:
+            return set()
+
+    def info(self) -> dict[str, Any]:
+        return {"pid": self._proc.pid, "of": "server process and its children"}
+
+
 class CudaProbe(Probe):
     """The torch caching allocator of one device. ``inactive_split_bytes`` is memory in
     split blocks the allocator cannot hand out whole (its fragmentation); ``alloc_retries``
@@ -100,15 +133,18 @@ class CudaProbe(Probe):
 
 class NvmlProbe(Probe):
     """Device memory as the driver sees it: the whole device's used bytes and, when NVML can
-    see this process (not always inside containers), the bytes this process holds."""
+    see the watched processes (not always inside containers), the bytes they hold; ``pids``
+    lists them at each reading (this process, or a server and its workers)."""
 
     name = "nvml"
     period_s = 0.1
 
-    def __init__(self, nvml: Any, handle: Any, per_process: bool) -> None:
+    def __init__(
+        self, nvml: Any, handle: Any, per_process: bool, pids: Callable[[], set[int]]
+    ) -> None:
         self._nvml = nvml
         self._handle = handle
-        self._pid = os.getpid()
+        self._pids = pids
         self.per_process = per_process
         self.columns = ("nvml_device_used_bytes",) + (
             ("nvml_process_used_bytes",) if per_process else ()
@@ -120,9 +156,9 @@ class NvmlProbe(Probe):
         used = int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
         if not self.per_process:
             return (used,)
-        # The process was listed when the probe opened; should a later listing miss it
+        # The processes were listed when the probe opened; should a later listing miss them
         # (a driver race), keep its last reading rather than report zero.
-        own = _process_bytes(self._nvml, self._handle, self._pid)
+        own = _process_bytes(self._nvml, self._handle, self._pids())
         self._own = self._own if own is None else own
         return used, self._own
 
@@ -133,11 +169,14 @@ class NvmlProbe(Probe):
         self._nvml.nvmlShutdown()
 
 
-def _process_bytes(nvml: Any, handle: Any, pid: int) -> int | None:
+def _process_bytes(nvml: Any, handle: Any, pids: set[int]) -> int | None:
+    """Device memory the processes ``pids`` hold, summed; None when NVML lists none of them."""
     procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    found = [p.usedGpuMemory for p in procs if p.pid == pid]
+    found = [p.usedGpuMemory for p in procs if p.pid in pids]
     # usedGpuMemory is None where the driver hides per-process figures (e.g. under MIG).
-    return int(found[0]) if found and found[0] is not None else None
+    if not found or any(used is None for used in found):
+        return None
+    return sum(int(used) for used in found)
 
 
 def _open_cuda(device: str) -> tuple[Probe | None, str]:
@@ -166,6 +205,14 @@ def _nvml_handle(nvml: Any, device: str) -> Any:
 
 
 def _open_nvml(device: str) -> tuple[Probe | None, str]:
+    own = os.getpid()
+    return _open_nvml_with(lambda nvml: _nvml_handle(nvml, device), lambda: {own}, "this process")
+
+
+def _open_nvml_with(
+    handle_of: Callable[[Any], Any], pids: Callable[[], set[int]], whose: str
+) -> tuple[Probe | None, str]:
+    """NVML on the device ``handle_of`` finds, reading what the processes ``pids`` hold."""
     try:
         import pynvml
     except ImportError:
@@ -175,15 +222,48 @@ def _open_nvml(device: str) -> tuple[Probe | None, str]:
     except Exception as exc:
         return None, f"unavailable: NVML did not initialise ({exc})"
     try:
-        handle = _nvml_handle(pynvml, device)
-        per_process = _process_bytes(pynvml, handle, os.getpid()) is not None
-        probe = NvmlProbe(pynvml, handle, per_process)
+        handle = handle_of(pynvml)
+        per_process = _process_bytes(pynvml, handle, pids()) is not None
+        probe = NvmlProbe(pynvml, handle, per_process, pids)
     except Exception as exc:
         pynvml.nvmlShutdown()
         return None, f"unavailable: NVML query failed ({exc})"
     if per_process:
         return probe, OK
-    return probe, "ok (device only): NVML does not list this process (PID namespace or MIG)"
+    return probe, f"ok (device only): NVML does not list {whose} (PID namespace or MIG)"
+
+
+def open_server_probes(
+    pid: int | None, gpu_index: int | None
+) -> tuple[list[Probe], dict[str, str]]:
+    """The probes of a served engine: the server's RSS when its ``pid`` is given, and NVML on
+    GPU ``gpu_index`` (NVML's numbering, as nvidia-smi's) when the server's GPU is local.
+    This process's own memory is not the server's, so it is not read."""
+    probes: list[Probe] = []
+    status = {"cuda": "unavailable: served engine (its allocator is in the server process)"}
+    rss: ServerRssProbe | None = None
+    if pid is None:
+        status["rss"] = "unavailable: server_pid not given"
+    else:
+        try:
+            rss = ServerRssProbe(pid)
+            rss.read()
+        except (psutil.Error, OSError) as exc:
+            status["rss"] = f"unavailable: server process {pid}: {type(exc).__name__}: {exc}"
+            rss = None
+        else:
+            probes.append(rss)
+            status["rss"] = OK
+    if gpu_index is None:
+        status["nvml"] = "unavailable: gpu_index not given"
+    else:
+        pids = rss.pids if rss is not None else set
+        probe, status["nvml"] = _open_nvml_with(
+            lambda nvml: nvml.nvmlDeviceGetHandleByIndex(gpu_index), pids, "the server"
+        )
+        if probe is not None:
+            probes.append(probe)
+    return probes, status
 
 
 def open_probes(device_kind: str, torch_device: str | None) -> tuple[list[Probe], dict[str, str]]:
@@ -233,6 +313,10 @@ class Telemetry:
     @classmethod
     def for_device(cls, device_kind: str, torch_device: str | None) -> Telemetry:
         return cls(*open_probes(device_kind, torch_device))
+
+    @classmethod
+    def for_server(cls, pid: int | None, gpu_index: int | None) -> Telemetry:
+        return cls(*open_server_probes(pid, gpu_index))
 
     def sample(self, step: int, wall_s: float, force: bool = False) -> None:
         """Read every probe that is due at ``wall_s`` (all of them when ``force``). A probe

