@@ -56,6 +56,13 @@ class KVStats:
     # Virtual-memory mapping operations (virtually contiguous KV).
     map_ops: int | None = None
     unmap_ops: int | None = None
+    # This step's admission: the bytes the request at the head of the waiting queue needed
+    # (its footprint) when the KV manager refused it, 0 when none was refused, and the free
+    # and largest free bytes at that moment (0 when none was). A refusal while enough memory
+    # was free in total is external fragmentation: no hole, page run or size class fit.
+    refused_bytes: int | None = None
+    refused_free_bytes: int | None = None
+    refused_largest_free_bytes: int | None = None
 
 
 @dataclass(slots=True)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbench.engines.base import BatchShape, Finished, StepReport, causal_pairs, output_digest
+from kvbench.engines.base import (
+    BatchShape,
+    Finished,
+    KVStats,
+    StepReport,
+    causal_pairs,
+    output_digest,
+)
 from kvbench.engines.config import EngineConfig
 from kvbench.engines.device_memory import DeviceMemoryModel
 from kvbench.engines.executor import Executor, ScheduledBatch
@@ -90,10 +97,18 @@ class BuiltinEngine:
             num_waiting=len(sched.waiting),
             num_preempted=len(preempted),
             preempted_ids=[s.request.id for s in preempted],
-            kv=self.kv.stats(),
+            kv=self._stats(),
             batch=shape,
             device=device,
         )
+
+    def _stats(self) -> KVStats:
+        stats = self.kv.stats()
+        refusal = self.scheduler.refusal
+        stats.refused_bytes = refusal.need_bytes
+        stats.refused_free_bytes = refusal.free_bytes
+        stats.refused_largest_free_bytes = refusal.largest_free_bytes
+        return stats
 
     def close(self) -> None:
         self.executor.close()

@@ -61,6 +61,20 @@ class _RequestState:
     forked: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """The KV manager refused to admit the request at the head of the waiting queue: it
+    needed ``need_bytes`` (its footprint) while ``free_bytes`` were free, the largest hole
+    or page run ``largest_free_bytes``. Zeros: no request was refused."""
+
+    need_bytes: int = 0
+    free_bytes: int | None = 0
+    largest_free_bytes: int | None = 0
+
+
+NO_REFUSAL = Refusal()
+
+
 @dataclass(slots=True)
 class StepOutcome:
     """Bookkeeping results of one step, by request id."""
@@ -80,6 +94,8 @@ class Scheduler:
         self._requests: dict[str, _RequestState] = {}
         self._next_seq_id = 0
         self.num_running_requests = 0
+        # The last schedule()'s admission refusal (requests wait FCFS: at most one a step).
+        self.refusal = NO_REFUSAL
 
     def rejection(self, request: Request) -> str | None:
         """Why ``request`` can never run here, or None."""
@@ -109,6 +125,7 @@ class Scheduler:
         preempted: list[Sequence] = []
         first: set[str] = set()
         kv = self.kv
+        self.refusal = NO_REFUSAL
 
         running, grow = self.running, kv.grow
         i = 0
@@ -148,6 +165,7 @@ class Scheduler:
                         break
                     num_new = budget
                 if not kv.allocate(seq, cached, num_new):
+                    self.refusal = self._refusal(seq)
                     break
                 self.waiting.popleft()
                 seq.status = SeqStatus.RUNNING
@@ -165,6 +183,13 @@ class Scheduler:
                 budget -= num_new
 
         return ScheduledBatch(items, kv.take_copies()), preempted, first
+
+    def _refusal(self, seq: Sequence) -> Refusal:
+        # Free memory as the refusal saw it: the step's end frees finished requests' KV.
+        kv = self.kv
+        snapshot = kv.stats()
+        return Refusal(kv.footprint(seq.request).tokens * kv.bytes_per_token,
+                       snapshot.free_bytes, snapshot.largest_free_bytes)
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

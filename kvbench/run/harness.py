@@ -91,6 +91,10 @@ class StepLog:
     block_frees: list[int | None] = field(default_factory=list)
     kv_copied_bytes: list[int | None] = field(default_factory=list)
     page_table_entries: list[int | None] = field(default_factory=list)
+    # Admission refusals by the KV manager (KVStats.refused_*): 0 in steps without one.
+    kv_refused_bytes: list[int | None] = field(default_factory=list)
+    kv_refused_free_bytes: list[int | None] = field(default_factory=list)
+    kv_refused_largest_free_bytes: list[int | None] = field(default_factory=list)
     # Modelled device memory at each step's peak (engines that model it: the simulator),
     # one column per DeviceMemory component, summed over the tensor-parallel ranks.
     device: dict[str, list[int]] = field(default_factory=dict)
@@ -319,6 +323,9 @@ def _log_step(run: EngineRun, report: StepReport, t0: float, t1: float) -> None:
         s.block_frees.append(kv.block_frees)
         s.kv_copied_bytes.append(kv.copied_bytes)
         s.page_table_entries.append(kv.page_table_entries)
+        s.kv_refused_bytes.append(kv.refused_bytes)
+        s.kv_refused_free_bytes.append(kv.refused_free_bytes)
+        s.kv_refused_largest_free_bytes.append(kv.refused_largest_free_bytes)
     device = report.device
     if device is not None:
         s.device_ranks = device.tp
