@@ -88,6 +88,9 @@ def test_ok_run_metrics() -> None:
     assert s["completed"] == 3 and s["total_output_tokens"] == 15
     assert s["median_ttft_ms"] is not None and s["median_tpot_ms"] is not None
     assert s["min_frag_index"] == 1.0
+    # An engine that does not report admission refusals: unknown, not zero.
+    assert s["kv_wait_s"] is None and s["fragmentation_wait_steps"] is None
+    assert s["fragmentation_wait_s"] is None
 
 
 def test_record_schema_mismatch_is_clear(tmp_path) -> None:

@@ -72,8 +72,9 @@ def test_every_table_entry_is_produced_or_says_what_it_needs(records) -> None:
         elif spec.needs == ("oom",):
             # Only a run that ran out of device memory has these.
             assert spec.name not in keys, spec.name
-        elif spec.needs == ("policy",):
-            # Counters some KV policies keep: recorded by every run, None for the others.
+        elif spec.needs in (("policy",), ("fragmentation",)):
+            # Counters some KV policies keep, facts of a fragmentation wait: recorded by every
+            # run, None where there are none.
             assert spec.name in keys, spec.name
         else:
             assert spec.needs == ("soak", "cuda") and spec.name in leak_kinds, spec.name
@@ -116,7 +117,8 @@ def test_run_table_rows_keep_their_labels_and_order() -> None:
         "output tokens/s", "total tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)",
         "TPOT p99 (ms)", "E2EL p50 (ms)", "max concurrent requests", "mean concurrent requests",
         "KV capacity", "peak KV reserved", "peak KV used", "KV utilization (used/reserved)",
-        "KV waste %", "min fragmentation index", "preemptions", "prefix cache hit rate",
+        "KV waste %", "min fragmentation index", "time a request waited for KV (s)",
+        "of which with enough KV free (s)", "preemptions", "prefix cache hit rate",
         "peak process RSS", "peak device memory",
     ]
 

@@ -3,10 +3,11 @@
 Steps are grouped into at most ``max_points`` buckets of consecutive steps, and every curve
 shares the bucket time axis ``t_s`` (the clock time at the end of each bucket's last step).
 Each bucket keeps the maximum of "how much" columns (reserved, used, queue sizes, cumulative
-counters, probe readings, modelled device memory) and the minimum of "how little is left"
-columns (free, largest free, fragmentation index), so a peak or a trough of a single step
-survives any downsampling; ``preempted`` is summed. Probe readings are rate-limited, so a
-bucket without a reading holds the previous one (a gauge keeps its last value).
+counters, probe readings, modelled device memory, the size of a request refused although
+enough memory was free in total) and the minimum of "how little is left" columns (free,
+largest free, fragmentation index), so a peak or a trough of a single step survives any
+downsampling; ``preempted`` is summed. Probe readings are rate-limited, so a bucket without
+a reading holds the previous one (a gauge keeps its last value).
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ def device_columns(steps: StepLog) -> dict[str, np.ndarray]:
     return out
 
 
+def fragmentation_waits(need: np.ndarray, free: np.ndarray) -> np.ndarray:
+    """Per step: the KV manager refused a request (``need`` > 0) although the free memory
+    would have held it in total (external fragmentation)."""
+    return (need > 0) & (free >= need)
+
+
 def _sampled(steps: list[int], values: list[int], edges: np.ndarray) -> np.ndarray:
     """Per-bucket maximum of readings taken after the bucket's steps, carried forward over
     buckets without a reading (and backward before the first one)."""
@@ -96,6 +103,9 @@ def build_curves(
     free, largest = cols.get("kv_free_bytes"), cols.get("kv_largest_free_bytes")
     if free is not None and largest is not None:
         cols["frag_index"] = frag_index(free, largest)
+    need, need_free = _column(steps.kv_refused_bytes), _column(steps.kv_refused_free_bytes)
+    if need is not None and need_free is not None:
+        cols["fragmentation_wait_bytes"] = np.where(fragmentation_waits(need, need_free), need, 0)
     for name, col in cols.items():
         if name in _SUM_COLS:
             agg = np.add.reduceat(col, starts)

@@ -19,7 +19,7 @@ need to know about a metric:
   in table order;
 - ``needs``: the conditions without which the metric is absent or None (a goodput SLO, a
   soak, a CUDA device, a device whose memory is measured or modelled, an out-of-memory
-  failure); empty for metrics every run of a built-in engine produces.
+  failure, a fragmentation wait); empty for metrics every run of a built-in engine produces.
 
 Definitions of the values are in :mod:`kvbench.results.metrics` (summary metrics) and
 :mod:`kvbench.results.curves` (curves).
@@ -47,8 +47,9 @@ Kind = Literal["deterministic", "clock", "timing", "device"]
 # What a metric needs to have a value: a goodput SLO (--slo), a soak run, a CUDA device, a
 # KV policy that keeps that counter (mixed pages merge and split, virtual memory maps, ...),
 # a device whose memory is measured (CUDA) or modelled (simulated), a run that ran out of
-# the modelled device's memory.
-Need = Literal["slo", "soak", "cuda", "policy", "device", "oom"]
+# the modelled device's memory, a request refused admission although enough KV memory was
+# free in total.
+Need = Literal["slo", "soak", "cuda", "policy", "device", "oom", "fragmentation"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +142,23 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("min_frag_index", "ratio", "higher", "clock", "min fragmentation index", ".3f",
        report=True),
     _m("mean_frag_index", "ratio", "higher", "clock", "mean fragmentation index", ".3f"),
+    _m("kv_wait_s", "s", "lower", "clock", "time a request waited for KV (s)", ".2f",
+       report=True),
+    _m("fragmentation_wait_s", "s", "lower", "clock", "of which with enough KV free (s)", ".2f",
+       report=True),
+    _m("fragmentation_wait_steps", "steps", "lower", "clock", "steps waiting with enough KV free",
+       "d"),
+    # The worst of those refusals (the most memory free): facts of one moment.
+    *(
+        _m(f"fragmentation_wait_{name}", unit, "none", "clock",
+           f"{what} the worst fragmentation wait{unit_label}", fmt, needs=("fragmentation",))
+        for name, unit, what, unit_label, fmt in (
+            ("t_s", "s", "time of", " (s)", ".2f"),
+            ("free_bytes", "bytes", "KV free at", "", "bytes"),
+            ("largest_free_bytes", "bytes", "largest hole at", "", "bytes"),
+            ("need_bytes", "bytes", "request refused at", "", "bytes"),
+        )
+    ),
     _m("preemptions", "preemptions", "lower", "clock", "preemptions", "d", report=True),
     # Allocator churn and prefix sharing follow the workload; neither way is better.
     _m("page_turnover_per_s", "1/s", "none", "clock", "page allocs + frees per s", ".1f"),
@@ -237,6 +255,9 @@ CURVES: tuple[MetricSpec, ...] = (
     _m("kv_free_bytes", "bytes", "none", "clock", "KV free", "bytes"),
     _m("kv_largest_free_bytes", "bytes", "higher", "clock", "largest free KV extent", "bytes"),
     _m("frag_index", "ratio", "higher", "clock", "fragmentation index", ".3f"),
+    # A request's footprint where it was refused although enough memory was free, else 0.
+    _m("fragmentation_wait_bytes", "bytes", "lower", "clock",
+       "request refused with enough KV free", "bytes"),
     _m("running", "requests", "higher", "clock", "requests running", "d"),
     _m("waiting", "requests", "lower", "clock", "requests waiting", "d"),
     _m("preempted", "preemptions", "lower", "clock", "preemptions", "d"),

@@ -41,6 +41,16 @@ KV memory (from the engine's KVStats after every step):
 - ``min_frag_index`` / ``mean_frag_index``: minimum / time-weighted mean over steps of
   largest_free / free (1.0 when all free memory serves one allocation; steps with free
   memory only).
+- ``kv_wait_s``: time of steps in which the KV manager refused to admit the request at the
+  head of the waiting queue (requests are admitted FCFS, so everything behind it waited too).
+  ``fragmentation_wait_steps`` / ``fragmentation_wait_s``: those steps, and their time, in
+  which the free memory would have held the refused request in total (its footprint) but no
+  hole, page run or size class did: external fragmentation. Free memory is read at the
+  refusal, before the step's finished requests release theirs.
+  ``fragmentation_wait_t_s``, ``_free_bytes``, ``_largest_free_bytes``, ``_need_bytes``: the
+  worst such refusal (the most memory free; the first of equals): when its step started, the
+  free memory, the largest hole and the request's footprint. None without a refusal of this
+  kind, or where the engine does not report refusals.
 - ``page_turnover_per_s``: block (paged) or extent (contiguous) allocations plus frees per
   second of run.
 - ``prefix_hit_rate``: prompt tokens served from the prefix cache / prompt tokens looked up;
@@ -95,7 +105,7 @@ import numpy as np
 
 from kvbench.engines.base import DeviceMemory
 from kvbench.engines.device_memory import DeviceOutOfMemory
-from kvbench.results.curves import device_columns, frag_index
+from kvbench.results.curves import device_columns, frag_index, fragmentation_waits
 from kvbench.results.slo import SLO
 from kvbench.run.harness import EngineRun
 
@@ -191,6 +201,7 @@ def summarize(run: EngineRun, slo: SLO | None = None) -> dict[str, Any]:
     for name, values in latency_samples(run).items():
         summary.update(_dist(name, values))
     summary.update(kv_metrics(run))
+    summary.update(fragmentation_metrics(run))
     summary.update(memory_metrics(run))
     return summary
 
@@ -276,6 +287,33 @@ def kv_metrics(run: EngineRun) -> dict[str, Any]:
             out["prefix_hit_rate"] = (kv.prefix_hit_tokens or 0) / kv.prefix_query_tokens
         if run.status == "ok":
             out["kv_retained_bytes"] = kv.reserved_bytes
+    return out
+
+
+FRAGMENTATION_WORST = ("t_s", "free_bytes", "largest_free_bytes", "need_bytes")
+
+
+def fragmentation_metrics(run: EngineRun) -> dict[str, Any]:
+    s = run.steps
+    out: dict[str, Any] = {
+        "kv_wait_s": None, "fragmentation_wait_steps": None, "fragmentation_wait_s": None,
+        **{f"fragmentation_wait_{name}": None for name in FRAGMENTATION_WORST},
+    }
+    need, free = _full(s.kv_refused_bytes), _full(s.kv_refused_free_bytes)
+    largest = _full(s.kv_refused_largest_free_bytes)
+    if need is None or free is None or largest is None:
+        return out
+    dt = np.asarray(s.dt_s, dtype=np.float64)
+    waits = fragmentation_waits(need, free)
+    out["kv_wait_s"] = float(dt[need > 0].sum())
+    out["fragmentation_wait_steps"] = int(waits.sum())
+    out["fragmentation_wait_s"] = float(dt[waits].sum())
+    if waits.any():
+        # argmax keeps the first of equal maxima.
+        i = int(np.argmax(np.where(waits, free, -1.0)))
+        worst = (s.t_s[i] - s.dt_s[i], int(free[i]), int(largest[i]), int(need[i]))
+        out.update(zip((f"fragmentation_wait_{n}" for n in FRAGMENTATION_WORST), worst,
+                       strict=True))
     return out
 
 
