@@ -1,5 +1,5 @@
-"""PNG figures of run records: KV memory and concurrency over time, latency CDFs, process
-and device memory, the concurrency-vs-KV-budget sweep and soak retention.
+"""PNG figures of run records: KV memory, external fragmentation and concurrency over time,
+latency CDFs, process and device memory, the concurrency-vs-KV-budget sweep and soak retention.
 
 Figures are built with matplotlib's object API on the Agg canvas (no pyplot state), and
 every one names its engines, units and run so it reads without the code.
@@ -134,6 +134,65 @@ def plot_memory(records: Sequence[RunRecord], path: Path) -> Path:
     axes[-1].set_xlabel("run time (s)")
     waves = " (dotted lines: soak waves drained)" if any(r.soak for r in records) else ""
     fig.suptitle(f"KV cache memory over time{waves}\n{_context(records[0])}", fontsize=11)
+    return save_png(fig, path)
+
+
+def plot_fragmentation(records: Sequence[RunRecord], path: Path) -> Path:
+    """Per engine: free KV memory and its largest hole over run time, and in red the moments
+    when a request was refused although the free memory would have held it in total (no
+    hole fit): the request's size as a dot, the moment shaded, the worst one annotated."""
+    fig = _figure(len(records), row_height=2.6)
+    axes = fig.subplots(len(records), 1, squeeze=False)[:, 0]
+    caps = [max(r.curves.get("kv_capacity_bytes") or [r.summary.get("kv_capacity_bytes") or 0])
+            for r in records]
+    scale, unit = _unit(max(caps, default=0))
+    for ax, rec, name, cap in zip(axes, records, labels(records), caps, strict=True):
+        c, s = rec.curves, rec.summary
+        if not c.get("kv_free_bytes") or not c.get("kv_largest_free_bytes"):
+            _no_data(ax, "free KV memory")
+            ax.set_title(name)
+            continue
+        t = np.asarray(c["t_s"])
+        free, largest = np.asarray(c["kv_free_bytes"]), np.asarray(c["kv_largest_free_bytes"])
+        if np.array_equal(free, largest):
+            ax.step(t, free / scale, where="post", color="#1f77b4",
+                    label="free = largest free hole")
+        else:
+            ax.step(t, free / scale, where="post", color="#7f7f7f", label="free")
+            ax.step(t, largest / scale, where="post", color="#1f77b4", label="largest free hole")
+        waits = np.asarray(c.get("fragmentation_wait_bytes") or np.zeros(len(t)))
+        hit = waits > 0
+        if hit.any():
+            ax.fill_between(t, 0, cap / scale, where=hit, step="post", color="#d62728",
+                            alpha=0.12, lw=0)
+            ax.plot(t[hit], waits[hit] / scale, ".", color="#d62728", ms=3,
+                    label="refused, enough free\n(the request's size)")
+        worst_t = s.get("fragmentation_wait_t_s")
+        if worst_t is not None:
+            need = s["fragmentation_wait_need_bytes"] / scale
+            ax.annotate(
+                f"t = {worst_t:.1f} s: {s['fragmentation_wait_free_bytes'] / scale:.2f} {unit} "
+                f"free, largest hole {s['fragmentation_wait_largest_free_bytes'] / scale:.2f} "
+                f"{unit}, request {need:.2f} {unit}",
+                (worst_t, need), xytext=(0.5, 0.93), textcoords="axes fraction", ha="center",
+                va="top", fontsize=8, arrowprops={"arrowstyle": "->", "color": "#d62728"},
+                bbox={"boxstyle": "round", "fc": "white", "ec": "#d62728", "alpha": 0.9},
+            )
+        wait_s, frag = s.get("fragmentation_wait_s"), s.get("min_frag_index")
+        facts = [f"min fragmentation index {frag:.2f}"] if frag is not None else []
+        if wait_s is not None:
+            share = f" ({100 * wait_s / s['duration_s']:.0f}% of the run)" \
+                if wait_s and s.get("duration_s") else ""
+            facts.append(f"{wait_s:.1f} s{share} waiting with enough KV free")
+        ax.set_title(f"{name}: " + "; ".join(facts) if facts else name, fontsize=10)
+        ax.set_ylabel(f"KV memory ({unit})")
+        ax.set_ylim(0, cap / scale * 1.05 if cap else None)
+        ax.set_xlim(t[0] if len(t) == 1 else 0, t[-1])
+        ax.legend(**_OUTSIDE)
+    axes[-1].set_xlabel("run time (s)")
+    fig.suptitle("External fragmentation: free memory vs the largest hole; red, a request "
+                 f"waited although enough was free in total\n{_context(records[0])}",
+                 fontsize=11)
     return save_png(fig, path)
 
 
@@ -330,6 +389,7 @@ def plot_soak(records: Sequence[RunRecord], path: Path) -> Path:
 
 RUN_PLOTS: tuple[tuple[str, Callable[[Sequence[RunRecord], Path], Path]], ...] = (
     ("memory.png", plot_memory),
+    ("fragmentation.png", plot_fragmentation),
     ("concurrency.png", plot_concurrency),
     ("latency_cdf.png", plot_latency_cdfs),
     ("process_memory.png", plot_process_memory),
