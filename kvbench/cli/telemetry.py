@@ -162,6 +162,7 @@ def report(
     output: Annotated[Path, typer.Option("-o", "--output", help="Folder for report.md and the figures.")],
 ) -> None:
     """Tables and figures from existing run records, several runs side by side."""
+    from kvbench.report.findings import FINDINGS_TITLE, run_findings
     from kvbench.report.outputs import check_output_dir, write_outputs
     from kvbench.report.plots import labels, plot_soak, plot_sweep, write_plots
     from kvbench.report.tables import markdown_table, table_rows
@@ -182,6 +183,9 @@ def report(
     named = [r.model_copy(update={"engine": n}) for r, n in zip(records, names, strict=True)]
     lines = ["# kvbench report", "", "Runs: " + ", ".join(f"`{d}`" for d in run_dirs), ""]
     lines += [markdown_table(named), ""]
+    findings = run_findings(named)
+    if findings:
+        lines += [f"## {FINDINGS_TITLE}", "", *(f"- {f}" for f in findings), ""]
     lines += [f"![{p.stem}]({p.name})" for p in written]
     write_outputs([(output / "report.md", "\n".join(lines) + "\n", "the report")])
     _print_table("report", ["metric", *names], table_rows(records))

@@ -25,7 +25,9 @@ from pathlib import Path
 from kvbench.errors import InputFileError
 from kvbench.report.baselines import machine_slug
 from kvbench.report.compare import mad_spread
+from kvbench.report.findings import FINDINGS_TITLE, run_findings
 from kvbench.report.outputs import check_output_dir, write_outputs
+from kvbench.report.plots import RUN_PLOTS
 from kvbench.report.tables import table_rows
 from kvbench.results.metric_table import METRIC_BY_NAME
 from kvbench.results.paths import redact_paths
@@ -149,6 +151,9 @@ def markdown_tables(groups: dict[str, list[FoundRecord]], public: Privacy) -> st
         lines += ["| " + " | ".join(row) + " |" for row in suite_rows(found)]
         if any(repeat_count(f.record) > 1 for f in found):
             lines += ["", "Values are medians over the repeats."]
+        findings = run_findings([f.record for f in found])
+        if findings:
+            lines += ["", f"### {FINDINGS_TITLE}", "", *(f"- {public(f)}" for f in findings)]
         lines.append("")
     return "\n".join(lines)
 
@@ -181,10 +186,14 @@ def csv_table(groups: dict[str, list[FoundRecord]], public: Privacy) -> str:
 
 
 def find_plots(found: Sequence[FoundRecord]) -> list[Path]:
-    """PNG files in (and below) the folders the records came from."""
+    """PNG files in (and below) the folders the records came from: per folder, a run's
+    figures in the order runs write them (memory and fragmentation first), then others."""
+    order = {name: i for i, (name, _) in enumerate(RUN_PLOTS)}
     seen: dict[Path, Path] = {}
     for f in found:
-        for png in sorted(f.path.parent.rglob("*.png")):
+        pngs = sorted(f.path.parent.rglob("*.png"),
+                      key=lambda p: (p.parent, order.get(p.name, len(order)), p.name))
+        for png in pngs:
             seen.setdefault(png.resolve(), png)
     return list(seen.values())
 
@@ -195,6 +204,7 @@ table{border-collapse:collapse;margin:1rem 0}th,td{border:1px solid #ccc;padding
 td.num{text-align:right;font-variant-numeric:tabular-nums}th{background:#f3f3f3}
 dl{display:grid;grid-template-columns:max-content auto;gap:.2rem 1rem}dt{font-weight:600}
 code{background:#f6f6f6;padding:0 .2rem}figure{margin:1rem 0}img{max-width:100%}
+ul.findings{max-width:60rem;line-height:1.45}ul.findings li{margin:.3rem 0}
 """
 
 
@@ -205,20 +215,29 @@ def _png_data(png: Path) -> str:
         raise InputFileError(png, f"cannot read figure: {exc.strerror or exc}") from None
 
 
-def html_page(groups: dict[str, list[FoundRecord]], public: Privacy) -> str:
+def html_page(groups: dict[str, list[FoundRecord]], public: Privacy,
+              title: str = "kvbench results") -> str:
     def e(text: str) -> str:
         return html.escape(public(text))
 
     parts = ["<!doctype html><html><head><meta charset='utf-8'>",
-             "<title>kvbench results</title>", f"<style>{_CSS}</style></head><body>",
-             "<h1>kvbench results</h1>"]
+             "<meta name='viewport' content='width=device-width, initial-scale=1'>",
+             f"<title>{e(title)}</title>", f"<style>{_CSS}</style></head><body>",
+             f"<h1>{e(title)}</h1>"]
     for suite, found in groups.items():
         labels = column_labels(found)
         parts.append(f"<h2>{e(suite)}</h2><dl>")
         for name, text in context_lines(found, public):
             value = f"<code>{e(text)}</code>" if name == "command" else e(text)
             parts.append(f"<dt>{e(name)}</dt><dd>{value}</dd>")
-        parts.append("</dl><table><tr><th>metric</th>")
+        parts.append("</dl>")
+        # What the numbers mean first: the table below backs each sentence.
+        findings = run_findings([f.record for f in found])
+        if findings:
+            parts.append(f"<h3>{FINDINGS_TITLE}</h3><ul class='findings'>")
+            parts += [f"<li>{e(f)}</li>" for f in findings]
+            parts.append("</ul>")
+        parts.append("<table><tr><th>metric</th>")
         parts += [f"<th>{e(lab)}</th>" for lab in labels]
         parts.append("</tr>")
         for row in suite_rows(found):

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+from kvbench.report.findings import FINDINGS_TITLE, run_findings
 from kvbench.results.metric_table import report_metrics
 from kvbench.results.schema import RunRecord
 
@@ -68,6 +69,9 @@ def summary_markdown(records: Sequence[RunRecord]) -> str:
         markdown_table(records),
         "",
     ]
+    findings = run_findings(records)
+    if findings:
+        lines += [f"## {FINDINGS_TITLE}", "", *(f"- {f}" for f in findings), ""]
     for r in records:
         if r.error:
             lines += [f"**{r.engine} {r.status}:** {r.error.splitlines()[0]}", ""]
