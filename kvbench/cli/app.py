@@ -53,7 +53,10 @@ def run(
 ) -> None:
     """Run a suite: every engine on the same workload; print and write a comparison."""
     from kvbench.report.alerts import parse_rules
+    from kvbench.report.findings import FINDINGS_TITLE, run_findings
+    from kvbench.report.publish import write_run_page
     from kvbench.report.tables import table_rows
+    from kvbench.results.recordset import FoundRecord
     from kvbench.run.execute import execute_plan
     from kvbench.run.overrides import resolve_suite
     from kvbench.run.plan import plan_run
@@ -89,10 +92,22 @@ def run(
     for row in table_rows(records):
         table.add_row(*row)
     print_table(console, table)
+    findings = run_findings(records)
+    if findings:
+        console.print(f"\n[bold]{FINDINGS_TITLE}[/]")
+        for sentence in findings:
+            console.print(f"- {escape(sentence)}", highlight=False)
+        console.print()
     warn(plan.warnings[n_warnings:])
     if rules is not None:
         alert_flags.report_run(records, rules, plan.out_dir)
     console.print(f"records, summary.md and figures written to {plan.out_dir}")
+    try:
+        found = [FoundRecord(plan.out_dir / f"{r.engine}.json", r) for r in records]
+        console.print(f"all of it on one page: {write_run_page(found, plan.out_dir)}")
+    except KvbenchError as exc:
+        # The records and figures stand without it.
+        warn([f"the run's page was not written: {exc}"])
     exit_for(records, interrupts)
 
 

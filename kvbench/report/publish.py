@@ -201,8 +201,10 @@ def find_plots(found: Sequence[FoundRecord]) -> list[Path]:
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:2rem;color:#222;max-width:80rem}
 table{border-collapse:collapse;margin:1rem 0}th,td{border:1px solid #ccc;padding:.3rem .6rem}
-td.num{text-align:right;font-variant-numeric:tabular-nums}th{background:#f3f3f3}
-dl{display:grid;grid-template-columns:max-content auto;gap:.2rem 1rem}dt{font-weight:600}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+th{background:#f3f3f3}div.wide{overflow-x:auto}
+dl{display:grid;grid-template-columns:max-content minmax(0,1fr);gap:.2rem 1rem}
+dt{font-weight:600}dd{margin:0;overflow-wrap:anywhere}
 code{background:#f6f6f6;padding:0 .2rem}figure{margin:1rem 0}img{max-width:100%}
 ul.findings{max-width:60rem;line-height:1.45}ul.findings li{margin:.3rem 0}
 """
@@ -237,13 +239,14 @@ def html_page(groups: dict[str, list[FoundRecord]], public: Privacy,
             parts.append(f"<h3>{FINDINGS_TITLE}</h3><ul class='findings'>")
             parts += [f"<li>{e(f)}</li>" for f in findings]
             parts.append("</ul>")
-        parts.append("<table><tr><th>metric</th>")
+        # Numbers never wrap; a table wider than the window scrolls instead.
+        parts.append("<div class='wide'><table><tr><th>metric</th>")
         parts += [f"<th>{e(lab)}</th>" for lab in labels]
         parts.append("</tr>")
         for row in suite_rows(found):
             parts.append(f"<tr><td>{e(row[0])}</td>"
                          + "".join(f"<td class='num'>{e(c)}</td>" for c in row[1:]) + "</tr>")
-        parts.append("</table>")
+        parts.append("</table></div>")
         if any(repeat_count(f.record) > 1 for f in found):
             parts.append("<p>Values are medians over the repeats.</p>")
         for png in find_plots(found):
@@ -252,6 +255,13 @@ def html_page(groups: dict[str, list[FoundRecord]], public: Privacy,
                          f"<figcaption>{e(png.parent.name + '/' + png.name)}</figcaption></figure>")
     parts.append("</body></html>\n")
     return "\n".join(parts)
+
+
+def write_run_page(found: Sequence[FoundRecord], out_dir: Path) -> Path:
+    """``out_dir``'s index.html: the published page of one run's records (in run order), with
+    the figures found beside them."""
+    page = html_page({found[0].record.suite: list(found)}, Privacy.of(found), title="kvbench run")
+    return write_outputs([(out_dir / HTML_FILE, page, "the run's page")])[0]
 
 
 def publish(
