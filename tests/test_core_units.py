@@ -92,7 +92,8 @@ def test_cost_model_decode_is_memory_bound_and_prefill_compute_bound() -> None:
 def test_embedded_suites_load() -> None:
     suite, base = load_suite(None)
     assert suite.name == "default" and base is not None and base.name == "suites"
-    assert suite.run.engines == ["paged", "contiguous"]
+    assert suite.run.engines == ["contiguous", "contiguous-request", "paged"]
+    assert suite.run.request_rate == float("inf")
     with pytest.raises(KvbenchError, match="default"):
         load_suite("no-such-suite")
 

@@ -15,7 +15,7 @@ from kvbench.results.schema import LeakFit, SoakResult, WaveMemory, load_record
 RUN_ARGS = [
     "--device", "sim:a100-80gb", "--model", "llama-3-8b", "--workload", "mixed-text",
     "--num-requests", "12", "--kv-memory", "2GiB", "--max-model-len", "4096",
-    "--slo", "ttft:500,tpot:50",
+    "--slo", "ttft:500,tpot:50", "--engines", "paged,contiguous",
 ]
 PNG = b"\x89PNG\r\n\x1a\n"
 
