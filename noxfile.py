@@ -31,7 +31,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job on its embedded default: real compute on the CPU, paged vs contiguous."""
+    """The main job on its embedded default: real compute on the CPU, contiguous vs paged KV."""
     session.install("-e", ".[cpu]")
     session.run("kvbench", "run", *session.posargs)
 

@@ -9,12 +9,14 @@ exactly what the CPU run does, in seconds instead of a minute.
 from __future__ import annotations
 
 import base64
+import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from helpers import REPO
 from kvbench.cli.app import app
 from kvbench.report.findings import FINDINGS_TITLE
 from kvbench.results.schema import RunRecord, load_record
@@ -77,3 +79,48 @@ def test_the_page_holds_table_sentences_and_every_figure(default_run) -> None:
     assert names[:2] == ["memory.png", "fragmentation.png"]
     # Nothing outside the page: no file or network references.
     assert not re.search(r"(src|href)='(?!data:)", page)
+
+
+def _quickstart():
+    spec = importlib.util.spec_from_file_location("quickstart", REPO / "benchmarks" /
+                                                  "quickstart.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_sample_is_rendered_from_records(default_run) -> None:
+    quickstart = _quickstart()
+    out, _ = default_run
+    records = [load_record(out / f"{name}.json")
+               for name in ("contiguous", "contiguous-request", "paged")]
+    block = quickstart.render(records, "From a test.")
+    assert block.startswith(quickstart.BEGIN) and block.endswith(quickstart.END)
+    assert "| metric | contiguous | contiguous-request | paged |" in block
+    assert "| of which with enough KV free (s) |" in block and "| TTFT p99 (ms) |" not in block
+    assert "- contiguous-request: at t = " in block
+    readme = (REPO / "README.md").read_text()
+    assert readme.count(quickstart.BEGIN) == 1
+    replaced = quickstart.replace_block(readme, block)
+    assert replaced.count(quickstart.END) == 1 and "From a test." in replaced
+    # The committed sample names the figure committed beside the run's summary.
+    figure = re.search(r"\]\((results/tables/default/[^)]+\.png)\)", readme)
+    assert figure and (REPO / figure[1]).is_file()
+
+
+def test_report_and_publish_show_the_sentences_of_a_saved_run(default_run, tmp_path) -> None:
+    out, _ = default_run
+    runner = CliRunner()
+    result = runner.invoke(app, ["report", str(out), "-o", str(tmp_path / "report")])
+    assert result.exit_code == 0, result.output
+    report = (tmp_path / "report" / "report.md").read_text()
+    result = runner.invoke(app, ["publish", str(out), "-o", str(tmp_path / "pub")])
+    assert result.exit_code == 0, result.output
+    tables = (tmp_path / "pub" / "tables.md").read_text()
+    page = (tmp_path / "pub" / "index.html").read_text()
+    summary = (out / "summary.md").read_text()
+    sentence = next(line for line in summary.splitlines()
+                    if line.startswith("- contiguous-request: at t = "))
+    assert f"## {FINDINGS_TITLE}" in report and sentence in report
+    assert f"### {FINDINGS_TITLE}" in tables and sentence in tables
+    assert sentence[2:] in page
