@@ -305,12 +305,13 @@ class _Attention:
         # Sequences' rows are back to back: each output goes to its rows of one tensor.
         out = torch.empty(query.shape, dtype=self.dtype, device=query.device)
         lse_out = torch.empty(query.shape[:2], device=query.device) if return_lse else None
+        batched: set[int] = set()
         if plan.short is not None:
             o, lse = self.short_decodes(plan.short)
             out[plan.short.rows] = o
             if lse_out is not None:
                 lse_out[plan.short.rows] = lse
-        batched = set(plan.short.seqs) if plan.short is not None else set()
+            batched.update(plan.short.seqs)
         for i, sp in enumerate(plan.seqs):
             if i in batched:
                 continue
@@ -326,19 +327,21 @@ class _Attention:
         out = out if out.dtype == query.dtype else out.to(query.dtype)
         return (out, lse_out) if lse_out is not None else out
 
-    def short_decodes(self, short: ShortDecodes) -> tuple[Tensor, Tensor]:
-        """Decodes in one call over a ``[n, longest, Hkv, D]`` copy of their keys, padding
-        masked."""
-        index, visible, rows = short.index, short.visible, short.rows
+    def short_decodes(self, batch: ShortDecodes) -> tuple[Tensor, Tensor]:
+        """Short decodes in one call over a ``[n, m * unit, Hkv, D]`` copy of their keys' units,
+        padding masked."""
+        visible, rows = batch.visible, batch.rows
+        needs_slots = self.k_scale is not None or self.slot_positions is not None
+        slots = batch.token_slots() if needs_slots else None
         if self.query_positions is not None:
-            assert self.slot_positions is not None
-            visible = visible & (self.slot_positions[index] <= self.query_positions[rows][:, None])
+            assert self.slot_positions is not None and slots is not None
+            visible = visible & (self.slot_positions[slots] <= self.query_positions[rows][:, None])
         k, v = (
-            self._rows(cache, scale, group, index)
+            self._units(cache, scale, group, batch, slots)
             for cache, scale, group in ((self.k_cache, self.k_scale, self.k_group),
                                         (self.v_cache, self.v_scale, self.v_group))
         )
-        n, hq, d = len(short.seqs), self.query.shape[1], self.query.shape[2]
+        n, hq, d = len(batch.seqs), self.query.shape[1], self.query.shape[2]
         q = self.query[rows].to(self.dtype).view(n, -1, self.group_size, d)
         mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -347,19 +350,24 @@ class _Attention:
         )
         lse = lse.reshape(n, hq)
         if self.query_positions is not None:
-            # Without key positions every short decode sees at least one key.
+            # Without key positions every decode of a batch sees at least one key.
             lse = lse.masked_fill(~visible.any(-1, keepdim=True), float("-inf"))
         return o.reshape(n, hq, d), lse
 
-    def _rows(self, cache: Tensor, scale: Tensor | None, group: int, index: Tensor) -> Tensor:
-        """``cache`` at slots ``index`` ``[n, L]``, as ``[n, L, Hkv, D]`` of the compute dtype."""
+    def _units(self, cache: Tensor, scale: Tensor | None, group: int, batch: ShortDecodes,
+               slots: Tensor | None) -> Tensor:
+        """``cache`` at the units of ``batch``, as ``[n, m * unit, Hkv, D]`` of the compute
+        dtype (``slots``: the batch's token slots, needed with scales)."""
         raw = _bytes(cache)
-        # Rows of all heads index faster flat than as [S, Hkv, D].
-        flat = raw.view(raw.shape[0], -1) if raw.is_contiguous() else raw
-        x = flat.index_select(0, index.flatten()).view(cache.dtype)
-        x = x.view(*index.shape, *cache.shape[1:])
+        # Rows of whole units index faster flat than as [units, unit, Hkv, D].
+        flat = raw.view(-1, batch.unit * raw[0].numel()) if raw.is_contiguous() else (
+            raw.unflatten(0, (-1, batch.unit))
+        )
+        x = flat.index_select(0, batch.units.flatten()).view(cache.dtype)
+        x = x.view(batch.units.shape[0], -1, *cache.shape[1:])
         if scale is not None:
-            return decode(x, scale[torch.div(index, group, rounding_mode="floor")][..., None])
+            assert slots is not None
+            return decode(x, scale[torch.div(slots, group, rounding_mode="floor")][..., None])
         return x if x.dtype == self.dtype else x.to(self.dtype)
 
     def sequence(self, sp: SeqPlan) -> tuple[Tensor, Tensor]:

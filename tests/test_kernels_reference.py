@@ -353,3 +353,20 @@ def test_a_plan_for_another_batch_is_refused():
         reference.paged_attention(case.query, case.paged_k[:-16], case.paged_v[:-16],
                                   case.block_tables, case.context_lens, case.cu, 16, case.scale,
                                   plan=plan)
+
+
+def test_short_decodes_are_copied_in_whole_blocks():
+    """The padded batch of short decodes copies whole blocks of a paged cache (single slots of
+    unaligned extents); its rows match the oracle."""
+    lens = [30, 9, 44, 41, 13]
+    case = Case([1] * len(lens), lens, 2, 4, torch.float32, seed=15)
+    plan = reference.plan_paged(case.block_tables, case.context_lens, case.cu, 4,
+                                case.paged_k, case.paged_v, case.hq)
+    assert plan.short is not None and plan.short.unit == 4
+    assert plan.short.units.shape == (5, 11)
+    torch.testing.assert_close(case.paged().double(), case.expected(), atol=1e-5, rtol=1e-5)
+    plan = reference.plan_contiguous(case.extent_starts, case.context_lens, case.cu,
+                                     case.cont_k, case.cont_v, case.hq)
+    assert plan.short is not None and plan.short.unit == 1
+    torch.testing.assert_close(case.contiguous().double(), case.expected(), atol=1e-5,
+                               rtol=1e-5)
