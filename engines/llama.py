@@ -10,6 +10,7 @@ parameter names follow Hugging Face's ``LlamaForCausalLM`` so checkpoints load b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,14 +28,16 @@ class AttentionBatch:
 
     ``slot_mapping`` ``[T]`` int64; ``cu_seqlens_q`` ``[B + 1]`` int32; ``context_lens``
     ``[B]`` int32 (cached + new tokens); ``layout`` where each sequence's KV lies (block
-    tables, extents, ...) and so which kernel reads it. See :mod:`kvbench.kernels.reference`
-    for the exact semantics.
+    tables, extents, ...) and so which kernel reads it; ``plan`` the kernels' plan of this
+    batch (``KVLayout.plan``), made once and used by every layer (None: each call plans). See
+    :mod:`kvbench.kernels.reference` for the exact semantics.
     """
 
     slot_mapping: Tensor
     cu_seqlens_q: Tensor
     context_lens: Tensor
     layout: KVLayout
+    plan: Any = None
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -118,7 +121,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv[0], kv[1]
         self.kernels.store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         o = batch.layout.attend(
-            self.kernels, q, k_cache, v_cache, batch.context_lens, batch.cu_seqlens_q, self.scale
+            self.kernels, q, k_cache, v_cache, batch.context_lens, batch.cu_seqlens_q,
+            self.scale, plan=batch.plan,
         )
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 

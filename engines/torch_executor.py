@@ -96,12 +96,12 @@ class TorchExecutor(Executor):
         def dev(a: np.ndarray, dtype: torch.dtype) -> Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(self._device, dtype)
 
-        attn = AttentionBatch(
-            slot_mapping=dev(slots, torch.int64),
-            cu_seqlens_q=dev(cu, torch.int32),
-            context_lens=dev(ctx, torch.int32),
-            layout=kv.attention_layout([it.seq for it in items], ctx).on(self._device),
-        )
+        layout = kv.attention_layout([it.seq for it in items], ctx).on(self._device)
+        cu_t, ctx_t = dev(cu, torch.int32), dev(ctx, torch.int32)
+        # Every layer reads the same layout: the kernels plan it once for the step.
+        plan = layout.plan(self.kernels, ctx_t, cu_t, pool[0, 0], pool[0, 1],
+                           self.preset.num_heads)
+        attn = AttentionBatch(dev(slots, torch.int64), cu_t, ctx_t, layout, plan)
 
         with torch.inference_mode():
             hidden = self.model.embed(dev(token_ids, torch.int64))

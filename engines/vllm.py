@@ -33,6 +33,13 @@ Image and audio segments are sent as placeholder token ids of the same count (th
 presets are text-only in vLLM): the KV footprint is the same, the encoder work is not run.
 ``describe()`` then says ``"multimodal": "kv-equivalent"``.
 
+On a CPU, vLLM computes on this process's torch CPU threads, as the built-in engines do: in
+process nothing binds threads (``VLLM_CPU_OMP_THREADS_BIND`` is set to ``nobind``, and any
+other binding is refused, since only vLLM's multiprocess workers would apply it). Once
+started, vLLM turns ``torch.set_num_threads`` into a no-op for the whole process, so the
+thread count the run set before the first engine holds for every later one
+(:mod:`kvbench.run.threads`).
+
 Reading the scheduler and its block pool uses vLLM internals; that access is confined to
 ``_scheduler_of`` and ``_tap_schedule`` and checked when the engine starts.
 """
@@ -79,9 +86,26 @@ _GIB = 2**30
 ABSENT_KV_FIELDS = ("shared_bytes", "block_allocs", "block_frees", "evictions")
 
 
+# In-process (a UniProcExecutor), vLLM binds no OpenMP threads: only its multiprocess workers
+# read this variable. Its CPU kernels run on the process's OpenMP pool, the one torch's CPU
+# threads size, which kvbench sets for every engine alike (--cpu-threads). "nobind" states
+# that and keeps a vLLM that would bind in-process from pinning other cores.
+OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+OMP_BIND = "nobind"
+
+
 def _set_vllm_env() -> None:
     # The in-process engine core is what lets the adapter step vLLM and read its scheduler.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    bind = os.environ.get(OMP_BIND_ENV, "auto")
+    if bind not in ("auto", OMP_BIND):
+        raise KvbenchError(
+            f"{OMP_BIND_ENV}={bind} binds the threads of vLLM's multiprocess workers, but "
+            "kvbench steps vLLM in its own process, where nothing binds: every engine runs on "
+            f"this process's torch CPU threads. Unset {OMP_BIND_ENV} and give the count with "
+            "--cpu-threads N (it applies to every engine alike)"
+        )
+    os.environ[OMP_BIND_ENV] = OMP_BIND
     # vLLM's INFO lines (and its periodic throughput log) would interleave with kvbench's
     # progress display; VLLM_LOGGING_LEVEL=INFO brings them back.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -382,6 +406,9 @@ class VllmEngine:
             "init_s": self.init_s,
             "kv_stats_absent": list(ABSENT_KV_FIELDS),
         }
+        if self.config.device.kind == "cpu":
+            # Its CPU threads are the process's (the record's cpu_threads): nothing binds.
+            out["omp_threads_bind"] = os.environ.get(OMP_BIND_ENV)
         if self._multimodal:
             out["multimodal"] = "kv-equivalent"
         return out

@@ -3,7 +3,9 @@
 A backend is a set of functions with the signatures of :mod:`kvbench.kernels.reference`:
 ``store_kv``, ``paged_attention``, ``contiguous_attention``, ``copy_slots`` and
 ``merge_attention``, with the same optional quantisation scales, key positions and
-log-sum-exp output.
+log-sum-exp output, and the planners ``plan_paged`` / ``plan_contiguous`` of a backend whose
+attention does host-side work worth doing once per step rather than once per layer (None
+where it does none).
 The torch reference runs anywhere; the Triton backend (:mod:`kvbench.kernels.triton_attention`,
 :mod:`kvbench.kernels.triton_kv`) has the same signatures, is checked against the reference,
 and is imported only when asked for, so the reference path never needs triton.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,6 +34,8 @@ class KernelBackend:
     contiguous_attention: Callable[..., Tensor]
     copy_slots: Callable[..., None]
     merge_attention: Callable[..., Tensor | tuple[Tensor, Tensor]]
+    plan_paged: Callable[..., Any] | None = None
+    plan_contiguous: Callable[..., Any] | None = None
 
 
 def _reference(device: torch.device | None) -> KernelBackend:
@@ -41,6 +46,8 @@ def _reference(device: torch.device | None) -> KernelBackend:
         contiguous_attention=reference.contiguous_attention,
         copy_slots=reference.copy_slots,
         merge_attention=reference.merge_attention,
+        plan_paged=reference.plan_paged,
+        plan_contiguous=reference.plan_contiguous,
     )
 
 

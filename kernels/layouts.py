@@ -1,7 +1,8 @@
 """KV layouts: where each sequence of a batch finds its KV in the pool, and which kernel reads
 it. A KV manager describes its layout with one of these (arrays on the host); the executor
-moves it to the device with :meth:`on`; the model calls :meth:`attend`. A new memory layout
-is one class here plus its kernels.
+moves it to the device with :meth:`on` and makes the step's plan with :meth:`plan` (once for
+all layers); the model calls :meth:`attend` with it. A new memory layout is one class here
+plus its kernels.
 
 See :mod:`kvbench.kernels.reference` for the tensor shapes and semantics.
 """
@@ -32,12 +33,22 @@ class KVLayout(Protocol):
         """The same layout with its arrays as tensors on ``device``."""
         ...
 
+    def plan(
+        self, kernels: KernelBackend, context_lens: Tensor, cu_seqlens_q: Tensor,
+        k_cache: Tensor, v_cache: Tensor, num_heads: int, positions: bool = False,
+    ) -> Any:
+        """The kernels' plan for this layout, lengths and queries over caches shaped like
+        ``k_cache``/``v_cache`` (``positions``: calls pass key positions), or None where the
+        backend makes none; pass it to :meth:`attend` as ``plan`` in every layer."""
+        ...
+
     def attend(
         self, kernels: KernelBackend, query: Tensor, k_cache: Tensor, v_cache: Tensor,
         context_lens: Tensor, cu_seqlens_q: Tensor, scale: float, **options: Any,
     ) -> Any:
         """Varlen attention of ``query`` over each sequence's KV in this layout; ``options``
-        go to the kernel (scales of quantised pages, key positions, ``return_lse``)."""
+        go to the kernel (scales of quantised pages, key positions, ``return_lse``,
+        ``plan``)."""
         ...
 
 
@@ -52,6 +63,17 @@ class BlockTables:
         import torch
 
         return BlockTables(_on(self.block_tables, torch.int32, device), self.block_size)
+
+    def plan(
+        self, kernels: KernelBackend, context_lens: Tensor, cu_seqlens_q: Tensor,
+        k_cache: Tensor, v_cache: Tensor, num_heads: int, positions: bool = False,
+    ) -> Any:
+        if kernels.plan_paged is None:
+            return None
+        return kernels.plan_paged(
+            self.block_tables, context_lens, cu_seqlens_q, self.block_size, k_cache, v_cache,
+            num_heads, positions=positions,
+        )
 
     def attend(
         self, kernels: KernelBackend, query: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -73,6 +95,17 @@ class Extents:
         import torch
 
         return Extents(_on(self.extent_starts, torch.int64, device))
+
+    def plan(
+        self, kernels: KernelBackend, context_lens: Tensor, cu_seqlens_q: Tensor,
+        k_cache: Tensor, v_cache: Tensor, num_heads: int, positions: bool = False,
+    ) -> Any:
+        if kernels.plan_contiguous is None:
+            return None
+        return kernels.plan_contiguous(
+            self.extent_starts, context_lens, cu_seqlens_q, k_cache, v_cache, num_heads,
+            positions=positions,
+        )
 
     def attend(
         self, kernels: KernelBackend, query: Tensor, k_cache: Tensor, v_cache: Tensor,

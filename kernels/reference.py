@@ -31,6 +31,10 @@ Optional keyword arguments, the same for every backend:
 - ``return_lse``: also return the log-sum-exp (natural log) of each query row's scaled scores,
   ``[T, num_heads]`` float32, ``-inf`` for a row that sees no key (its output is 0).
   :func:`merge_attention` combines outputs over disjoint key sets with it.
+- ``plan``: what the backend's ``plan_paged`` (``plan_contiguous``) returned for the same
+  tables (extents), lengths and queries: host-side work done once per step and reused by
+  every layer. None plans in the call. The Triton kernels read the tables on the device and
+  need no plan (their backend has no planners; they accept ``plan=None``).
 
 Attention accumulates in float32 (a float cache in the query's dtype is read as is, with
 float32 accumulation) and returns ``query``'s dtype. Kernels read only up to ``context_len``.
@@ -43,18 +47,16 @@ short to be worth a call of their own (scattered blocks) are gathered together i
 copy. Sequences run one by one, so unequal lengths cost no padding, except short decodes
 (a few hundred KiB of K+V), which share one call over a padded copy: a call each would cost
 more. Prefill chunks split their keys into the part every query sees (no mask) and the
-causal square of their own positions. Both layouts go through the same plan, so neither pays
-a copy the other does not. The plan is made on the host from the block tables and lengths;
-on CPU reading them is no device sync. On other devices, where the reference is only the
+causal square of their own positions. Both layouts go through the same planning
+(:mod:`kvbench.kernels.reference_plan`), so neither pays a copy the other does not. On other
+devices, where the reference is only the
 Triton kernels' oracle, the same plan runs on explicit matmuls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -68,18 +70,17 @@ from kvbench.kernels.quant import (
     scale_group,
     to_codes,
 )
+from kvbench.kernels.reference_plan import (
+    AttentionPlan,
+    Gather,
+    Piece,
+    SeqPlan,
+    ShortDecodes,
+    extent_runs,
+    make_plan,
+    paged_runs,
+)
 from kvbench.kernels.slot_copy import SlotCopy
-
-# A run is attended in place when its K+V bytes exceed this plus MERGE_COST times the bytes
-# of the partial output it adds to the merge; shorter runs are cheaper to gather together
-# (scattered blocks). Measured on one core: a call and its share of the merge cost about as
-# much as copying a megabyte, and a merge passes over its outputs a few times.
-MIN_VIEW_BYTES = 2**20
-MERGE_COST = 4
-# Decodes whose K+V take at most this many bytes are attended together, in one call over a
-# padded copy of their keys: a call per sequence costs more than copying this little (and
-# padding wastes at most this much per sequence). Both layouts take this path alike.
-SHORT_DECODE_BYTES = 256 * 2**10
 
 
 def store_kv(
@@ -174,39 +175,38 @@ def merge_attention(
     return (out, m + torch.log(total)) if return_lse else out
 
 
-@dataclass(frozen=True, slots=True)
-class _Runs:
-    """Where each sequence's keys lie: ``segs[:, ptr[b] : ptr[b + 1]]`` are sequence ``b``'s
-    runs, rows (first slot, first key index, length): physically consecutive slots holding
-    keys ``key .. key + length - 1`` in order."""
 
-    ptr: list[int]
-    segs: np.ndarray
-    context: list[int]
-
-
-def _paged_runs(block_tables: Tensor, context_lens: Tensor, block_size: int) -> _Runs:
-    ctx = context_lens.cpu().numpy().astype(np.int64)
-    num_blocks = -(-ctx // block_size)
-    width = int(num_blocks.max(initial=0))
-    tables = block_tables[:, :width].cpu().numpy().astype(np.int64)
-    seq, col = np.nonzero(np.arange(width)[None, :] < num_blocks[:, None])
-    block = tables[seq, col]
-    starts = np.ones(len(block), dtype=bool)
-    starts[1:] = (seq[1:] != seq[:-1]) | (block[1:] != block[:-1] + 1)
-    first = np.flatnonzero(starts)
-    run_seq, key = seq[first], col[first] * block_size
-    length = np.diff(np.append(first, len(block))) * block_size
-    length = np.minimum(length, ctx[run_seq] - key)
-    ptr = np.searchsorted(run_seq, np.arange(len(ctx) + 1))
-    return _Runs(ptr.tolist(), np.stack([block[first] * block_size, key, length]), ctx.tolist())
+def plan_paged(
+    block_tables: Tensor,
+    context_lens: Tensor,
+    cu_seqlens_q: Tensor,
+    block_size: int,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    num_heads: int,
+    *,
+    positions: bool = False,
+) -> AttentionPlan:
+    """The plan :func:`paged_attention` follows for these tables, lengths and queries
+    (``num_heads`` per row) over caches shaped like ``k_cache`` and ``v_cache``, to pass as its
+    ``plan`` in every layer of a step; ``positions``: the calls get ``slot_positions``."""
+    runs = paged_runs(block_tables, context_lens, block_size)
+    return make_plan(runs, cu_seqlens_q, k_cache, v_cache, num_heads, positions)
 
 
-def _extent_runs(extent_starts: Tensor, context_lens: Tensor) -> _Runs:
-    ctx = context_lens.cpu().numpy().astype(np.int64)
-    starts = extent_starts.cpu().numpy().astype(np.int64)
-    return _Runs(list(range(len(ctx) + 1)), np.stack([starts, np.zeros_like(ctx), ctx]),
-                 ctx.tolist())
+def plan_contiguous(
+    extent_starts: Tensor,
+    context_lens: Tensor,
+    cu_seqlens_q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    num_heads: int,
+    *,
+    positions: bool = False,
+) -> AttentionPlan:
+    """The plan :func:`contiguous_attention` follows (see :func:`plan_paged`)."""
+    runs = extent_runs(extent_starts, context_lens)
+    return make_plan(runs, cu_seqlens_q, k_cache, v_cache, num_heads, positions)
 
 
 def paged_attention(
@@ -224,12 +224,15 @@ def paged_attention(
     slot_positions: Tensor | None = None,
     query_positions: Tensor | None = None,
     return_lse: bool = False,
+    plan: AttentionPlan | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Varlen attention reading each sequence's KV through its block table."""
-    runs = _paged_runs(block_tables, context_lens, block_size)
+    if plan is None:
+        plan = plan_paged(block_tables, context_lens, cu_seqlens_q, block_size, k_cache,
+                          v_cache, query.shape[1], positions=slot_positions is not None)
     return _Attention(
         query, k_cache, v_cache, scale, k_scale, v_scale, slot_positions, query_positions
-    ).run(runs, cu_seqlens_q, return_lse)
+    ).run(plan, return_lse)
 
 
 def contiguous_attention(
@@ -246,55 +249,15 @@ def contiguous_attention(
     slot_positions: Tensor | None = None,
     query_positions: Tensor | None = None,
     return_lse: bool = False,
+    plan: AttentionPlan | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Varlen attention reading each sequence's KV from its contiguous extent."""
-    runs = _extent_runs(extent_starts, context_lens)
+    if plan is None:
+        plan = plan_contiguous(extent_starts, context_lens, cu_seqlens_q, k_cache, v_cache,
+                               query.shape[1], positions=slot_positions is not None)
     return _Attention(
         query, k_cache, v_cache, scale, k_scale, v_scale, slot_positions, query_positions
-    ).run(runs, cu_seqlens_q, return_lse)
-
-
-def _clip(segs: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """The parts of runs ``segs`` holding keys ``lo .. hi - 1``."""
-    slot, key, n = segs
-    a, b = np.maximum(key, lo), np.minimum(key + n, hi)
-    keep = b > a
-    return np.stack([slot + a - key, a, b - a])[:, keep]
-
-
-def _coalesce(segs: np.ndarray) -> np.ndarray:
-    """Runs whose order does not matter (no causal mask among them) sorted by slot and
-    joined where one ends at the next's start: a pool recycles a sequence's blocks tail
-    first, so later sequences get descending runs of blocks, one range of slots each. The
-    joined runs' key indices are no longer meaningful."""
-    if segs.shape[1] < 2:
-        return segs
-    segs = segs[:, np.argsort(segs[0], kind="stable")]
-    slot, n = segs[0], segs[2]
-    start = np.ones(len(slot), dtype=bool)
-    start[1:] = slot[1:] != slot[:-1] + n[:-1]
-    first = np.flatnonzero(start)
-    return np.stack([slot[first], segs[1][first], np.add.reduceat(n, first)])
-
-
-@dataclass(frozen=True, slots=True)
-class _Gather:
-    """Short runs (first slots, lengths) copied together, in order, as ``units`` of ``unit``
-    slots each; the last run may end inside its last unit, whose tail is dropped."""
-
-    slots: np.ndarray
-    lengths: np.ndarray
-    unit: int
-    units: Tensor
-
-    def token_slots(self, device: torch.device) -> Tensor:
-        ends = np.cumsum(self.lengths)
-        tokens = np.arange(ends[-1]) + np.repeat(self.slots - (ends - self.lengths), self.lengths)
-        return torch.from_numpy(tokens).to(device)
-
-
-# A piece of one sequence's keys: a slice (first slot, length) read in place, or a gather.
-_Piece = tuple[int, int] | _Gather
+    ).run(plan, return_lse)
 
 
 class _Attention:
@@ -322,115 +285,98 @@ class _Attention:
         # turned into float32 piece by piece.
         native = k_scale is None and k_cache.dtype == v_cache.dtype == query.dtype
         self.dtype = query.dtype if native else torch.float32
-        self.row_bytes = k_cache[0].nbytes + v_cache[0].nbytes
         self.group_size = query.shape[1] // k_cache.shape[1]
 
-    def run(
-        self, runs: _Runs, cu_seqlens_q: Tensor, return_lse: bool
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        query = self.query
-        cu = cu_seqlens_q.tolist()
-        num_seqs = len(cu) - 1
-        done: dict[int, tuple[Tensor, Tensor]] = {}
-        short = [
-            b for b in range(num_seqs)
-            if cu[b + 1] - cu[b] == 1 and runs.ptr[b + 1] > runs.ptr[b]
-            and 0 < runs.context[b] * self.row_bytes <= SHORT_DECODE_BYTES
-        ]
-        if len(short) > 1 and query.device.type == "cpu":
-            o, lse = self.short_decodes(short, cu, runs)
-            done = {b: (o[i : i + 1], lse[i : i + 1]) for i, b in enumerate(short)}
-        # Sequences' rows are back to back: their outputs are concatenated, in one copy.
-        outs, lses = [], []
-        for b in range(num_seqs):
-            q0, q1 = cu[b], cu[b + 1]
-            p0, p1 = runs.ptr[b], runs.ptr[b + 1]
-            if q1 == q0:
-                continue
-            if b in done:
-                o, lse = done[b]
-            elif p1 == p0 or runs.context[b] == 0:
-                o = query.new_zeros(q1 - q0, *query.shape[1:])
-                lse = torch.full((q1 - q0, query.shape[1]), float("-inf"), device=query.device)
-            else:
-                o, lse = self.sequence(q0, q1, runs.segs[:, p0:p1], runs.context[b])
-            outs.append(o)
-            lses.append(lse)
-        if not outs:
-            empty = torch.empty(0, query.shape[1], device=query.device)
-            return (torch.zeros_like(query), empty) if return_lse else torch.zeros_like(query)
-        out = torch.cat(outs).to(query.dtype)
-        return (out, torch.cat(lses)) if return_lse else out
+    def _check(self, plan: AttentionPlan) -> None:
+        row_bytes = self.k_cache[0].nbytes + self.v_cache[0].nbytes
+        made_for = (plan.num_rows, plan.num_slots, plan.row_bytes, plan.positions)
+        given = (self.query.shape[0], self.k_cache.shape[0], row_bytes,
+                 self.slot_positions is not None)
+        if made_for != given:
+            raise KvbenchError(
+                f"attention plan made for (rows, slots, row bytes, key positions) {made_for}, "
+                f"used with {given}"
+            )
 
-    def short_decodes(self, seqs: list[int], cu: list[int], runs: _Runs
-                      ) -> tuple[Tensor, Tensor]:
-        """Decodes of sequences ``seqs`` in one call over a ``[n, longest, Hkv, D]`` copy of
-        their keys, padding masked; padding repeats each sequence's first key, a finite
-        value, since masked probabilities still multiply what they mask."""
-        first = np.array([runs.ptr[b] for b in seqs])
-        counts = np.array([runs.ptr[b + 1] for b in seqs]) - first
-        ends = np.cumsum(counts)
-        picked = np.arange(ends[-1]) + np.repeat(first - (ends - counts), counts)
-        slot, key, length = runs.segs[:, picked]
-        owner = np.repeat(np.arange(len(seqs)), counts)
-        lens = np.array([runs.context[b] for b in seqs])
-        tok_ends = np.cumsum(length)
-        offset = np.arange(tok_ends[-1]) - np.repeat(tok_ends - length, length)
-        slots = np.repeat(slot[ends - counts], lens.max()).reshape(len(seqs), -1)
-        slots[np.repeat(owner, length), np.repeat(key, length) + offset] = (
-            np.repeat(slot, length) + offset
-        )
-        index = torch.from_numpy(slots)
-        visible = torch.from_numpy(np.arange(slots.shape[1])[None, :] < lens[:, None])
-        rows = torch.tensor([cu[b] for b in seqs])
+    def run(self, plan: AttentionPlan, return_lse: bool) -> Tensor | tuple[Tensor, Tensor]:
+        self._check(plan)
+        query = self.query
+        hq = query.shape[1]
+        # Sequences' rows are back to back: each output goes to its rows of one tensor.
+        out = torch.empty(query.shape, dtype=self.dtype, device=query.device)
+        lse_out = torch.empty(query.shape[:2], device=query.device) if return_lse else None
+        batched: set[int] = set()
+        if plan.short is not None:
+            o, lse = self.short_decodes(plan.short)
+            out[plan.short.rows] = o
+            if lse_out is not None:
+                lse_out[plan.short.rows] = lse
+            batched.update(plan.short.seqs)
+        for i, sp in enumerate(plan.seqs):
+            if i in batched:
+                continue
+            if sp.pieces:
+                o, lse = self.sequence(sp)
+            else:
+                o = torch.zeros(sp.q1 - sp.q0, hq, query.shape[2], dtype=self.dtype,
+                                device=query.device)
+                lse = torch.full((sp.q1 - sp.q0, hq), float("-inf"), device=query.device)
+            out[sp.q0 : sp.q1] = o
+            if lse_out is not None:
+                lse_out[sp.q0 : sp.q1] = lse
+        out = out if out.dtype == query.dtype else out.to(query.dtype)
+        return (out, lse_out) if lse_out is not None else out
+
+    def short_decodes(self, batch: ShortDecodes) -> tuple[Tensor, Tensor]:
+        """Short decodes in one call over a ``[n, m * unit, Hkv, D]`` copy of their keys' units,
+        padding masked."""
+        visible, rows = batch.visible, batch.rows
+        needs_slots = self.k_scale is not None or self.slot_positions is not None
+        slots = batch.token_slots() if needs_slots else None
         if self.query_positions is not None:
-            assert self.slot_positions is not None
-            visible &= self.slot_positions[index] <= self.query_positions[rows][:, None]
+            assert self.slot_positions is not None and slots is not None
+            visible = visible & (self.slot_positions[slots] <= self.query_positions[rows][:, None])
         k, v = (
-            self._rows(cache, scale, group, index)
+            self._units(cache, scale, group, batch, slots)
             for cache, scale, group in ((self.k_cache, self.k_scale, self.k_group),
                                         (self.v_cache, self.v_scale, self.v_group))
         )
-        n, hq, d = len(seqs), self.query.shape[1], self.query.shape[2]
+        n, hq, d = len(batch.seqs), self.query.shape[1], self.query.shape[2]
         q = self.query[rows].to(self.dtype).view(n, -1, self.group_size, d)
         mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
             attn_mask=mask[:, None, None], scale=self.scale,
         )
-        lse = lse.reshape(n, hq).masked_fill(~visible.any(-1, keepdim=True), float("-inf"))
+        lse = lse.reshape(n, hq)
+        if self.query_positions is not None:
+            # Without key positions every decode of a batch sees at least one key.
+            lse = lse.masked_fill(~visible.any(-1, keepdim=True), float("-inf"))
         return o.reshape(n, hq, d), lse
 
-    def _rows(self, cache: Tensor, scale: Tensor | None, group: int, index: Tensor) -> Tensor:
-        """``cache`` at slots ``index`` ``[n, L]``, as ``[n, L, Hkv, D]`` of the compute dtype."""
+    def _units(self, cache: Tensor, scale: Tensor | None, group: int, batch: ShortDecodes,
+               slots: Tensor | None) -> Tensor:
+        """``cache`` at the units of ``batch``, as ``[n, m * unit, Hkv, D]`` of the compute
+        dtype (``slots``: the batch's token slots, needed with scales)."""
         raw = _bytes(cache)
-        # Rows of all heads index faster flat than as [S, Hkv, D].
-        flat = raw.view(raw.shape[0], -1) if raw.is_contiguous() else raw
-        x = flat.index_select(0, index.flatten()).view(cache.dtype)
-        x = x.view(*index.shape, *cache.shape[1:])
+        # Rows of whole units index faster flat than as [units, unit, Hkv, D].
+        flat = raw.view(-1, batch.unit * raw[0].numel()) if raw.is_contiguous() else (
+            raw.unflatten(0, (-1, batch.unit))
+        )
+        x = flat.index_select(0, batch.units.flatten()).view(cache.dtype)
+        x = x.view(batch.units.shape[0], -1, *cache.shape[1:])
         if scale is not None:
-            return decode(x, scale[torch.div(index, group, rounding_mode="floor")][..., None])
+            assert slots is not None
+            return decode(x, scale[torch.div(slots, group, rounding_mode="floor")][..., None])
         return x if x.dtype == self.dtype else x.to(self.dtype)
 
-    def sequence(self, q0: int, q1: int, segs: np.ndarray, ctx: int) -> tuple[Tensor, Tensor]:
-        """Sequence rows ``q0 : q1`` over its key runs: ``[nq, Hq, D]`` output, ``[nq, Hq]``
+    def sequence(self, sp: SeqPlan) -> tuple[Tensor, Tensor]:
+        """One sequence's rows over its pieces: ``[nq, Hq, D]`` output, ``[nq, Hq]``
         log-sum-exp."""
-        q = self.query[q0:q1]
+        q = self.query[sp.q0 : sp.q1]
         if q.dtype != self.dtype:
             q = q.to(self.dtype)
-        nq = q1 - q0
-        if self.query_positions is not None or nq == 1:
-            parts = [(_coalesce(segs), False)]
-        else:
-            # Keys before the chunk are seen by every query; the chunk's own keys form a
-            # causal square.
-            split = ctx - nq
-            parts = [(_coalesce(_clip(segs, 0, split)), False), (_clip(segs, split, ctx), True)]
-        outs = [
-            self._attend(q, q0, q1, piece, causal)
-            for part, causal in parts
-            for piece in self._pieces(part, nq, causal)
-        ]
+        outs = [self._attend(q, sp.q0, sp.q1, piece, causal) for piece, causal in sp.pieces]
         if len(outs) == 1:
             return outs[0]
         # All pieces at once: weights from the log-sum-exp of their log-sum-exps.
@@ -439,49 +385,16 @@ class _Attention:
         w = torch.exp(lse - torch.where(total == float("-inf"), 0.0, total))
         return (w[..., None] * o).sum(0), total
 
-    def _pieces(self, segs: np.ndarray, nq: int, causal: bool) -> list[_Piece]:
-        """Runs long enough to attend on their own as slices, the others gathered together;
-        a ``causal`` part (a chunk's own keys) is one piece with its keys in order."""
-        if segs.shape[1] == 1:
-            return [(int(segs[0, 0]), int(segs[2, 0]))]
-        out_bytes = nq * self.query[0].numel() * 4
-        long = segs[2] * self.row_bytes >= MIN_VIEW_BYTES + MERGE_COST * out_bytes
-        if causal:
-            long[:] = False
-        pieces: list[_Piece] = [(int(a), int(n)) for a, n in segs[[0, 2]][:, long].T]
-        short = segs[:, ~long]
-        if short.shape[1] == 1:
-            pieces.append((int(short[0, 0]), int(short[2, 0])))
-        elif short.shape[1]:
-            pieces.append(self._gather(short[0], short[2], in_order=causal))
-        return pieces
-
-    def _gather(self, slots: np.ndarray, lengths: np.ndarray, in_order: bool) -> _Gather:
-        # Copy in the largest units that the runs allow (whole blocks, as a rule): indexing
-        # long rows is several times faster than indexing single tokens. Only the last run
-        # may end inside a unit, so where order is free a partial block (a sequence's last,
-        # anywhere once runs are sorted by slot) goes last.
-        num_slots = self.k_cache.shape[0]
-        unit = int(np.gcd.reduce(np.append(slots, num_slots)))
-        if not in_order:
-            last = np.argsort(lengths % unit != 0, kind="stable")
-            slots, lengths = slots[last], lengths[last]
-        unit = int(np.gcd.reduce(np.append(lengths[:-1], unit)))
-        counts = -(-lengths // unit)
-        ends = np.cumsum(counts)
-        ids = np.arange(ends[-1]) + np.repeat(slots // unit - (ends - counts), counts)
-        return _Gather(slots, lengths, unit, torch.from_numpy(ids).to(self.query.device))
-
-    def _load(self, cache: Tensor, scale: Tensor | None, group: int, piece: _Piece) -> Tensor:
-        if isinstance(piece, _Gather):
+    def _load(self, cache: Tensor, scale: Tensor | None, group: int, piece: Piece) -> Tensor:
+        if isinstance(piece, Gather):
             raw = _bytes(cache)
             # Rows of whole units index faster flat than as [units, unit, Hkv, D].
             units = raw.view(-1, piece.unit * raw[0].numel()) if raw.is_contiguous() else (
                 raw.unflatten(0, (-1, piece.unit))
             )
             x = units.index_select(0, piece.units).view(-1, *cache.shape[1:])
-            x = x[: int(piece.lengths.sum())].view(cache.dtype)
-            slots = piece.token_slots(cache.device) if scale is not None else None
+            x = x[: piece.num_keys].view(cache.dtype)
+            slots = piece.token_slots
         else:
             x = cache[piece[0] : piece[0] + piece[1]]
             slots = None
@@ -492,14 +405,14 @@ class _Attention:
             return decode(x, scale[torch.div(slots, group, rounding_mode="floor")][:, :, None])
         return x if x.dtype == self.dtype else x.to(self.dtype)
 
-    def _key_positions(self, piece: _Piece) -> Tensor:
+    def _key_positions(self, piece: Piece) -> Tensor:
         assert self.slot_positions is not None
-        if isinstance(piece, _Gather):
-            return self.slot_positions[piece.token_slots(self.slot_positions.device)]
+        if isinstance(piece, Gather):
+            return self.slot_positions[piece.token_slots]
         return self.slot_positions[piece[0] : piece[0] + piece[1]]
 
     def _attend(
-        self, q: Tensor, q0: int, q1: int, piece: _Piece, causal: bool
+        self, q: Tensor, q0: int, q1: int, piece: Piece, causal: bool
     ) -> tuple[Tensor, Tensor]:
         k = self._load(self.k_cache, self.k_scale, self.k_group, piece)
         v = self._load(self.v_cache, self.v_scale, self.v_group, piece)

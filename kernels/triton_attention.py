@@ -314,8 +314,10 @@ def paged_attention(
     query_positions: Tensor | None = None,
     return_lse: bool = False,
     num_splits: int | None = None,
+    plan: None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Varlen attention reading each sequence's KV through its block table.
+    """Varlen attention reading each sequence's KV through its block table (on the device:
+    ``plan`` is always None, this backend makes none).
 
     ``num_splits`` overrides how many programs share one decode sequence's context (default:
     enough to fill the GPU for decode-only batches, else 1).
@@ -342,6 +344,7 @@ def contiguous_attention(
     query_positions: Tensor | None = None,
     return_lse: bool = False,
     num_splits: int | None = None,
+    plan: None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Varlen attention reading each sequence's KV from its contiguous extent."""
     return _attention(

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.errors import KvbenchError
-from kvbench.kernels import quant, reference
+from kvbench.kernels import quant, reference, reference_plan
 from kvbench.kernels.slot_copy import SlotCopy
 
 HKV, D = 2, 16
@@ -387,7 +387,7 @@ def test_batched_short_decodes_equal_one_by_one(monkeypatch, dtype, positions):
         kw = dict(slot_positions=slot_pos,
                   query_positions=torch.tensor([17, -1, 7, 9], dtype=torch.int32))
     batched = pool.attention(query, cu, return_lse=True, **kw)
-    monkeypatch.setattr(reference, "SHORT_DECODE_BYTES", 0)
+    monkeypatch.setattr(reference_plan, "SHORT_DECODE_BYTES", 0)
     one_by_one = pool.attention(query, cu, return_lse=True, **kw)
     torch.testing.assert_close(batched[0], one_by_one[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(batched[1], one_by_one[1], atol=1e-6, rtol=1e-6)

@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.kernels import reference
+from kvbench.errors import KvbenchError
+from kvbench.kernels import reference, reference_plan
 from kvbench.kernels.slot_copy import SlotCopy
 
 HKV, D = 2, 16
@@ -222,8 +223,8 @@ def test_runs_read_in_place_and_gathered(monkeypatch, min_view_blocks):
     none at 0), with prefill chunks whose causal square spans several runs."""
     block_size = 4
     row_bytes = 2 * HKV * D * 4
-    monkeypatch.setattr(reference, "MIN_VIEW_BYTES", min_view_blocks * block_size * row_bytes)
-    monkeypatch.setattr(reference, "MERGE_COST", 0)
+    monkeypatch.setattr(reference_plan, "MIN_VIEW_BYTES", min_view_blocks * block_size * row_bytes)
+    monkeypatch.setattr(reference_plan, "MERGE_COST", 0)
     case = Case([1, 9, 1, 14], [37, 30, 5, 14], 4, block_size, torch.float32, seed=11)
     # Block ids in runs: 0-3, 9, 4-5, 12, 6-8 ... handed out in this order.
     order = [0, 1, 2, 3, 9, 4, 5, 12, 6, 7, 8, 15, 16, 17, 10, 11, 13, 14, 18, 19, 20, 21, 22, 24]
@@ -253,8 +254,8 @@ def test_descending_blocks_are_read_as_one_range(monkeypatch):
         calls.append(k.shape[2])
         return real(q, k, *args, **kw)
 
-    monkeypatch.setattr(reference, "MIN_VIEW_BYTES", 0)
-    monkeypatch.setattr(reference, "MERGE_COST", 0)
+    monkeypatch.setattr(reference_plan, "MIN_VIEW_BYTES", 0)
+    monkeypatch.setattr(reference_plan, "MERGE_COST", 0)
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", counting)
     case = Case([1, 8], [30, 40], 4, 4, torch.float32, seed=12)
     k, v = torch.zeros_like(case.paged_k), torch.zeros_like(case.paged_v)
@@ -278,16 +279,16 @@ def test_gathered_runs_with_a_partial_block_first(monkeypatch, q_len):
     """Descending blocks gathered whole: sorted by slot, the partial last block comes first
     and is moved to the end so that whole blocks are copied; a chunk's own keys keep their
     order."""
-    monkeypatch.setattr(reference, "MIN_VIEW_BYTES", 2**40)
+    monkeypatch.setattr(reference_plan, "MIN_VIEW_BYTES", 2**40)
     units = []
-    real = reference._Attention._gather
+    real = reference_plan._Planner._gather
 
     def spy(self, *args, **kw):
         piece = real(self, *args, **kw)
         units.append(piece.unit)
         return piece
 
-    monkeypatch.setattr(reference._Attention, "_gather", spy)
+    monkeypatch.setattr(reference_plan._Planner, "_gather", spy)
     case = Case([q_len], [27], 2, 4, torch.float32, seed=13)
     blocks = torch.tensor([9, 7, 5, 3, 1, 8, 6])  # recycled: runs of 1-2 blocks once sorted
     case.block_tables[0, :7] = blocks.int()
@@ -308,3 +309,64 @@ def test_sequences_without_keys_give_zero_rows():
     )
     assert not out[0].any() and (lse[0] == float("-inf")).all()
     assert torch.isfinite(lse[1:]).all()
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_one_plan_serves_every_layer(layout):
+    """A plan made once for a batch gives each layer's call exactly what planning in the call
+    gives, for caches of other contents (the layers') but the same shape."""
+    case = Case(Q_LENS, CTX_LENS, 4, 16, torch.float32, seed=14)
+    if layout == "paged":
+        k, v = case.paged_k, case.paged_v
+        plan = reference.plan_paged(case.block_tables, case.context_lens, case.cu, 16, k, v,
+                                    case.hq)
+
+        def call(k, v, **kw):
+            return reference.paged_attention(case.query, k, v, case.block_tables,
+                                             case.context_lens, case.cu, 16, case.scale, **kw)
+    else:
+        k, v = case.cont_k, case.cont_v
+        plan = reference.plan_contiguous(case.extent_starts, case.context_lens, case.cu, k, v,
+                                         case.hq)
+
+        def call(k, v, **kw):
+            return reference.contiguous_attention(case.query, k, v, case.extent_starts,
+                                                  case.context_lens, case.cu, case.scale, **kw)
+    assert plan.short is not None  # the two short decodes share a call
+    for layer in range(3):
+        gen = torch.Generator().manual_seed(layer)
+        lk, lv = torch.randn(k.shape, generator=gen), torch.randn(v.shape, generator=gen)
+        want_o, want_lse = call(lk, lv, return_lse=True)
+        got_o, got_lse = call(lk, lv, return_lse=True, plan=plan)
+        assert torch.equal(got_o, want_o) and torch.equal(got_lse, want_lse)
+
+
+def test_a_plan_for_another_batch_is_refused():
+    case = Case(Q_LENS, CTX_LENS, 2, 16, torch.float32)
+    plan = reference.plan_paged(case.block_tables, case.context_lens, case.cu, 16,
+                                case.paged_k, case.paged_v, case.hq)
+    with pytest.raises(KvbenchError, match="plan made for"):
+        reference.paged_attention(case.query[:-1], case.paged_k, case.paged_v,
+                                  case.block_tables, case.context_lens, case.cu, 16, case.scale,
+                                  plan=plan)
+    with pytest.raises(KvbenchError, match="plan made for"):
+        reference.paged_attention(case.query, case.paged_k[:-16], case.paged_v[:-16],
+                                  case.block_tables, case.context_lens, case.cu, 16, case.scale,
+                                  plan=plan)
+
+
+def test_short_decodes_are_copied_in_whole_blocks():
+    """The padded batch of short decodes copies whole blocks of a paged cache (single slots of
+    unaligned extents); its rows match the oracle."""
+    lens = [30, 9, 44, 41, 13]
+    case = Case([1] * len(lens), lens, 2, 4, torch.float32, seed=15)
+    plan = reference.plan_paged(case.block_tables, case.context_lens, case.cu, 4,
+                                case.paged_k, case.paged_v, case.hq)
+    assert plan.short is not None and plan.short.unit == 4
+    assert plan.short.units.shape == (5, 11)
+    torch.testing.assert_close(case.paged().double(), case.expected(), atol=1e-5, rtol=1e-5)
+    plan = reference.plan_contiguous(case.extent_starts, case.context_lens, case.cu,
+                                     case.cont_k, case.cont_v, case.hq)
+    assert plan.short is not None and plan.short.unit == 1
+    torch.testing.assert_close(case.contiguous().double(), case.expected(), atol=1e-5,
+                               rtol=1e-5)

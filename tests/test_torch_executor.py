@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -217,3 +218,29 @@ def test_cuda_layouts_agree():
 def test_rules_used_here_match_workload_counts():
     assert image_token_count("qwen2-vl", 224, 224) == 64
     assert audio_token_count(0.5) == 25
+
+
+def test_one_attention_plan_per_step(executor, monkeypatch):
+    """The kernels' host-side plan is made once per step, not once per layer, and every layer
+    gets it."""
+    from kvbench.kernels import reference
+
+    made, used = [], []
+    real_plan, real_attend = reference.plan_paged, reference.paged_attention
+
+    def plan(*args, **kw):
+        made.append(real_plan(*args, **kw))
+        return made[-1]
+
+    def attend(*args, plan=None, **kw):
+        used.append(plan)
+        return real_attend(*args, plan=plan, **kw)
+
+    spied = dataclasses.replace(executor.kernels, plan_paged=plan, paged_attention=attend)
+    monkeypatch.setattr(executor, "kernels", spied)
+    for layer in executor.model.model.layers:
+        monkeypatch.setattr(layer.self_attn, "kernels", spied)
+    kv = PagedStub(64)
+    generate(bound(executor, kv), kv, [make_seq(i, text(9 + 5 * i, f"p/{i}"), 3) for i in range(3)])
+    assert len(made) == 3  # prefill, two decodes
+    assert used == [p for p in made for _ in range(SMALL.num_layers)]

@@ -23,6 +23,7 @@ from kvbench.run.machine import machine_info
 from kvbench.run.plan import RunPlan
 from kvbench.run.signals import interrupt_reason
 from kvbench.run.telemetry import Telemetry
+from kvbench.run.threads import ThreadsUsed, set_cpu_threads, torch_threads
 
 
 def make_telemetry(plan: RunPlan, config: EngineConfig) -> Telemetry:
@@ -60,8 +61,13 @@ def start_and_run(
 ) -> tuple[EngineRun, dict]:
     """Build one engine and drive it through the workload. An engine that fails to start, or
     is interrupted while starting, yields a run with that status (its record is still
-    written); a configuration error propagates."""
+    written); a configuration error propagates. On a CPU every engine starts at the plan's
+    torch CPU threads; its record's ``engine_config.cpu_threads`` says what it ran at, and a
+    run whose count changed fails (its figures would not compare)."""
     section = {"kind": config.section.kind, **config.section.model_dump()}
+    if plan.cpu_threads is not None:
+        # Again before each engine: one that changed the count must not pass it on.
+        set_cpu_threads(plan.cpu_threads)
     try:
         engine = build_engine(config)
     except KvbenchError:
@@ -78,6 +84,7 @@ def start_and_run(
         reason = f"engine failed to start: {type(exc).__name__}: {exc}"
         return _not_run(plan, config, "failed", reason, waves), section
     described = {**section, **engine.describe()}
+    at_start = torch_threads() if plan.cpu_threads is not None else None
     run = run_engine(
         engine, plan.workload, make_clock(plan), progress,
         telemetry=make_telemetry(plan, config), waves=waves,
@@ -85,6 +92,12 @@ def start_and_run(
     )
     # Facts learned while running (vLLM's kv-equivalent multimodal inputs) complete it.
     described.update((k, v) for k, v in engine.describe().items() if k not in described)
+    if at_start is not None:
+        used = ThreadsUsed(plan.suite.run.cpu_threads, at_start, torch_threads())
+        described["cpu_threads"] = used.to_json()
+        unequal = used.unequal(plan.cpu_threads)
+        if unequal is not None and run.status == "ok":
+            run.status, run.error = "failed", unequal
     return run, described
 
 
@@ -117,10 +130,6 @@ def execute_plan(
     its repeats so far. A failed engine does not stop the others and is not repeated. An
     interrupt (Ctrl-C, SIGTERM) stops the run: the current engine's record says where,
     engines not yet started get interrupted records, and the summary is still written."""
-    if plan.suite.run.cpu_threads is not None and plan.device.kind == "cpu":
-        import torch
-
-        torch.set_num_threads(plan.suite.run.cpu_threads)
     runs: dict[str, list[RunRecord]] = {}
     stopped: str | None = None
     for repeat, (name, engine) in itertools.product(range(plan.repeats), plan.engines):

@@ -69,7 +69,8 @@ class RunFlags:
         "run.slo", "Goodput SLO in ms, e.g. ttft:500,tpot:50[,e2el:MS]."
     )
     cpu_threads: int | None = _flag(
-        "run.cpu_threads", "Intra-op threads of real compute on a CPU (default: torch's)."
+        "run.cpu_threads", "torch's CPU threads for every engine of a CPU run, in-process vLLM's "
+        "included (default: torch's)."
     )
     attention: str | None = _flag(
         "run.attention", "Attention kernels of real compute: auto (triton on CUDA when "

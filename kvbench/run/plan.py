@@ -39,6 +39,9 @@ class RunPlan:
     notes: list[str] = field(default_factory=list)
     repeats: int = 1
     max_concurrency: int | None = None
+    # On a CPU: torch's CPU threads every engine computes at (the suite's cpu_threads, else
+    # torch's default when the run is planned); None elsewhere.
+    cpu_threads: int | None = None
 
 
 def load_workload(suite: Suite, base: Path | None) -> Workload:
@@ -145,6 +148,10 @@ def plan_run(
         suite, workload, preset, device, clock, settings, engines, out_dir, command,
         warnings=warnings, notes=notes, repeats=repeats, max_concurrency=run.max_concurrency,
     )
+    if device.kind == "cpu":
+        from kvbench.run.threads import torch_threads
+
+        plan.cpu_threads = run.cpu_threads if run.cpu_threads is not None else torch_threads()
     if device.profile is not None:
         from kvbench.tools.calibrate.profile import load_profile
 
