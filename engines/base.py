@@ -186,6 +186,10 @@ class StepReport:
     batch: BatchShape = field(default_factory=BatchShape)
     device: DeviceMemory | None = None
     stamps: Stamps | None = None
+    # Virtual seconds the step took, from an engine that keeps its own time (a cluster of
+    # replicas on one clock, whose step ends at the next replica's step end or arrival);
+    # None: the cost model's time of ``batch``.
+    elapsed_s: float | None = None
 
 
 class Engine(Protocol):

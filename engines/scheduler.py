@@ -116,6 +116,29 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def admit_computed(
+        self, request: Request, prompt_ids: Any, output_ids: list[int], computed: int
+    ) -> bool:
+        """Admit ``request`` with the KV of its first ``computed`` tokens already present
+        (received from a prefill replica) and ``output_ids`` already sampled: room for that
+        KV is allocated now and the sequence runs from there. False, changing nothing, when
+        it does not fit now or ``max_num_seqs`` sequences run."""
+        if len(self.running) + 1 > self.config.max_num_seqs:
+            return False
+        seq = Sequence(self._next_seq_id, request, prompt_ids)
+        seq.output_ids = list(output_ids)
+        if not self.kv.allocate(seq, 0, computed):
+            return False
+        self._next_seq_id += 1
+        seq.num_computed_tokens = computed
+        self.kv.commit(seq)
+        seq.status = SeqStatus.RUNNING
+        seq.ever_scheduled = True
+        self._requests[request.id] = _RequestState(request, [seq], running=1)
+        self.running.append(seq)
+        self.num_running_requests += 1
+        return True
+
     def schedule(self) -> tuple[ScheduledBatch, list[Sequence], set[str]]:
         """Pick this step's work. Returns the batch, the sequences preempted and the request
         ids scheduled for the first time."""

@@ -18,6 +18,13 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 
 
+def synthetic_token(request_id: str, position: int, vocab_size: int) -> int:
+    """The token the simulator samples for ``request_id`` at ``position`` (1-based, prompt
+    included)."""
+    h = (key_hash(request_id) + position * _GOLDEN) & _MASK
+    return (h ^ (h >> 29)) % vocab_size
+
+
 class SimExecutor(Executor):
     device = "sim"
 
@@ -40,8 +47,7 @@ class SimExecutor(Executor):
             if item.sample:
                 seq = item.seq
                 position = seq.num_prompt_tokens + len(seq.output_ids) + 1
-                h = (key_hash(seq.request.id) + position * _GOLDEN) & _MASK
-                out.append((h ^ (h >> 29)) % vocab)
+                out.append(synthetic_token(seq.request.id, position, vocab))
         return out
 
     def step_memory(self) -> DeviceMemory:

@@ -76,6 +76,9 @@ def test_every_table_entry_is_produced_or_says_what_it_needs(records) -> None:
             # Counters some KV policies keep, facts of a fragmentation wait: recorded by every
             # run, None where there are none.
             assert spec.name in keys, spec.name
+        elif spec.needs in (("cluster",), ("disaggregated",)):
+            # A cluster run's (tests/test_cluster.py checks they are produced there).
+            assert spec.name not in keys, spec.name
         else:
             assert spec.needs == ("soak", "cuda") and spec.name in leak_kinds, spec.name
 
@@ -86,6 +89,9 @@ def test_every_curve_is_produced_or_comes_from_a_cuda_probe(records) -> None:
                      None, per_process=True, pids=set)
     cuda = set(CudaProbe.columns) | set(nvml.columns)
     for spec in CURVES:
+        if spec.needs == ("disaggregated",):
+            assert spec.name not in produced, spec.name
+            continue
         assert (spec.name in produced) != ("cuda" in spec.needs), spec.name
         assert ("cuda" in spec.needs) == (spec.name in cuda), spec.name
 

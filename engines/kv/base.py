@@ -53,6 +53,11 @@ class KVManager(ABC):
     def lookup_prefix(self, seq: Sequence) -> int:
         """Prompt tokens already cached for ``seq`` (prefix caching); no side effects."""
 
+    def cached_prefix_tokens(self, prompt_ids: np.ndarray) -> int:
+        """Leading tokens of a prompt whose KV this cache holds now (a router's view of a
+        replica's prefix cache); no side effects. 0 for a policy without prefix caching."""
+        return 0
+
     @abstractmethod
     def allocate(self, seq: Sequence, num_cached: int, num_new: int) -> bool:
         """Admit ``seq``: attach ``num_cached`` cached tokens and room for ``num_new`` more.

@@ -147,6 +147,14 @@ class PagedKVManager(KVManager):
         limit = (seq.num_tokens - 1) // self.block_size
         return len(self.pool.lookup(islice(hashes, limit))) * self.block_size
 
+    def cached_prefix_tokens(self, prompt_ids: np.ndarray) -> int:
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        limit = (len(prompt_ids) - 1) // bs
+        hashes = self._hasher.chain(ROOT_HASH, prompt_ids[: limit * bs])
+        return len(self.pool.lookup(hashes)) * bs
+
     def allocate(self, seq: Sequence, num_cached: int, num_new: int) -> bool:
         if seq.seq_id in self._seqs:
             raise RuntimeError(f"sequence {seq.seq_id} is already allocated")

@@ -66,6 +66,13 @@ def build_record(
         if run.steps.device:
             source = f"modelled: {MODELLED_DEVICE_CURVE}"
         telemetry = TelemetryInfo(probes=tel.status, facts=tel.info(), device_memory=source)
+    summary = summarize(run, slo) | (soak.summary() if soak is not None else {})
+    curves = build_curves(run.steps, tel)
+    if run.cluster is not None:
+        from kvbench.results.cluster import cluster_curves, cluster_summary
+
+        summary |= cluster_summary(run, run.cluster)
+        curves |= cluster_curves(run.cluster)
     return RunRecord(
         kvbench_version=__version__,
         git_commit=git_commit(),
@@ -93,7 +100,7 @@ def build_record(
         slo=slo,
         telemetry=telemetry,
         soak=soak,
-        summary=summarize(run, slo) | (soak.summary() if soak is not None else {}),
-        curves=build_curves(run.steps, tel),
+        summary=summary,
+        curves=curves,
         requests=request_rows(run),
     )

@@ -30,7 +30,7 @@ _MIN_COLS = ("kv_free_bytes", "kv_largest_free_bytes")
 _SUM_COLS = ("preempted",)
 
 
-def _bucket_edges(n: int, max_points: int) -> np.ndarray:
+def bucket_edges(n: int, max_points: int) -> np.ndarray:
     k = min(n, max_points)
     return np.linspace(0, n, k + 1).astype(np.int64)
 
@@ -89,7 +89,7 @@ def build_curves(
     n = len(steps)
     if n == 0:
         return {}
-    edges = _bucket_edges(n, max_points)
+    edges = bucket_edges(n, max_points)
     starts = edges[:-1]
     curves: dict[str, list[float]] = {}
     t = np.asarray(steps.t_s, dtype=np.float64)

@@ -48,8 +48,9 @@ Kind = Literal["deterministic", "clock", "timing", "device"]
 # KV policy that keeps that counter (mixed pages merge and split, virtual memory maps, ...),
 # a device whose memory is measured (CUDA) or modelled (simulated), a run that ran out of
 # the modelled device's memory, a request refused admission although enough KV memory was
-# free in total.
-Need = Literal["slo", "soak", "cuda", "policy", "device", "oom", "fragmentation"]
+# free in total, a cluster of replicas, disaggregated prefill/decode replicas.
+Need = Literal["slo", "soak", "cuda", "policy", "device", "oom", "fragmentation", "cluster",
+               "disaggregated"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +223,36 @@ METRICS: tuple[MetricSpec, ...] = (
            f"out of memory: {what} needed per rank", "bytes", needs=("oom",))
         for name, what in DEVICE_COMPONENTS
     ),
+    # A cluster of replicas behind a router (kvbench.results.cluster).
+    _m("replicas", "engines", "none", "deterministic", "replicas", "d", needs=("cluster",)),
+    _m("load_imbalance", "ratio", "lower", "clock", "load imbalance (max/mean running)",
+       ".3f", needs=("cluster",)),
+    _m("peak_replica_concurrent_requests", "requests", "none", "clock",
+       "busiest replica's max concurrent", "d", needs=("cluster",)),
+    _m("min_replica_max_concurrent_requests", "requests", "none", "clock",
+       "least busy replica's max concurrent", "d", needs=("cluster",)),
+    _m("cluster_prefix_hit_rate", "ratio", "higher", "clock", "cluster prefix hit rate",
+       "fraction", needs=("cluster",)),
+    _m("requests_moved_by_load_cap", "requests", "none", "clock",
+       "requests moved by the load cap", "d", needs=("cluster",)),
+    _m("kv_transfers", "requests", "none", "clock", "KV transfers", "d",
+       needs=("disaggregated",)),
+    _m("kv_transfer_bytes", "bytes", "lower", "clock", "KV transferred", "bytes",
+       needs=("disaggregated",)),
+    _m("mean_kv_transfer_ms", "ms", "lower", "clock", "KV transfer mean (ms)", ".2f",
+       needs=("disaggregated",)),
+    _m("mean_kv_link_wait_ms", "ms", "lower", "clock", "KV link wait mean (ms)", ".2f",
+       needs=("disaggregated",)),
+    _m("mean_decode_admission_wait_ms", "ms", "lower", "clock",
+       "decode admission wait mean (ms)", ".2f", needs=("disaggregated",)),
+    _m("kv_transfer_share_of_ttft_pct", "%", "lower", "clock", "KV transfer share of TTFT %",
+       ".1f", needs=("disaggregated",)),
+    _m("peak_prefill_kv_reserved_bytes", "bytes", "none", "clock",
+       "peak KV reserved, prefill replicas", "bytes", needs=("disaggregated",)),
+    _m("peak_decode_kv_reserved_bytes", "bytes", "none", "clock",
+       "peak KV reserved, decode replicas", "bytes", needs=("disaggregated",)),
+    _m("peak_kv_held_for_transfer_bytes", "bytes", "none", "clock",
+       "peak KV held for transfers", "bytes", needs=("disaggregated",)),
     _m("telemetry_overhead_pct", "%", "lower", "timing", "telemetry overhead %", ".2f"),
     _m("soak_waves", "waves", "none", "deterministic", "soak waves completed", "d",
        needs=("soak",)),
@@ -269,6 +300,11 @@ CURVES: tuple[MetricSpec, ...] = (
     _m("kv_copied_bytes", "bytes", "none", "clock", "KV copied between slots", "bytes"),
     _m("page_table_entries", "entries", "lower", "clock", "page-table entries", "d"),
     _m("rss_bytes", "bytes", "lower", "timing", "process RSS", "bytes"),
+    # Disaggregated prefill/decode: KV reserved summed over each role's replicas.
+    _m("prefill_kv_reserved_bytes", "bytes", "none", "clock", "KV reserved, prefill replicas",
+       "bytes", needs=("disaggregated",)),
+    _m("decode_kv_reserved_bytes", "bytes", "none", "clock", "KV reserved, decode replicas",
+       "bytes", needs=("disaggregated",)),
     *(
         _m(f"device_{name}_bytes", "bytes", "lower", "device", f"device {what}", "bytes",
            needs=("device",))
@@ -292,6 +328,16 @@ CURVES: tuple[MetricSpec, ...] = (
 
 METRIC_BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 CURVE_BY_NAME: dict[str, MetricSpec] = {c.name: c for c in CURVES}
+# A cluster records these curves once per replica, as ``replica<i>_<name>``.
+REPLICA_CURVES = ("running", "waiting", "kv_reserved_bytes")
+
+
+def curve_spec(name: str) -> MetricSpec | None:
+    """The declared curve ``name`` is (``replica<i>_<curve>``: that curve's entry)."""
+    head, _, rest = name.partition("_")
+    if head.startswith("replica") and head[7:].isdigit() and rest in REPLICA_CURVES:
+        return CURVE_BY_NAME[rest]
+    return CURVE_BY_NAME.get(name)
 # Gate rows name curves with this prefix ("curve:kv_reserved_bytes").
 CURVE_ROW_PREFIX = "curve:"
 
@@ -304,7 +350,7 @@ def report_metrics() -> list[MetricSpec]:
 def spec_for_row(row_name: str) -> MetricSpec | None:
     """The metric or curve a gate row (``name`` or ``curve:name``) is about, if known."""
     if row_name.startswith(CURVE_ROW_PREFIX):
-        return CURVE_BY_NAME.get(row_name.removeprefix(CURVE_ROW_PREFIX))
+        return curve_spec(row_name.removeprefix(CURVE_ROW_PREFIX))
     return METRIC_BY_NAME.get(row_name)
 
 

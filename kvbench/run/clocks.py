@@ -80,7 +80,10 @@ class VirtualClock(Clock):
         self._t = max(self._t, t)
 
     def after_step(self, report: StepReport) -> None:
-        self._t += self.cost.step_time_s(report.batch)
+        if report.elapsed_s is not None:
+            self._t += report.elapsed_s
+        else:
+            self._t += self.cost.step_time_s(report.batch)
 
     def at_perf(self, perf_s: float) -> float:
         raise RuntimeError(

@@ -18,6 +18,7 @@ from kvbench.results.build import build_record
 from kvbench.results.repeats import fold_repeats
 from kvbench.results.schema import RunRecord
 from kvbench.run.clocks import Clock, VirtualClock, WallClock
+from kvbench.run.cluster import build_cluster, cluster_log
 from kvbench.run.harness import EngineRun, RequestTiming, RunStatus, StepLog, run_engine
 from kvbench.run.machine import machine_info
 from kvbench.run.plan import RunPlan
@@ -69,7 +70,8 @@ def start_and_run(
         # Again before each engine: one that changed the count must not pass it on.
         set_cpu_threads(plan.cpu_threads)
     try:
-        engine = build_engine(config)
+        active = plan.suite.cluster.active
+        engine = build_cluster(plan, config) if active else build_engine(config)
     except KvbenchError:
         raise
     except KeyboardInterrupt as exc:
@@ -90,6 +92,7 @@ def start_and_run(
         telemetry=make_telemetry(plan, config), waves=waves,
         max_concurrency=plan.max_concurrency,
     )
+    run.cluster = cluster_log(engine)
     # Facts learned while running (vLLM's kv-equivalent multimodal inputs) complete it.
     described.update((k, v) for k, v in engine.describe().items() if k not in described)
     if at_start is not None:

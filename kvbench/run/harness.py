@@ -14,7 +14,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from kvbench.engines.base import Engine, KVStats, StepReport
 from kvbench.engines.device_memory import DeviceOutOfMemory
@@ -134,6 +134,8 @@ class EngineRun:
     telemetry_wall_s: float = 0.0  # of which: step logging and probe sampling
     # The modelled device ran out of memory (the run failed there, or never started).
     out_of_memory: DeviceOutOfMemory | None = None
+    # A cluster's per-replica log (kvbench.engines.cluster.ClusterLog); None for one engine.
+    cluster: Any = None
 
 
 def wave_requests(workload: Workload, wave: int, waves: int, start_s: float) -> list[Request]:

@@ -88,6 +88,29 @@ class RunFlags:
         "run.max_concurrency", "Most requests in flight at once: later arrivals wait "
         "client-side until one finishes (as vllm bench serve --max-concurrency)."
     )
+    replicas: int | None = _flag(
+        "cluster.replicas", "Simulated device: run N replicas of each engine behind a router "
+        "on one virtual clock (records hold cluster totals and per-replica curves)."
+    )
+    router: str | None = _flag(
+        "cluster.router", "With replicas: round-robin | least-outstanding | least-kv | "
+        "prefix-aware | session-affinity."
+    )
+    load_cap: float | None = _flag(
+        "cluster.load_cap", "prefix-aware router: a replica above this many times the mean "
+        "outstanding requests takes no more (default 1.5)."
+    )
+    prefill_replicas: int | None = _flag(
+        "cluster.prefill_replicas", "Disaggregated: prefill replicas (with --decode-replicas); "
+        "KV goes to decode replicas over --link."
+    )
+    decode_replicas: int | None = _flag(
+        "cluster.decode_replicas", "Disaggregated: decode replicas (with --prefill-replicas)."
+    )
+    link: str | None = _flag(
+        "cluster.link", "Disaggregated: the KV-transfer link: nvlink-a100 | nvlink-h100 | "
+        "ib-hdr | ib-ndr | roce-100g | roce-200g | roce-400g."
+    )
     attention_impl: str | None = _flag(
         "run.attention_impl", "Simulated device: the attention kernel whose workspace "
         "device memory counts: fused | sdpa-dense-mask | eager."

@@ -15,6 +15,7 @@ from kvbench.engines.presets import ModelPreset, get_preset
 from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.errors import KvbenchError
 from kvbench.results.paths import check_path_component
+from kvbench.run.cluster import check_cluster
 from kvbench.run.devices import kv_budget_bytes, on_demand_kv_bytes, parse_device
 from kvbench.run.outdir import prepare_out_dir
 from kvbench.run.sharding import Shard
@@ -161,6 +162,7 @@ def plan_run(
                 f"profile {device.profile} was fitted for {fitted}, not {preset.name}: its "
                 f"coefficients may not transfer; calibrate with --model {preset.name}"
             )
+    check_cluster(plan)
     for name, config in engines:
         _precheck(plan, name, config)
     prepare_out_dir(out_dir, force)

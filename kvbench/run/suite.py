@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvbench.engines.activations import AttentionImpl
+from kvbench.engines.cluster import ClusterSection
 from kvbench.engines.config import EngineSection
 from kvbench.engines.device_memory import KVAllocation
 from kvbench.engines.registry import NAMED_ENGINES, AnyEngineSection
@@ -105,6 +106,8 @@ class Suite(_Strict):
     model: ModelSection = Field(default_factory=ModelSection)
     run: RunSection = Field(default_factory=RunSection)
     engines: dict[str, AnyEngineSection] = Field(default_factory=dict)
+    # Replicas behind a router, or disaggregated prefill/decode (kvbench.engines.cluster).
+    cluster: ClusterSection = Field(default_factory=ClusterSection)
 
     def engine(self, name: str) -> EngineSection:
         if name in self.engines:

@@ -1,0 +1,72 @@
+"""Cluster simulation speed: the Azure conversation trace on N replicas against one replica
+replaying its N-th share of the load (every N-th request, same timeline), wall time of each
+as the median of repeats.
+
+    python benchmarks/cluster_speed.py [TRACE] [--replicas 8] [--repeats 3] [--router R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from kvbench.run.execute import execute_plan
+from kvbench.run.plan import plan_run
+from kvbench.run.suite import Suite
+from kvbench.workloads.io import save_workload
+from kvbench.workloads.traces import import_trace
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_conv.csv"
+
+
+def _suite(workload_file: Path, replicas: int, router: str) -> Suite:
+    return Suite.model_validate({
+        "name": "cluster-speed",
+        "workload": {"file": str(workload_file)},
+        "model": {"preset": "llama-2-7b"},
+        "run": {"device": "sim:a100-80gb", "clock": "virtual", "engines": ["paged"]},
+        "cluster": {"replicas": replicas, "router": router},
+    })
+
+
+def _time(suite: Suite, out: Path) -> tuple[float, dict]:
+    plan = plan_run(suite, None, out, "cluster_speed", force=True)
+    t0 = time.perf_counter()
+    [record] = execute_plan(plan)
+    return time.perf_counter() - t0, record.summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace", nargs="?", default=str(TRACE))
+    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--router", default="round-robin")
+    args = ap.parse_args()
+    n = args.replicas
+    full = import_trace("azure", Path(args.trace))
+    share = dataclasses.replace(full, requests=full.requests[::n], name=f"{full.name}-1of{n}")
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        save_workload(full, d / "full.jsonl")
+        save_workload(share, d / "share.jsonl")
+        one, many = [], []
+        for k in range(args.repeats):
+            wall, s1 = _time(_suite(d / "share.jsonl", 1, args.router), d / f"one{k}")
+            one.append(wall)
+            wall, sn = _time(_suite(d / "full.jsonl", n, args.router), d / f"many{k}")
+            many.append(wall)
+    m1, mn = statistics.median(one), statistics.median(many)
+    print(f"1 replica, 1/{n} of {len(full.requests)} requests ({len(share.requests)}): "
+          f"median {m1:.2f} s of {[round(x, 2) for x in one]}; {s1['num_steps']} steps")
+    print(f"{n} replicas ({args.router}), all requests: median {mn:.2f} s of "
+          f"{[round(x, 2) for x in many]}; {sn['num_steps']} cluster steps")
+    print(f"ratio {mn / m1:.2f}x (target <= 2x)")
+
+
+if __name__ == "__main__":
+    main()
