@@ -44,6 +44,13 @@ def kernels(session: nox.Session) -> None:
     session.run("pytest", "tests/test_kernels_triton.py", *session.posargs)
 
 
+@nox.session
+def ray(session: nox.Session) -> None:
+    """The grid's Ray backend on a local Ray instance (Ray is an optional extra)."""
+    session.install("-e", ".[cpu,test,ray]")
+    session.run("pytest", "tests/test_grid.py", "-k", "ray", *session.posargs)
+
+
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
     """The GPU check (kernels on CUDA, micro-benchmarks, a real-shape run) in the current

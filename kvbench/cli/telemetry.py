@@ -99,18 +99,29 @@ def soak(
 @run_flags(exclude=("kv_memory",))
 def sweep(
     suite: Annotated[str | None, typer.Argument(help="Suite TOML file or name (default: the embedded default).")] = None,
-    kv_memory: Annotated[str, typer.Option(help="KV budgets to run at, e.g. 4MiB,8MiB,16MiB.")] = "4MiB,8MiB,16MiB,32MiB",
+    kv_memory: Annotated[str | None, typer.Option(help="KV budgets to run at, e.g. 4MiB,8MiB,16MiB (default 4MiB,8MiB,16MiB,32MiB; with --grid, one more axis).")] = None,
+    grid: Annotated[list[str] | None, typer.Option(help="A grid axis FIELD=V1,V2,... over any suite field (repeatable): run flags (block_size, replicas, request_rate, ...), engine, or suite paths (cluster.router, engines.NAME.FIELD).")] = None,
+    workers: Annotated[int, typer.Option(help="With --grid: points run at once on local processes.")] = 1,
+    backend: Annotated[str, typer.Option(help="With --grid: local (processes) | ray (one Ray task per point).")] = "local",
+    address: Annotated[str | None, typer.Option(help="With --backend ray: the Ray cluster to join (default: start a local one).")] = None,
     out: Out = None,
     force: Force = False,
     *,
     flags: RunFlags,
 ) -> None:
-    """Run the suite at each KV budget: how many requests fit at once, per engine."""
+    """Run the suite at each KV budget: how many requests fit at once, per engine. With
+    --grid, at every point of the grid instead, points in parallel."""
     from kvbench.tools.sweep import SWEEP_COLUMNS, parse_budgets, run_sweep, sweep_rows
 
-    budgets = parse_budgets(kv_memory)
     the_suite, base = resolve_suite(suite, flags)
     out_dir = out or _default_out(the_suite.name, "sweep")
+    if grid:
+        _grid_sweep(the_suite, base, grid, kv_memory, workers, backend, address, out_dir,
+                    force)
+        return
+    if workers != 1 or backend != "local" or address is not None:
+        raise KvbenchError("--workers, --backend and --address run the points of a --grid")
+    budgets = parse_budgets(kv_memory or "4MiB,8MiB,16MiB,32MiB")
     console.print(
         f"[bold]{the_suite.name}[/] sweep over KV budgets {', '.join(budgets)}: engines "
         f"{', '.join(the_suite.run.engines)}"
@@ -129,6 +140,49 @@ def sweep(
     header = ["engine", "KV budget", *[label for _, label in SWEEP_COLUMNS]]
     _print_table(f"{the_suite.name}: KV budget sweep", header, sweep_rows(result.records))
     console.print(f"per-budget runs, sweep.md and sweep.png written to {out_dir}")
+    exit_for(result.records, interrupts)
+
+
+def _grid_sweep(the_suite, base, grid: list[str], kv_memory: str | None, workers: int,
+                backend: str, address: str | None, out_dir: Path, force: bool) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvbench.run.outdir import prepare_out_dir
+    from kvbench.tools.grid import grid_header, grid_rows, parse_axis, rate_knees, run_grid
+    from kvbench.tools.sweep import parse_budgets
+
+    if backend not in ("local", "ray"):
+        raise KvbenchError(f"--backend {backend!r}: local or ray")
+    if address is not None and backend != "ray":
+        raise KvbenchError("--address joins a Ray cluster: give --backend ray")
+    axes = [parse_axis(g) for g in grid]
+    if kv_memory is not None:
+        axes.append(parse_axis("kv_memory=" + ",".join(parse_budgets(kv_memory))))
+    prepare_out_dir(out_dir, force)
+    n = 1
+    for a in axes:
+        n *= len(a.values)
+    where = f"Ray ({address or 'local'})" if backend == "ray" else f"{workers} local workers"
+    console.print(f"[bold]{the_suite.name}[/] grid: {n} points "
+                  f"({' x '.join(f'{a.name} {len(a.values)}' for a in axes)}) on {where}")
+    with interruptible() as interrupts, Progress(
+        TextColumn("grid points"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(),
+        console=err_console, transient=True,
+    ) as progress:
+        task = progress.add_task("grid", total=n, failed=0)
+        result = run_grid(
+            the_suite, base, axes, out_dir, command_line(), workers=workers,
+            backend=backend, address=address,  # type: ignore[arg-type]
+            on_point=lambda done, failed: progress.update(task, completed=done, failed=failed),
+        )
+    for p in result.points:
+        warn([f"{p.point.label}: {w}" for w in dict.fromkeys(p.warnings)])
+    _print_table(f"{the_suite.name}: grid ({result.wall_s:.1f} s)", grid_header(result),
+                 grid_rows(result))
+    for knee in rate_knees(result):
+        console.print(f"- {knee}", highlight=False)
+    console.print(f"per-point records and grid.md written to {out_dir}")
     exit_for(result.records, interrupts)
 
 

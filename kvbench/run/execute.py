@@ -127,6 +127,8 @@ def record_unstarted(plan: RunPlan, done: set[str], reason: str) -> list[RunReco
 def execute_plan(
     plan: RunPlan,
     on_engine: Callable[[str], Callable[[int], None] | None] | None = None,
+    *,
+    plots: bool = True,
 ) -> list[RunRecord]:
     """Run every engine in turn, ``plan.repeats`` rounds of all engines (so that slow drift
     hits every engine alike); each record is written as soon as its engine ends, folded over
@@ -151,5 +153,6 @@ def execute_plan(
         records += record_unstarted(plan, set(runs), f"not started: the run was {stopped}")
     write_text_atomic(plan.out_dir / "summary.md", summary_markdown(records))
     # After the records: a figure that fails to draw costs only itself.
-    plan.warnings += write_plots(records, plan.out_dir)[1]
+    if plots:
+        plan.warnings += write_plots(records, plan.out_dir)[1]
     return records
