@@ -3,6 +3,7 @@ replaying its N-th share of the load (every N-th request, same timeline), wall t
 as the median of repeats.
 
     python benchmarks/cluster_speed.py [TRACE] [--replicas 8] [--repeats 3] [--router R]
+        [--limit N]  (the trace's first N requests)
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--router", default="round-robin")
+    ap.add_argument("--limit", type=int)
     args = ap.parse_args()
     n = args.replicas
-    full = import_trace("azure", Path(args.trace))
+    full = import_trace("azure", Path(args.trace), limit=args.limit)
     share = dataclasses.replace(full, requests=full.requests[::n], name=f"{full.name}-1of{n}")
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)

@@ -232,8 +232,8 @@ class _Totals:
 
 class _Replica:
     __slots__ = ("busy_until", "device", "engine", "in_free_s", "index", "inflight", "kv",
-                 "out_free_s", "outstanding", "pending", "received", "role", "running",
-                 "waiting")
+                 "out_free_s", "outstanding", "own_hits", "own_queries", "pending", "received",
+                 "role", "running", "waiting")
 
     def __init__(self, index: int, engine: BuiltinEngine, role: Role) -> None:
         self.index, self.engine, self.role = index, engine, role
@@ -247,6 +247,25 @@ class _Replica:
         self.pending: dict[str, int] = {}
         self.received: deque[Transfer] = deque()  # transfers done, waiting for room
         self.in_free_s = self.out_free_s = 0.0
+        # Prefix-cache lookups the cluster made itself (holding KV for a transfer, receiving
+        # it): not the scheduler's, so left out of the hit rate.
+        self.own_hits = self.own_queries = 0
+
+    def observe(self, kv: KVStats) -> None:
+        """Take ``kv`` as this replica's KV, less the cluster's own prefix lookups."""
+        if self.own_queries and kv.prefix_query_tokens is not None:
+            kv = dataclasses.replace(
+                kv, prefix_hit_tokens=(kv.prefix_hit_tokens or 0) - self.own_hits,
+                prefix_query_tokens=kv.prefix_query_tokens - self.own_queries)
+        self.kv = kv
+
+    def own_lookup(self, before: KVStats) -> None:
+        """Count the prefix lookups made since ``before`` as the cluster's own."""
+        after = self.engine.kv.stats()
+        if after.prefix_query_tokens is not None and before.prefix_query_tokens is not None:
+            self.own_hits += (after.prefix_hit_tokens or 0) - (before.prefix_hit_tokens or 0)
+            self.own_queries += after.prefix_query_tokens - before.prefix_query_tokens
+        self.observe(after)
 
     def kv_load(self) -> float:
         cap = self.kv.capacity_bytes or 1
@@ -469,7 +488,7 @@ class ClusterEngine:
         out.num_preempted += report.num_preempted
         _add_batch(out.batch, report.batch)
         if report.kv is not None:
-            rep.kv = report.kv
+            rep.observe(report.kv)
         if report.device is not None:
             rep.device = report.device
         self._set_queues(rep, report.num_running, report.num_waiting)
@@ -514,11 +533,12 @@ class ClusterEngine:
         ids = request.prompt_token_ids(self._vocab)
         self._holder_ids -= 1
         holder = Sequence(self._holder_ids, request, ids)
+        before = kv.stats()
         cached = kv.lookup_prefix(holder)
         if not kv.allocate(holder, cached, len(ids) - cached):
             raise RuntimeError(f"prefill replica {rep.index} could not hold the KV of "
                                f"{request.id} it has just computed")
-        rep.kv = kv.stats()
+        rep.own_lookup(before)
         self._changed.add(rep.index)
         target = self._back[_least_kv(self._back)]
         target.outstanding += 1
@@ -537,17 +557,19 @@ class ClusterEngine:
         changed = False
         while rep.received:
             tr = rep.received[0]
+            before = rep.engine.kv.stats()
             first = synthetic_token(tr.request.id, len(tr.prompt_ids) + 1, self._vocab)
             if not rep.engine.scheduler.admit_computed(tr.request, tr.prompt_ids, [first],
                                                       len(tr.prompt_ids)):
                 break
             rep.received.popleft()
+            rep.own_lookup(before)
             changed = True
             tr.admitted_s = t
             rep.pending.pop(tr.request.id, None)
             source = self._reps[tr.source]
             source.engine.kv.free(tr.holder)
-            source.kv = source.engine.kv.stats()
+            source.observe(source.engine.kv.stats())
             self._changed.add(source.index)
             self._ready.add(source.index)
             del self._holding[tr.request.id]
@@ -555,7 +577,6 @@ class ClusterEngine:
             out.tokens[rid] = out.tokens.get(rid, 0) + 1
             out.first_token.add(rid)
         if changed:
-            rep.kv = rep.engine.kv.stats()
             self._set_queues(rep, rep.engine.scheduler.num_running_requests, rep.waiting)
             self._ready.add(rep.index)
 

@@ -156,6 +156,8 @@ def test_disaggregated_prefill_sends_kv_and_decodes_elsewhere() -> None:
     assert s["kv_transfers"] == 30 and 0 < s["kv_transfer_share_of_ttft_pct"] < 100
     assert s["peak_prefill_kv_reserved_bytes"] > 0 and s["peak_decode_kv_reserved_bytes"] > 0
     assert s["peak_kv_held_for_transfer_bytes"] > 0
+    # No prompt shares a prefix: holding and receiving KV are no prefix-cache hits.
+    assert s["cluster_prefix_hit_rate"] == 0
     # Nothing stays held or reserved once everything is decoded.
     assert [r.engine.kv.stats().reserved_bytes for r in cluster._reps] == [0, 0, 0]
 
