@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import datetime as dt
 import itertools
+import os
 import shutil
 import tempfile
 import traceback
@@ -270,6 +271,10 @@ def _run_ray(jobs: dict[int, tuple], finished: Callable[[int, dict], None],
         raise KvbenchError("--backend ray needs Ray: pip install -e '.[ray]'") from None
     started = not ray.is_initialized()
     if started:
+        if address is None:
+            # Ray lowers its workers' priority by default; on a busy machine the points then
+            # barely run. A local instance started for the grid runs them at normal priority.
+            os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     try:
         task = ray.remote(run_point)
