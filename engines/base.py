@@ -123,7 +123,9 @@ class BatchShape:
     """What one step computed; the cost model and the virtual clock read it.
 
     ``context_tokens`` sums, over scheduled sequences, the KV positions attention reads
-    (cached context plus the new tokens); ``attn_pairs`` sums query x key pairs.
+    (cached context plus the new tokens); ``attn_pairs`` sums query x key pairs;
+    ``copied_bytes`` and ``map_ops`` are the KV copies and virtual-memory map/unmap calls
+    (all tensor-parallel ranks together) the step waits for.
     """
 
     num_seqs: int = 0
@@ -132,6 +134,7 @@ class BatchShape:
     context_tokens: int = 0
     attn_pairs: int = 0
     copied_bytes: int = 0
+    map_ops: int = 0
 
     @property
     def num_tokens(self) -> int:

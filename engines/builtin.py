@@ -136,7 +136,7 @@ def batch_shape(batch: ScheduledBatch, bytes_per_token: int) -> BatchShape:
     copied = sum(c.num_slots for c in batch.copies) * bytes_per_token if batch.copies else 0
     return BatchShape(
         num_seqs=len(batch.items), prefill_tokens=prefill, decode_tokens=decode,
-        context_tokens=context, attn_pairs=pairs, copied_bytes=copied,
+        context_tokens=context, attn_pairs=pairs, copied_bytes=copied, map_ops=batch.map_ops,
     )
 
 

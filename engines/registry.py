@@ -59,6 +59,7 @@ _SECTION = TypeAdapter(AnyEngineSection)
 # Engine variants every suite can name without defining them.
 NAMED_ENGINES: dict[str, EngineSection] = {
     "paged": PagedPolicy(),
+    "paged-lfu": PagedPolicy(eviction="lfu"),
     # Finished sequences' blocks are never recycled: the fault soak runs must catch.
     "paged-leaky": PagedPolicy(leak_finished=True),
     "contiguous": ContiguousPolicy(reservation="max_model_len"),

@@ -65,10 +65,11 @@ def check_invariants(kv: PagedKVManager, driver: KVDriver) -> None:
     num_blocks=st.integers(3, 16),
     block_size=st.sampled_from([1, 2, 4, 16]),
     caching=st.booleans(),
+    eviction=st.sampled_from(["lru", "lfu"]),
     seed=st.integers(0, 2**16),
 )
-def test_random_operations_keep_invariants(data, num_blocks, block_size, caching, seed):
-    kv = paged(num_blocks, block_size, enable_prefix_caching=caching)
+def test_random_operations_keep_invariants(data, num_blocks, block_size, caching, eviction, seed):
+    kv = paged(num_blocks, block_size, enable_prefix_caching=caching, eviction=eviction)
     d = KVDriver(kv, seed)
     waiting = []
     for i in range(data.draw(st.integers(1, 60), label="ops")):
@@ -164,6 +165,36 @@ def test_cached_blocks_survive_free_and_are_evicted_lru():
     assert kv.stats().evictions == 1
     assert kv.lookup_prefix(make_seq(5, 1, 1, prefix=("old", 8))) == 4
     assert kv.lookup_prefix(make_seq(6, 1, 1, prefix=("new", 8))) == 8
+
+
+def test_lfu_evicts_the_least_hit_block_first_and_breaks_ties_by_recency():
+    kv = paged(num_blocks=6, block_size=4, eviction="lfu")
+    d = KVDriver(kv)
+    popular, rare = make_seq(1, 0, 1, prefix=("popular", 4)), make_seq(2, 0, 1, prefix=("rare", 4))
+    assert d.admit(popular, 100) and d.admit(rare, 100)  # one cached block each, freed
+    for i in range(3):  # the popular block serves three hits, freed again each time
+        assert d.admit(make_seq(10 + i, 1, 1, prefix=("popular", 4)), 100)
+    # One hit on "rare" makes it the most recently freed: LRU would now evict "popular".
+    assert d.admit(make_seq(20, 1, 1, prefix=("rare", 4)), 100)
+    hungry = make_seq(30, 19, 1)  # 5 blocks: the 4 plain ones and one cached
+    assert d.admit(hungry, 100)
+    assert kv.stats().evictions == 1
+    assert kv.lookup_prefix(make_seq(31, 1, 1, prefix=("popular", 4))) == 4
+    assert kv.lookup_prefix(make_seq(32, 1, 1, prefix=("rare", 4))) == 0
+
+
+def test_lru_evicts_the_least_recently_freed_block_whatever_its_hits():
+    kv = paged(num_blocks=6, block_size=4)
+    d = KVDriver(kv)
+    assert d.admit(make_seq(1, 0, 1, prefix=("popular", 4)), 100)
+    assert d.admit(make_seq(2, 0, 1, prefix=("rare", 4)), 100)
+    for i in range(3):
+        assert d.admit(make_seq(10 + i, 1, 1, prefix=("popular", 4)), 100)
+    assert d.admit(make_seq(20, 1, 1, prefix=("rare", 4)), 100)
+    assert d.admit(make_seq(30, 19, 1), 100)
+    assert kv.stats().evictions == 1
+    assert kv.lookup_prefix(make_seq(31, 1, 1, prefix=("popular", 4))) == 0
+    assert kv.lookup_prefix(make_seq(32, 1, 1, prefix=("rare", 4))) == 4
 
 
 def test_free_queues_tail_blocks_first():

@@ -89,6 +89,19 @@ class KVManager(ABC):
     def take_copies(self) -> list[SlotCopy]:
         """Copies queued since the last call, in order."""
 
+    def arrive(self, seq: Sequence) -> None:  # noqa: B027 (an optional hook)
+        """``seq``, the first sample of a request, has just arrived (a policy that reserves
+        memory ahead of admission does it here)."""
+
+    def background(self) -> None:  # noqa: B027 (an optional hook)
+        """Work that overlaps the step whose batch was just chosen (pre-mapping pages,
+        pre-splitting them): it costs the step no time."""
+
+    def take_map_ops(self) -> int:
+        """Virtual-memory map and unmap operations done on the critical path since the last
+        call (the step waits for them); 0 for policies that map nothing."""
+        return 0
+
     @abstractmethod
     def stats(self) -> KVStats:
         """Current memory snapshot."""

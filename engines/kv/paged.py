@@ -7,7 +7,7 @@ partially filled last block for a private copy before the sequence writes into i
 Prefix caching indexes every full block, once its KV is written (``commit``), by the chained
 hash of all tokens up to its end, so a later sequence with the same leading tokens reuses the
 blocks instead of recomputing them. A cached block nobody references stays free but findable
-until the pool needs it for something else (LRU).
+until the pool needs it for something else (``eviction``: LRU, or LFU by prefix hits).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, KVPolicy, Paging
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.block_pool import BlockPool
+from kvbench.engines.kv.eviction import EVICTIONS, Eviction
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
 from kvbench.engines.kv.spec import Footprint, KVSpec
 from kvbench.engines.sequence import Sequence
@@ -47,15 +48,18 @@ def paged_footprint(request: Request, block_size: int, num_blocks: int) -> Footp
 
 
 class PagedPolicy(Paging, KVPolicy):
-    """Fixed-size blocks with per-sequence block tables; prefix caching and fork + CoW.
-    ``leak_finished`` is a deliberate fault: finished sequences' blocks are never returned."""
+    """Fixed-size blocks with per-sequence block tables; prefix caching (``eviction`` of
+    cached free blocks: ``lru`` or ``lfu``) and fork + CoW. ``leak_finished`` is a deliberate
+    fault: finished sequences' blocks are never returned."""
 
     kind: Literal["paged"] = "paged"
-    summary = "fixed-size blocks + block tables, prefix caching (LRU), fork + copy-on-write"
+    summary = "fixed-size blocks + block tables, prefix caching (LRU | LFU), fork + copy-on-write"
     leak_finished: bool = False
+    eviction: Eviction = "lru"
 
     def label(self) -> str:
-        return f"paged/bs{self.block_size}" if self.block_size else "paged"
+        base = f"paged/bs{self.block_size}" if self.block_size else "paged"
+        return base + ("/lfu" if self.eviction == "lfu" else "")
 
     def footprint(self, config: EngineConfig, request: Request) -> Footprint:
         return paged_footprint(request, config.kv.page_tokens, config.num_pages)
@@ -64,7 +68,7 @@ class PagedPolicy(Paging, KVPolicy):
         return PagedKVManager(
             config.num_pages, config.kv.page_tokens, config.kv.bytes_per_token,
             config.scheduler.max_model_len, enable_prefix_caching=config.prefix_caching,
-            leak_finished=self.leak_finished, dtype=config.kv.dtype,
+            leak_finished=self.leak_finished, dtype=config.kv.dtype, eviction=self.eviction,
         )
 
 
@@ -96,6 +100,7 @@ class PagedKVManager(KVManager):
         enable_prefix_caching: bool = True,
         leak_finished: bool = False,
         dtype: str | None = None,
+        eviction: Eviction = "lru",
     ) -> None:
         for name, value in (
             ("num_blocks", num_blocks),
@@ -105,6 +110,8 @@ class PagedKVManager(KVManager):
         ):
             if value <= 0:
                 raise KvbenchError(f"paged KV cache: {name} must be positive, got {value}")
+        if eviction not in EVICTIONS:
+            raise KvbenchError(f"unknown eviction {eviction!r}: use one of {', '.join(EVICTIONS)}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.spec = KVSpec(block_size, bytes_per_token, dtype)
@@ -113,7 +120,8 @@ class PagedKVManager(KVManager):
         self.enable_prefix_caching = enable_prefix_caching
         self.leak_finished = leak_finished
         self.releases_finished = not leak_finished
-        self.pool = BlockPool(num_blocks, block_size)
+        self.eviction = eviction
+        self.pool = BlockPool(num_blocks, block_size, eviction)
         self._hasher = BlockHasher(block_size)
         self._seqs: dict[int, _SeqBlocks] = {}
         # Kept across preemption (the tokens do not change), dropped when a sequence finishes.
@@ -320,6 +328,7 @@ class PagedKVManager(KVManager):
             "bytes_per_token": self.bytes_per_token,
             "max_model_len": self.max_model_len,
             "enable_prefix_caching": self.enable_prefix_caching,
+            "eviction": self.eviction,
             "leak_finished": self.leak_finished,
         }
 
