@@ -15,6 +15,7 @@ from kvbench.engines.config import EngineConfig, EngineSection
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.contiguous import ContiguousKVManager, ContiguousPolicy
 from kvbench.engines.kv.paged import PagedKVManager, PagedPolicy
+from kvbench.engines.kv.paged_mixed import PagedMixedKVManager, PagedMixedPolicy
 from kvbench.engines.openai import OpenAISection
 from kvbench.engines.vllm import VllmSection
 from kvbench.errors import KvbenchError
@@ -45,6 +46,7 @@ KINDS: dict[str, Kind] = {
     for k in (
         Kind(PagedPolicy, PagedKVManager, BlockTables),
         Kind(ContiguousPolicy, ContiguousKVManager, Extents),
+        Kind(PagedMixedPolicy, PagedMixedKVManager, BlockTables),
         Kind(VllmSection),
         Kind(OpenAISection),
     )
@@ -52,7 +54,8 @@ KINDS: dict[str, Kind] = {
 
 # A suite's [engines.NAME] table: validated by its kind's model.
 AnyEngineSection = Annotated[
-    PagedPolicy | ContiguousPolicy | VllmSection | OpenAISection, Field(discriminator="kind")
+    PagedPolicy | ContiguousPolicy | PagedMixedPolicy | VllmSection | OpenAISection,
+    Field(discriminator="kind"),
 ]
 _SECTION = TypeAdapter(AnyEngineSection)
 
@@ -66,6 +69,8 @@ NAMED_ENGINES: dict[str, EngineSection] = {
     "contiguous-request": ContiguousPolicy(reservation="request"),
     "contiguous-pow2": ContiguousPolicy(reservation="pow2"),
     "contiguous-compact": ContiguousPolicy(reservation="request", compaction=True),
+    "paged-mixed": PagedMixedPolicy(),
+    "paged-mixed-migrate": PagedMixedPolicy(migrate=True),
     "vllm": VllmSection(),
     # A server on this machine at vLLM's default port; suites name others.
     "openai": OpenAISection(),

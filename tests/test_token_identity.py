@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from helpers import make_workload
-from kvbench.engines.config import EngineSettings, engine_config
+from kvbench.engines.config import EngineSection, EngineSettings, engine_config
+from kvbench.engines.kv.paged_mixed import PagedMixedPolicy
 from kvbench.engines.presets import get_preset
 from kvbench.engines.registry import NAMED_ENGINES, build_engine
 from kvbench.engines.scheduler import SchedulerConfig
@@ -35,7 +36,8 @@ def _workload():
 
 
 def _outputs(engine: str, kv_tokens: int, *, chunked: bool = True, batched: int = 512,
-             prefix: bool = True) -> tuple[dict[str, str], dict]:
+             prefix: bool = True, section: EngineSection | None = None,
+             ) -> tuple[dict[str, str], dict]:
     preset = get_preset("tiny")
     opts = EngineSettings(
         preset=preset,
@@ -48,7 +50,7 @@ def _outputs(engine: str, kv_tokens: int, *, chunked: bool = True, batched: int 
             max_num_batched_tokens=batched if chunked else 1024, chunked_prefill=chunked,
         ),
     )
-    engine_ = build_engine(engine_config(engine, NAMED_ENGINES[engine], opts))
+    engine_ = build_engine(engine_config(engine, section or NAMED_ENGINES[engine], opts))
     run = run_engine(engine_, _workload(), WallClock())
     assert run.status == "ok", run.error
     digests = {rid: t.output_digest for rid, t in run.timings.items()}
@@ -80,5 +82,19 @@ def test_prefix_caching_matches(reference) -> None:
 def test_preemption_and_recompute_match(reference) -> None:
     # 640 slots hold about two of these requests at a time: the scheduler must preempt.
     digests, summary = _outputs("paged", 640, batched=128)
+    assert summary["preemptions"] > 0
+    assert digests == reference
+
+
+def test_paged_mixed_matches_with_merges_migration_and_preemption(reference) -> None:
+    # Small classes (16/64/256-token pages past 63/255 tokens) and 16-token prefill chunks,
+    # so that these requests grow through every class: a prefill running alone fills
+    # adjacent small pages that merge, one interleaved with decodes gets scattered ones that
+    # migrate (real copies); at 640 slots the scheduler preempts.
+    section = PagedMixedPolicy(class_limits=(63, 255), migrate=True)
+    digests, summary = _outputs("mixed", 8192, batched=16, section=section)
+    assert summary["kv_merges"] > 0 and summary["kv_migrated_bytes"] > 0
+    assert digests == reference
+    digests, summary = _outputs("mixed", 640, batched=128, section=section)
     assert summary["preemptions"] > 0
     assert digests == reference
