@@ -16,6 +16,7 @@ from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.contiguous import ContiguousKVManager, ContiguousPolicy
 from kvbench.engines.kv.paged import PagedKVManager, PagedPolicy
 from kvbench.engines.kv.paged_mixed import PagedMixedKVManager, PagedMixedPolicy
+from kvbench.engines.kv.segmented import SegmentedKVManager, SegmentedPolicy
 from kvbench.engines.openai import OpenAISection
 from kvbench.engines.vllm import VllmSection
 from kvbench.errors import KvbenchError
@@ -47,6 +48,7 @@ KINDS: dict[str, Kind] = {
         Kind(PagedPolicy, PagedKVManager, BlockTables),
         Kind(ContiguousPolicy, ContiguousKVManager, Extents),
         Kind(PagedMixedPolicy, PagedMixedKVManager, BlockTables),
+        Kind(SegmentedPolicy, SegmentedKVManager, BlockTables),
         Kind(VllmSection),
         Kind(OpenAISection),
     )
@@ -54,7 +56,8 @@ KINDS: dict[str, Kind] = {
 
 # A suite's [engines.NAME] table: validated by its kind's model.
 AnyEngineSection = Annotated[
-    PagedPolicy | ContiguousPolicy | PagedMixedPolicy | VllmSection | OpenAISection,
+    PagedPolicy | ContiguousPolicy | PagedMixedPolicy | SegmentedPolicy | VllmSection
+    | OpenAISection,
     Field(discriminator="kind"),
 ]
 _SECTION = TypeAdapter(AnyEngineSection)
@@ -71,6 +74,7 @@ NAMED_ENGINES: dict[str, EngineSection] = {
     "contiguous-compact": ContiguousPolicy(reservation="request", compaction=True),
     "paged-mixed": PagedMixedPolicy(),
     "paged-mixed-migrate": PagedMixedPolicy(migrate=True),
+    "segmented": SegmentedPolicy(),
     "vllm": VllmSection(),
     # A server on this machine at vLLM's default port; suites name others.
     "openai": OpenAISection(),

@@ -12,6 +12,7 @@ import pytest
 from helpers import make_workload
 from kvbench.engines.config import EngineSection, EngineSettings, engine_config
 from kvbench.engines.kv.paged_mixed import PagedMixedPolicy
+from kvbench.engines.kv.segmented import SegmentedPolicy
 from kvbench.engines.presets import get_preset
 from kvbench.engines.registry import NAMED_ENGINES, build_engine
 from kvbench.engines.scheduler import SchedulerConfig
@@ -96,5 +97,14 @@ def test_paged_mixed_matches_with_merges_migration_and_preemption(reference) -> 
     assert summary["kv_merges"] > 0 and summary["kv_migrated_bytes"] > 0
     assert digests == reference
     digests, summary = _outputs("mixed", 640, batched=128, section=section)
+    assert summary["preemptions"] > 0
+    assert digests == reference
+
+
+def test_segmented_matches_with_heads_tails_and_preemption(reference) -> None:
+    # 64-token heads: every request has a contiguous head and a paged tail.
+    section = SegmentedPolicy(head_tokens=64)
+    assert _outputs("segmented", 8192, batched=64, section=section)[0] == reference
+    digests, summary = _outputs("segmented", 640, batched=128, section=section)
     assert summary["preemptions"] > 0
     assert digests == reference

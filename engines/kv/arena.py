@@ -46,11 +46,14 @@ class Arena:
     def take(self, length: int) -> int | None:
         """Start of a new extent of ``length`` carved from the front of a hole, or None."""
         lengths = self._lengths
-        fits = [i for i, n in enumerate(lengths) if n >= length]
-        if not fits:
+        if self.fit == "first":
+            i = next((i for i, n in enumerate(lengths) if n >= length), None)
+        else:
+            # Best fit: smallest hole that fits, lowest address among equals.
+            fits = [i for i, n in enumerate(lengths) if n >= length]
+            i = min(fits, key=lengths.__getitem__) if fits else None
+        if i is None:
             return None
-        # Best fit: smallest hole that fits, lowest address among equals.
-        i = fits[0] if self.fit == "first" else min(fits, key=lengths.__getitem__)
         start = self._starts[i]
         if lengths[i] == length:
             del self._starts[i], lengths[i]
@@ -58,6 +61,17 @@ class Arena:
             self._starts[i] += length
             lengths[i] -= length
         return start
+
+    def take_top(self) -> int | None:
+        """The highest free slot, taken alone (single blocks kept away from the low end, where
+        first fit places extents), or None when nothing is free."""
+        if not self._starts:
+            return None
+        self._lengths[-1] -= 1
+        slot = self._starts[-1] + self._lengths[-1]
+        if not self._lengths[-1]:
+            del self._starts[-1], self._lengths[-1]
+        return slot
 
     def give(self, start: int, length: int) -> None:
         """Return ``[start, start + length)`` to the free space, merging with neighbours."""
