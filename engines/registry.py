@@ -17,6 +17,7 @@ from kvbench.engines.kv.contiguous import ContiguousKVManager, ContiguousPolicy
 from kvbench.engines.kv.paged import PagedKVManager, PagedPolicy
 from kvbench.engines.kv.paged_mixed import PagedMixedKVManager, PagedMixedPolicy
 from kvbench.engines.kv.segmented import SegmentedKVManager, SegmentedPolicy
+from kvbench.engines.kv.vattention import VAttentionKVManager, VAttentionPolicy
 from kvbench.engines.openai import OpenAISection
 from kvbench.engines.vllm import VllmSection
 from kvbench.errors import KvbenchError
@@ -49,6 +50,7 @@ KINDS: dict[str, Kind] = {
         Kind(ContiguousPolicy, ContiguousKVManager, Extents),
         Kind(PagedMixedPolicy, PagedMixedKVManager, BlockTables),
         Kind(SegmentedPolicy, SegmentedKVManager, BlockTables),
+        Kind(VAttentionPolicy, VAttentionKVManager, BlockTables),
         Kind(VllmSection),
         Kind(OpenAISection),
     )
@@ -56,8 +58,8 @@ KINDS: dict[str, Kind] = {
 
 # A suite's [engines.NAME] table: validated by its kind's model.
 AnyEngineSection = Annotated[
-    PagedPolicy | ContiguousPolicy | PagedMixedPolicy | SegmentedPolicy | VllmSection
-    | OpenAISection,
+    PagedPolicy | ContiguousPolicy | PagedMixedPolicy | SegmentedPolicy | VAttentionPolicy
+    | VllmSection | OpenAISection,
     Field(discriminator="kind"),
 ]
 _SECTION = TypeAdapter(AnyEngineSection)
@@ -75,6 +77,11 @@ NAMED_ENGINES: dict[str, EngineSection] = {
     "paged-mixed": PagedMixedPolicy(),
     "paged-mixed-migrate": PagedMixedPolicy(migrate=True),
     "segmented": SegmentedPolicy(),
+    "vattention": VAttentionPolicy(),
+    "vattention-64k": VAttentionPolicy(page_bytes=64 * 1024),
+    # vAttention's latency hiding: pages mapped ahead in the background, finished ranges
+    # kept mapped for the next sequences.
+    "vattention-prewarm": VAttentionPolicy(prewarm_pages=64),
     "vllm": VllmSection(),
     # A server on this machine at vLLM's default port; suites name others.
     "openai": OpenAISection(),

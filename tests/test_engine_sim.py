@@ -44,7 +44,8 @@ def _mixed(n: int = 40):
 
 
 @pytest.mark.parametrize("name", ["paged", "contiguous", "contiguous-request", "contiguous-pow2",
-                                  "paged-mixed", "paged-mixed-migrate", "paged-lfu", "segmented"])
+                                  "paged-mixed", "paged-mixed-migrate", "paged-lfu", "segmented",
+                                  "vattention", "vattention-64k", "vattention-prewarm"])
 def test_every_request_gets_exactly_its_tokens(name: str) -> None:
     wl = _mixed()
     run = _run(name, wl, _opts(8192))

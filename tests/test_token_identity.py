@@ -13,6 +13,7 @@ from helpers import make_workload
 from kvbench.engines.config import EngineSection, EngineSettings, engine_config
 from kvbench.engines.kv.paged_mixed import PagedMixedPolicy
 from kvbench.engines.kv.segmented import SegmentedPolicy
+from kvbench.engines.kv.vattention import VAttentionPolicy
 from kvbench.engines.presets import get_preset
 from kvbench.engines.registry import NAMED_ENGINES, build_engine
 from kvbench.engines.scheduler import SchedulerConfig
@@ -106,5 +107,19 @@ def test_segmented_matches_with_heads_tails_and_preemption(reference) -> None:
     section = SegmentedPolicy(head_tokens=64)
     assert _outputs("segmented", 8192, batched=64, section=section)[0] == reference
     digests, summary = _outputs("segmented", 640, batched=128, section=section)
+    assert summary["preemptions"] > 0
+    assert digests == reference
+
+
+@pytest.mark.parametrize("section", [
+    VAttentionPolicy(page_bytes=64 << 10),
+    VAttentionPolicy(page_bytes=64 << 10, prewarm_pages=4, prewarm="hint"),
+], ids=["sync", "prewarm+hint"])
+def test_vattention_matches_with_mapping_and_preemption(reference, section) -> None:
+    # tiny at 64 KiB pages: 256-token page groups, translated through the block table.
+    digests, summary = _outputs("vattention", 8192, batched=64, section=section)
+    assert summary["kv_map_ops"] > 0
+    assert digests == reference
+    digests, summary = _outputs("vattention", 640, batched=128, section=section)
     assert summary["preemptions"] > 0
     assert digests == reference
