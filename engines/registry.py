@@ -74,6 +74,8 @@ NAMED_ENGINES: dict[str, EngineSection] = {
     "contiguous-request": ContiguousPolicy(reservation="request"),
     "contiguous-pow2": ContiguousPolicy(reservation="pow2"),
     "contiguous-compact": ContiguousPolicy(reservation="request", compaction=True),
+    # Compacts whenever the fragmentation index drops below the reports' "healthy" 0.7.
+    "contiguous-defrag": ContiguousPolicy(reservation="request", auto_defrag=0.7),
     "paged-mixed": PagedMixedPolicy(),
     "paged-mixed-migrate": PagedMixedPolicy(migrate=True),
     "segmented": SegmentedPolicy(),
