@@ -101,11 +101,16 @@ class KVDriver:
         if child.is_finished:
             self.free(child)
 
+    def held_from(self, seq: Sequence) -> int:
+        """The first position whose KV ``seq`` still holds (a sliding window frees earlier
+        ones)."""
+        return 0
+
     def check_contents(self) -> None:
         """Every live sequence reads back exactly its own tokens."""
         self.apply_copies()
         for seq in self.running:
-            n = seq.num_computed_tokens
-            want = np.arange(n) * VOCAB + seq.token_ids(0, n)
-            got = self.mem[self.kv.slots(seq, 0, n)]
+            n, first = seq.num_computed_tokens, self.held_from(seq)
+            want = np.arange(first, n) * VOCAB + seq.token_ids(first, n)
+            got = self.mem[self.kv.slots(seq, first, n)]
             assert np.array_equal(got, want), f"sequence {seq.seq_id} reads foreign KV"
