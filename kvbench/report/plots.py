@@ -355,6 +355,56 @@ def plot_sweep(records: Sequence[RunRecord], path: Path) -> Path:
     return save_png(fig, path)
 
 
+def plot_block_sweep(records: Sequence[RunRecord], path: Path) -> Path:
+    """Latency against memory across block sizes (one line per engine, points labelled by
+    block size), and each against the block size."""
+    by_engine: dict[str, list[tuple[int, RunRecord]]] = {}
+    for rec in records:
+        size = rec.engine_config.get("block_size")
+        if isinstance(size, int):
+            by_engine.setdefault(rec.engine, []).append((size, rec))
+    fig = _figure(1, width=16.0, row_height=4.2)
+    ax_t, ax_l, ax_w = fig.subplots(1, 3, squeeze=False)[0]
+    sizes = sorted({size for recs in by_engine.values() for size, _ in recs})
+    for i, (engine, recs) in enumerate(by_engine.items()):
+        recs.sort(key=lambda sr: sr[0])
+        color = _COLORS[i % len(_COLORS)]
+        xs = [sr[0] for sr in recs]
+
+        def col(name: str, rs: list[tuple[int, RunRecord]] = recs) -> list[float]:
+            return [np.nan if (v := r.summary.get(name)) is None else float(v) for _, r in rs]
+
+        mem, tpot = [m / _GIB for m in col("peak_kv_reserved_bytes")], col("median_tpot_ms")
+        ax_t.plot(mem, tpot, "o-", color=color, label=engine)
+        for size, x, y in zip(xs, mem, tpot, strict=True):
+            ax_t.annotate(str(size), (x, y), textcoords="offset points", xytext=(4, 4),
+                          fontsize=7, color=color)
+        ax_l.plot(xs, tpot, "o-", color=color, label=f"{engine}: TPOT p50")
+        ax_l.plot(xs, col("median_ttft_ms"), "s--", color=color, alpha=0.7,
+                  label=f"{engine}: TTFT p50")
+        ax_w.plot(xs, col("kv_waste_pct"), "o-", color=color, label=engine)
+    ax_t.set_xlabel("peak KV reserved (GiB)")
+    ax_t.set_ylabel("TPOT p50 (ms)")
+    ax_t.set_title("latency vs memory (labels: block size in tokens)", fontsize=10)
+    for ax in (ax_l, ax_w):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("block size (tokens, log scale)")
+    ax_l.set_ylabel("ms")
+    ax_l.set_yscale("log")
+    ax_l.set_title("latency vs block size", fontsize=10)
+    ax_w.set_ylabel("KV waste % (reserved, not holding KV)")
+    ax_w.set_title("waste vs block size", fontsize=10)
+    ax_w.set_ylim(bottom=0)
+    for ax in (ax_t, ax_l, ax_w):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"block-size sweep: the latency-vs-memory trade-off\n{_context(records[0])}",
+                 fontsize=11)
+    return save_png(fig, path)
+
+
 def plot_metric_bars(
     sections: Sequence[tuple[str, Sequence[RunRecord]]], metrics: Sequence[MetricSpec],
     path: Path,
