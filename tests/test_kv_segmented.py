@@ -29,6 +29,7 @@ def check_invariants(kv: SegmentedKVManager, driver: KVDriver) -> None:
     for seq in driver.running:
         tails.update(kv.block_table(seq)[kv.head(seq)[1]:])
     assert dict(tails) == kv._ref and all(r > 0 for r in kv._ref.values())
+    assert kv._shared == sum(1 for r in kv._ref.values() if r > 1)
     owner = [0] * kv.num_blocks
     for start, n in [*heads, *kv.arena.holes]:
         for b in range(start, start + n):

@@ -62,16 +62,19 @@ class Arena:
             lengths[i] -= length
         return start
 
-    def take_top(self) -> int | None:
-        """The highest free slot, taken alone (single blocks kept away from the low end, where
-        first fit places extents), or None when nothing is free."""
-        if not self._starts:
-            return None
-        self._lengths[-1] -= 1
-        slot = self._starts[-1] + self._lengths[-1]
-        if not self._lengths[-1]:
-            del self._starts[-1], self._lengths[-1]
-        return slot
+    def take_top(self, n: int) -> list[int]:
+        """The ``n`` highest free slots, highest first (single blocks kept away from the low
+        end, where first fit places extents); fewer when not that many are free."""
+        out: list[int] = []
+        starts, lengths = self._starts, self._lengths
+        while len(out) < n and starts:
+            k = min(n - len(out), lengths[-1])
+            end = starts[-1] + lengths[-1]
+            out += range(end - 1, end - 1 - k, -1)
+            lengths[-1] -= k
+            if not lengths[-1]:
+                del starts[-1], lengths[-1]
+        return out
 
     def give(self, start: int, length: int) -> None:
         """Return ``[start, start + length)`` to the free space, merging with neighbours."""

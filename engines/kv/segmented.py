@@ -149,6 +149,7 @@ class SegmentedKVManager(KVManager):
         self._seqs: dict[int, _Segments] = {}
         self._spare: dict[int, list[_Segments]] = {}  # parent seq_id -> heads for its forks
         self._ref: dict[int, int] = {}  # tail block -> tables holding it
+        self._shared = 0  # tail blocks held by more than one table
         self._forked: set[int] = set()
         self._copies: list[SlotCopy] = []
         self._used_tokens = 0
@@ -215,8 +216,10 @@ class SegmentedKVManager(KVManager):
         limit = self._limit(state)
         if cow:
             old = state.tail[index]
-            new = self._take_block()
+            (new,) = self._take_blocks(1)
             self._ref[old] -= 1
+            if self._ref[old] == 1:
+                self._shared -= 1
             state.tail[index] = new
             filled = pos % bs
             self._used_tokens += filled
@@ -254,16 +257,18 @@ class SegmentedKVManager(KVManager):
             self._entries -= 1
             self._frees += 1
         head_room = state.head_blocks * bs
+        freed = []
         for i, b in enumerate(state.tail):
             r = self._ref[b] - 1
             if r:
                 self._ref[b] = r
+                if r == 1:
+                    self._shared -= 1
                 continue
             del self._ref[b]
-            self.arena.give(b, 1)
-            self._free_blocks += 1
-            self._frees += 1
+            freed.append(b)
             self._used_tokens -= min(max(state.num_committed - head_room - i * bs, 0), bs)
+        self._give_blocks(freed)
         self._entries -= len(state.tail)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -285,6 +290,8 @@ class SegmentedKVManager(KVManager):
         shared = src.tail[: max(_cdiv(n, bs) - src.head_blocks, 0)]
         for b in shared:
             self._ref[b] += 1
+            if self._ref[b] == 2:
+                self._shared += 1
         self._sum_limit -= self._limit(state)
         state.tail = list(shared)
         state.num_committed = n
@@ -332,7 +339,7 @@ class SegmentedKVManager(KVManager):
         internal waste splits into reserved-ahead and never-written slots."""
         bs, bpt = self.block_size, self.bytes_per_token
         block_bytes = bs * bpt
-        shared = sum(1 for r in self._ref.values() if r > 1)
+        shared = self._shared
         return KVStats(
             capacity_bytes=self.num_blocks * block_bytes,
             used_bytes=self._used_tokens * bpt,
@@ -369,18 +376,34 @@ class SegmentedKVManager(KVManager):
         self.arena = arena
         return heads
 
-    def _take_block(self) -> int:
-        block = self.arena.take_top()
-        assert block is not None, "caller checked the free blocks"
-        self._ref[block] = 1
-        self._free_blocks -= 1
-        self._allocs += 1
-        return block
+    def _take_blocks(self, n: int) -> list[int]:
+        blocks = self.arena.take_top(n)
+        assert len(blocks) == n, "caller checked the free blocks"
+        self._ref.update(zip(blocks, [1] * n, strict=True))
+        self._free_blocks -= n
+        self._allocs += n
+        return blocks
+
+    def _give_blocks(self, blocks: list[int]) -> None:
+        """Return tail blocks to the arena, a run of consecutive ones at a time (tails taken
+        from the high end are mostly runs)."""
+        if not blocks:
+            return
+        blocks.sort()
+        start = prev = blocks[0]
+        for b in blocks[1:]:
+            if b != prev + 1:
+                self.arena.give(start, prev - start + 1)
+                start = b
+            prev = b
+        self.arena.give(start, prev - start + 1)
+        self._free_blocks += len(blocks)
+        self._frees += len(blocks)
 
     def _add_tail(self, state: _Segments, num_blocks: int) -> None:
-        for _ in range(num_blocks):
-            state.tail.append(self._take_block())
-        self._entries += num_blocks
+        if num_blocks:
+            state.tail += self._take_blocks(num_blocks)
+            self._entries += num_blocks
 
     def _queue_copy(self, src: int, dst: int, num_slots: int) -> None:
         self._copies.append(SlotCopy(src=src, dst=dst, num_slots=num_slots))
