@@ -222,3 +222,23 @@ def test_policy_validates_and_labels_its_classes():
         PagedMixedPolicy(class_limits=(2048, 511))
     with pytest.raises(ValueError):
         PagedMixedPolicy(colour="red")
+
+
+def test_longest_free_run_matches_a_scan_under_random_flips():
+    import random
+
+    from kvbench.engines.kv.buddy import _RunTree
+
+    rng = random.Random(0)
+    for n in (1, 5, 16, 37):
+        tree, flags = _RunTree(n), [False] * n
+        for _ in range(300):
+            for _ in range(rng.randint(1, 4)):  # several flips between questions
+                i = rng.randrange(n)
+                flags[i] = rng.random() < 0.6
+                tree.set(i, flags[i])
+            longest = run = 0
+            for f in flags:
+                run = run + 1 if f else 0
+                longest = max(longest, run)
+            assert tree.longest == longest

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 
 class _RunTree:
-    """Longest run of consecutive set flags among ``n`` flags, updated one flag at a time."""
+    """Longest run of consecutive set flags among ``n`` flags. Flag changes are applied to
+    the tree when the longest run is next asked for, each changed node's ancestors once."""
 
-    __slots__ = ("_best", "_pre", "_size", "_suf", "n")
+    __slots__ = ("_best", "_dirty", "_pre", "_size", "_suf", "n")
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -31,25 +32,34 @@ class _RunTree:
         self._pre = [0] * (2 * size)
         self._suf = [0] * (2 * size)
         self._best = [0] * (2 * size)
+        self._dirty: set[int] = set()
 
     @property
     def longest(self) -> int:
+        if self._dirty:
+            self._flush()
         return self._best[1]
 
     def set(self, i: int, value: bool) -> None:
-        pre, suf, best = self._pre, self._suf, self._best
         node = self._size + i
         v = int(value)
-        pre[node] = suf[node] = best[node] = v
-        width = 1
-        node //= 2
-        while node:
-            left, right = 2 * node, 2 * node + 1
-            pre[node] = pre[left] + pre[right] if pre[left] == width else pre[left]
-            suf[node] = suf[right] + suf[left] if suf[right] == width else suf[right]
-            best[node] = max(best[left], best[right], suf[left] + pre[right])
-            width *= 2
-            node //= 2
+        self._pre[node] = self._suf[node] = self._best[node] = v
+        self._dirty.add(node // 2)
+
+    def _flush(self) -> None:
+        pre, suf, best = self._pre, self._suf, self._best
+        nodes, width = self._dirty, 1
+        while nodes:
+            parents = set()
+            for node in nodes:
+                left, right = 2 * node, 2 * node + 1
+                pre[node] = pre[left] + pre[right] if pre[left] == width else pre[left]
+                suf[node] = suf[right] + suf[left] if suf[right] == width else suf[right]
+                best[node] = max(best[left], best[right], suf[left] + pre[right])
+                if node > 1:
+                    parents.add(node // 2)
+            nodes, width = parents, width * 2
+        self._dirty = set()
 
 
 class BuddyPool:
