@@ -28,6 +28,10 @@ Optional keyword arguments, the same for every backend:
   are then its first ``context_len`` slots in table (extent) order, and query ``t`` sees key
   slot ``s`` iff ``slot_positions[s] <= query_positions[t]``. The executor writes
   ``slot_positions[slot_mapping] = positions`` once per step for all layers.
+- ``window``: sliding-window attention (None: none): the query at position ``q`` sees only
+  positions ``q - window + 1 .. q``. Blocks wholly before every query's window may have been
+  freed and reused: kernels do not read them (or read and mask them). Not with
+  ``slot_positions``.
 - ``return_lse``: also return the log-sum-exp (natural log) of each query row's scaled scores,
   ``[T, num_heads]`` float32, ``-inf`` for a row that sees no key (its output is 0).
   :func:`merge_attention` combines outputs over disjoint key sets with it.
@@ -209,6 +213,19 @@ def _extent_runs(extent_starts: Tensor, context_lens: Tensor) -> _Runs:
                  ctx.tolist())
 
 
+def check_window(window: int | None, slot_positions: Tensor | None) -> None:
+    """Refuse a sliding window the kernels cannot apply."""
+    if window is None:
+        return
+    if window < 1:
+        raise KvbenchError(f"a sliding window must be at least 1 position, not {window}")
+    if slot_positions is not None:
+        raise KvbenchError(
+            "a sliding window over a pool holding part of a sequence (slot_positions) is not "
+            "supported"
+        )
+
+
 def paged_attention(
     query: Tensor,
     k_cache: Tensor,
@@ -224,11 +241,13 @@ def paged_attention(
     slot_positions: Tensor | None = None,
     query_positions: Tensor | None = None,
     return_lse: bool = False,
+    window: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Varlen attention reading each sequence's KV through its block table."""
     runs = _paged_runs(block_tables, context_lens, block_size)
     return _Attention(
-        query, k_cache, v_cache, scale, k_scale, v_scale, slot_positions, query_positions
+        query, k_cache, v_cache, scale, k_scale, v_scale, slot_positions, query_positions,
+        window,
     ).run(runs, cu_seqlens_q, return_lse)
 
 
@@ -246,12 +265,30 @@ def contiguous_attention(
     slot_positions: Tensor | None = None,
     query_positions: Tensor | None = None,
     return_lse: bool = False,
+    window: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Varlen attention reading each sequence's KV from its contiguous extent."""
     runs = _extent_runs(extent_starts, context_lens)
     return _Attention(
-        query, k_cache, v_cache, scale, k_scale, v_scale, slot_positions, query_positions
+        query, k_cache, v_cache, scale, k_scale, v_scale, slot_positions, query_positions,
+        window,
     ).run(runs, cu_seqlens_q, return_lse)
+
+
+def _window_decodes(runs: _Runs, cu: list[int], window: int) -> _Runs:
+    """``runs`` with each decode's keys cut to the last ``window`` and renumbered from 0, so
+    that a decode needs no mask; prefill chunks keep theirs (they are masked)."""
+    ptr, parts, context = [0], [], []
+    for b, ctx in enumerate(runs.context):
+        segs = runs.segs[:, runs.ptr[b] : runs.ptr[b + 1]]
+        if cu[b + 1] - cu[b] == 1 and ctx > window:
+            segs = _clip(segs, ctx - window, ctx)
+            segs[1] -= ctx - window
+            ctx = window
+        parts.append(segs)
+        ptr.append(ptr[-1] + segs.shape[1])
+        context.append(ctx)
+    return _Runs(ptr, np.concatenate(parts, axis=1), context)
 
 
 def _clip(segs: np.ndarray, lo: int, hi: int) -> np.ndarray:
@@ -310,9 +347,12 @@ class _Attention:
         v_scale: Tensor | None,
         slot_positions: Tensor | None,
         query_positions: Tensor | None,
+        window: int | None = None,
     ) -> None:
         if (slot_positions is None) != (query_positions is None):
             raise KvbenchError("slot_positions and query_positions go together")
+        check_window(window, slot_positions)
+        self.window = window
         self.query, self.k_cache, self.v_cache, self.scale = query, k_cache, v_cache, scale
         self.k_scale, self.v_scale = k_scale, v_scale
         self.k_group = scale_group(k_cache, k_scale, "k_scale")
@@ -331,6 +371,8 @@ class _Attention:
         query = self.query
         cu = cu_seqlens_q.tolist()
         num_seqs = len(cu) - 1
+        if self.window is not None and num_seqs:
+            runs = _window_decodes(runs, cu, self.window)
         done: dict[int, tuple[Tensor, Tensor]] = {}
         short = [
             b for b in range(num_seqs)
@@ -352,6 +394,8 @@ class _Attention:
             elif p1 == p0 or runs.context[b] == 0:
                 o = query.new_zeros(q1 - q0, *query.shape[1:])
                 lse = torch.full((q1 - q0, query.shape[1]), float("-inf"), device=query.device)
+            elif self.window is not None and q1 - q0 > 1:
+                o, lse = self.windowed_chunk(q0, q1, runs.segs[:, p0:p1], runs.context[b])
             else:
                 o, lse = self.sequence(q0, q1, runs.segs[:, p0:p1], runs.context[b])
             outs.append(o)
@@ -438,6 +482,28 @@ class _Attention:
         total = torch.logsumexp(lse, 0)
         w = torch.exp(lse - torch.where(total == float("-inf"), 0.0, total))
         return (w[..., None] * o).sum(0), total
+
+    def windowed_chunk(self, q0: int, q1: int, segs: np.ndarray, ctx: int
+                       ) -> tuple[Tensor, Tensor]:
+        """A prefill chunk under a sliding window: the keys any of its queries sees, in
+        order, in one piece, each query masked to its own window."""
+        assert self.window is not None
+        q = self.query[q0:q1]
+        if q.dtype != self.dtype:
+            q = q.to(self.dtype)
+        nq = q1 - q0
+        lo = max(ctx - nq - self.window + 1, 0)
+        segs = _clip(segs, lo, ctx)
+        piece: _Piece = (int(segs[0, 0]), int(segs[2, 0])) if segs.shape[1] == 1 else (
+            self._gather(segs[0], segs[2], in_order=True))
+        k = self._load(self.k_cache, self.k_scale, self.k_group, piece)
+        v = self._load(self.v_cache, self.v_scale, self.v_group, piece)
+        k_pos = torch.arange(lo, ctx, device=q.device)[None, :]
+        q_pos = torch.arange(ctx - nq, ctx, device=q.device)[:, None]
+        visible = (k_pos <= q_pos) & (k_pos > q_pos - self.window)
+        if q.device.type == "cpu":
+            return self._flash_cpu(q, k, v, visible, False)
+        return self._math(q, k, v, visible, False)
 
     def _pieces(self, segs: np.ndarray, nq: int, causal: bool) -> list[_Piece]:
         """Runs long enough to attend on their own as slices, the others gathered together;

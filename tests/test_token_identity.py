@@ -7,14 +7,17 @@ paged engine is forced to preempt and recompute.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from helpers import make_workload
 from kvbench.engines.config import EngineSection, EngineSettings, engine_config
+from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.kv.paged_mixed import PagedMixedPolicy
 from kvbench.engines.kv.segmented import SegmentedPolicy
 from kvbench.engines.kv.vattention import VAttentionPolicy
-from kvbench.engines.presets import get_preset
+from kvbench.engines.presets import ModelPreset, get_preset
 from kvbench.engines.registry import NAMED_ENGINES, build_engine
 from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.results.metrics import summarize
@@ -39,8 +42,8 @@ def _workload():
 
 def _outputs(engine: str, kv_tokens: int, *, chunked: bool = True, batched: int = 512,
              prefix: bool = True, section: EngineSection | None = None,
-             ) -> tuple[dict[str, str], dict]:
-    preset = get_preset("tiny")
+             preset: ModelPreset | None = None) -> tuple[dict[str, str], dict]:
+    preset = preset or get_preset("tiny")
     opts = EngineSettings(
         preset=preset,
         device=parse_device("cpu"),
@@ -123,3 +126,38 @@ def test_vattention_matches_with_mapping_and_preemption(reference, section) -> N
     digests, summary = _outputs("vattention", 640, batched=128, section=section)
     assert summary["preemptions"] > 0
     assert digests == reference
+
+
+# tiny with a 48-position sliding window: shorter than every request here.
+WINDOWED = replace(get_preset("tiny"), name="tiny-swa", sliding_window=48,
+                   hf_architecture="MistralForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def windowed_reference() -> dict[str, str]:
+    return _outputs("contiguous-request", 8192, chunked=False, preset=WINDOWED)[0]
+
+
+def test_sliding_window_changes_the_tokens(reference, windowed_reference) -> None:
+    assert windowed_reference != reference
+
+
+@pytest.mark.parametrize("section", [
+    PagedPolicy(), PagedPolicy(sliding_window_release=True), SegmentedPolicy(head_tokens=64),
+    PagedMixedPolicy(class_limits=(63, 255)), VAttentionPolicy(page_bytes=64 << 10),
+], ids=["paged", "paged-release", "segmented", "paged-mixed", "vattention"])
+def test_every_policy_matches_under_a_sliding_window(windowed_reference, section) -> None:
+    digests, _ = _outputs("windowed", 8192, batched=64, section=section, preset=WINDOWED)
+    assert digests == windowed_reference
+
+
+def test_releasing_blocks_outside_the_window_keeps_the_tokens_and_frees_memory(
+    windowed_reference,
+) -> None:
+    kept = _outputs("kept", 640, batched=128, section=PagedPolicy(), preset=WINDOWED)
+    freed = _outputs("freed", 640, batched=128, section=PagedPolicy(sliding_window_release=True),
+                     preset=WINDOWED)
+    assert kept[0] == freed[0] == windowed_reference
+    # 640 slots: kept blocks force preemptions; freed ones leave room (no machine timing).
+    assert freed[1]["preemptions"] < kept[1]["preemptions"]
+    assert freed[1]["peak_kv_used_bytes"] < kept[1]["peak_kv_used_bytes"]
