@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from kvbench.cli.app import app
 from kvbench.errors import KvbenchError
+from kvbench.results.repeats import repeat_count
 from kvbench.results.schema import load_record
 from kvbench.tools.sweep import parse_budgets
 
@@ -61,9 +62,11 @@ def test_sweep_over_block_sizes_runs_each_and_draws_the_trade_off(tmp_path, monk
     result = CliRunner().invoke(app, [
         "sweep", "--block-size", "16,64,256", "--device", "sim:a100-80gb",
         "--model", "llama-3-8b", "--workload", "mixed-text", "--num-requests", "24",
-        "--kv-memory", "1GiB", "--engines", "paged,contiguous", "--out", str(out),
+        "--kv-memory", "1GiB", "--engines", "paged,contiguous", "--repeat", "2",
+        "--out", str(out),
     ])
     assert result.exit_code == 0, result.output
+    assert all(repeat_count(load_record(p)) == 2 for p in out.glob("*/*.json"))
     # One budget and three block sizes: a run folder per combination.
     assert sorted(p.parent.name for p in out.glob("*/paged.json")) == [
         "kv-1GiB-bs-16", "kv-1GiB-bs-256", "kv-1GiB-bs-64"]

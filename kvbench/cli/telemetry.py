@@ -101,6 +101,7 @@ def sweep(
     suite: Annotated[str | None, typer.Argument(help="Suite TOML file or name (default: the embedded default).")] = None,
     kv_memory: Annotated[str | None, typer.Option(help="KV budgets to run at, e.g. 4MiB,8MiB,16MiB (default without --block-size: 4MiB,8MiB,16MiB,32MiB).")] = None,
     block_size: Annotated[str | None, typer.Option(help="Block sizes to run at, e.g. 8,16,32,64,128 (with --kv-memory: every combination).")] = None,
+    repeat: Annotated[int, typer.Option(help="Run every engine N times at each point; records hold medians (measured latencies are noisy).")] = 1,
     out: Out = None,
     force: Force = False,
     *,
@@ -134,7 +135,7 @@ def sweep(
             return lambda done: progress.update(task, completed=done)
 
         result = run_sweep(the_suite, base, points, out_dir, command_line(), on_engine,
-                           force=force)
+                           force=force, repeats=repeat)
     warn(result.warnings)
     for skipped in result.skipped:
         err_console.print(f"[yellow]skipped:[/] {escape(skipped)}", highlight=False)

@@ -85,10 +85,11 @@ def run_sweep(
     on_engine: Callable[[str, str], Callable[[int], None] | None] | None = None,
     *,
     force: bool = False,
+    repeats: int = 1,
 ) -> SweepResult:
     """Run ``suite`` at every point into ``out_dir/<point folder>/`` (``kv-<budget>``,
-    ``bs-<size>`` or both). An engine that can run none of the requests at a point is
-    skipped there (and listed), not fatal."""
+    ``bs-<size>`` or both), each engine ``repeats`` times (records hold medians). An engine
+    that can run none of the requests at a point is skipped there (and listed), not fatal."""
     result = SweepResult(block_axis=any(p.block_size for p in points))
     for point in points:
         at = suite.model_copy(deep=True)
@@ -109,7 +110,8 @@ def run_sweep(
         if not runnable:
             continue
         at.run.engines = runnable
-        plan = plan_run(at, base, out_dir / point.folder, command, force=force)
+        plan = plan_run(at, base, out_dir / point.folder, command, force=force,
+                        repeats=repeats)
         result.records += execute_plan(
             plan, (lambda name, p=point.label: on_engine(p, name)) if on_engine else None
         )
