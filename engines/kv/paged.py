@@ -68,12 +68,13 @@ class PagedPolicy(Paging, KVPolicy):
         return base + ("/lfu" if self.eviction == "lfu" else "") + (
             "/swa-release" if self.sliding_window_release else "")
 
-    def check(self, config: EngineConfig) -> None:
+    def check(self, config: EngineConfig) -> list[str]:
         if self.sliding_window_release and config.preset.sliding_window is None:
             raise KvbenchError(
                 f"sliding_window_release needs a sliding-window model; {config.preset.name} "
                 "attends to its whole context (try mistral-7b-v0.1)"
             )
+        return []
 
     def footprint(self, config: EngineConfig, request: Request) -> Footprint:
         return paged_footprint(request, config.kv.page_tokens, config.num_pages)

@@ -65,12 +65,13 @@ class SegmentedPolicy(KVPolicy):
         return f"segmented/head{self.head_tokens}" + (
             f"/bs{self.block_size}" if self.block_size else "")
 
-    def check(self, config: EngineConfig) -> None:
+    def check(self, config: EngineConfig) -> list[str]:
         if self.head_tokens % config.kv.page_tokens:
             raise KvbenchError(
                 f"segmented: head_tokens {self.head_tokens} must be a multiple of the block "
                 f"size {config.kv.page_tokens}, so that a head is a run of whole blocks"
             )
+        return []
 
     def footprint(self, config: EngineConfig, request: Request) -> Footprint:
         return segmented_footprint(request, config.kv.page_tokens, self.head_tokens,
