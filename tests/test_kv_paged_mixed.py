@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_driver import KVDriver, make_seq
+from kv_driver import KVDriver, make_seq, random_operations
 
 from kvbench.engines.kv.buddy import BuddyPool
 from kvbench.engines.kv.paged_mixed import PagedMixedKVManager, PagedMixedPolicy
@@ -75,35 +75,8 @@ def check_invariants(kv: PagedMixedKVManager, driver: KVDriver) -> None:
 def test_random_operations_keep_invariants(data, num_units, migrate, prewarm, seed):
     kv = mixed(num_units, migrate=migrate, prewarm_pages=prewarm)
     d = KVDriver(kv, seed)
-    waiting = []
-    for i in range(data.draw(st.integers(1, 60), label="ops")):
-        op = data.draw(st.sampled_from(["new", "admit", "step", "step", "step", "preempt",
-                                        "background"]))
-        if op == "new":
-            waiting.append(make_seq(i, data.draw(st.integers(1, 40)), data.draw(st.integers(1, 12)),
-                                    n=data.draw(st.integers(1, 3))))
-        elif op == "admit" and waiting:
-            seq = waiting[0]
-            if kv.never_fits(seq.request) is not None or d.admit(
-                seq, data.draw(st.integers(1, 40))
-            ):
-                waiting.pop(0)
-        elif op == "step" and d.running:
-            seq = data.draw(st.sampled_from(d.running))
-            if not d.step(seq, data.draw(st.integers(1, 12))):
-                victim = d.running[-1]
-                d.preempt(victim)
-                waiting.append(victim)
-        elif op == "preempt" and d.running:
-            seq = data.draw(st.sampled_from(d.running))
-            d.preempt(seq)
-            waiting.append(seq)
-        elif op == "background":
-            kv.background()
-        check_invariants(kv, d)
-    for seq in list(d.running):
-        d.free(seq)
-    check_invariants(kv, d)
+    random_operations(data, d, check_invariants, prompt_max=40, output_max=12, chunk_max=40,
+                      step_max=12, background=True)
     s = kv.stats()
     assert s.free_bytes == s.capacity_bytes and s.used_bytes == 0 and not kv._ref
     if not prewarm:  # everything coalesced back into the fresh pool's pages

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_driver import KVDriver, make_seq
+from kv_driver import KVDriver, make_seq, random_operations
 
 from kvbench.engines.kv.segmented import SegmentedKVManager
 from kvbench.errors import KvbenchError
@@ -64,32 +64,8 @@ def check_invariants(kv: SegmentedKVManager, driver: KVDriver) -> None:
 def test_random_operations_keep_invariants(data, num_blocks, head_blocks, seed):
     kv = segmented(num_blocks, head_blocks * BS)
     d = KVDriver(kv, seed)
-    waiting = []
-    for i in range(data.draw(st.integers(1, 60), label="ops")):
-        op = data.draw(st.sampled_from(["new", "admit", "admit", "step", "step", "preempt"]))
-        if op == "new":
-            waiting.append(make_seq(i, data.draw(st.integers(1, 24)), data.draw(st.integers(1, 10)),
-                                    n=data.draw(st.integers(1, 3))))
-        elif op == "admit" and waiting:
-            seq = data.draw(st.sampled_from(waiting))
-            if kv.never_fits(seq.request) is not None or d.admit(
-                seq, data.draw(st.integers(1, 16))
-            ):
-                waiting.remove(seq)
-        elif op == "step" and d.running:
-            seq = data.draw(st.sampled_from(d.running))
-            if not d.step(seq, data.draw(st.integers(1, 8))):
-                victim = d.running[-1]
-                d.preempt(victim)
-                waiting.append(victim)
-        elif op == "preempt" and d.running:
-            seq = data.draw(st.sampled_from(d.running))
-            d.preempt(seq)
-            waiting.append(seq)
-        check_invariants(kv, d)
-    for seq in list(d.running):
-        d.free(seq)
-    check_invariants(kv, d)
+    random_operations(data, d, check_invariants, prompt_max=24, output_max=10, chunk_max=16,
+                      step_max=8, admit_any=True)
     s = kv.stats()
     assert s.free_bytes == s.largest_free_bytes == s.capacity_bytes and s.used_bytes == 0
     assert kv.arena.holes == [(0, num_blocks)]

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_driver import KVDriver, make_seq
+from kv_driver import KVDriver, make_seq, random_operations
 
 from kvbench.engines.config import EngineSettings, engine_config
 from kvbench.engines.kv.vattention import VAttentionKVManager, VAttentionPolicy
@@ -63,38 +63,8 @@ def check_invariants(kv: VAttentionKVManager, driver: KVDriver) -> None:
 def test_random_operations_keep_invariants(data, num_groups, prewarm_pages, hint, seed):
     kv = vattn(num_groups, prewarm_pages=prewarm_pages, prewarm="hint" if hint else "none")
     d = KVDriver(kv, seed)
-    waiting = []
-    for i in range(data.draw(st.integers(1, 60), label="ops")):
-        op = data.draw(st.sampled_from(["new", "admit", "step", "step", "step", "preempt",
-                                        "background"]))
-        if op == "new":
-            seq = make_seq(i, data.draw(st.integers(1, 20)), data.draw(st.integers(1, 10)),
-                           n=data.draw(st.integers(1, 3)))
-            if kv.never_fits(seq.request) is None:
-                kv.arrive(seq)
-                waiting.append(seq)
-        elif op == "admit" and waiting:
-            if d.admit(waiting[0], data.draw(st.integers(1, 16))):
-                waiting.pop(0)
-        elif op == "step" and d.running:
-            seq = data.draw(st.sampled_from(d.running))
-            if not d.step(seq, data.draw(st.integers(1, 8))):
-                victim = d.running[-1]
-                d.preempt(victim)
-                waiting.append(victim)
-        elif op == "preempt" and d.running:
-            seq = data.draw(st.sampled_from(d.running))
-            d.preempt(seq)
-            waiting.append(seq)
-        elif op == "background":
-            kv.background()
-        check_invariants(kv, d)
-    for seq in list(d.running) + waiting:
-        if seq in d.running:
-            d.free(seq)
-        else:
-            kv.free(seq)
-    check_invariants(kv, d)
+    random_operations(data, d, check_invariants, prompt_max=20, output_max=10, chunk_max=16,
+                      step_max=8, background=True)
     s = kv.stats()
     assert s.used_bytes == s.reserved_ahead_bytes == 0
     if not prewarm_pages:  # nothing stays mapped

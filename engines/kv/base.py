@@ -23,6 +23,18 @@ from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.workloads.model import Request
 
 
+def newly_computed(seq: Sequence, committed: int, room: int, what: str) -> int:
+    """Tokens ``seq`` computed since its last commit (``committed`` of them then), checked to
+    lie within the ``room`` slots of its ``what``: outside them is a bookkeeping bug."""
+    n = seq.num_computed_tokens
+    if not committed <= n <= room:
+        raise RuntimeError(
+            f"sequence {seq.seq_id}: {n} computed tokens outside its {what} "
+            f"(committed {committed}, room {room})"
+        )
+    return n - committed
+
+
 class KVManager(ABC):
     spec: KVSpec
     capacity_tokens: int

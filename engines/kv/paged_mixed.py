@@ -38,7 +38,7 @@ from pydantic import Field, field_validator
 
 from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, KVPolicy
-from kvbench.engines.kv.base import KVManager, SlotCopy
+from kvbench.engines.kv.base import KVManager, SlotCopy, newly_computed
 from kvbench.engines.kv.buddy import BuddyPool
 from kvbench.engines.kv.paged import paged_footprint
 from kvbench.engines.kv.spec import Footprint, KVSpec
@@ -206,15 +206,10 @@ class PagedMixedKVManager(KVManager):
 
     def commit(self, seq: Sequence) -> None:
         state = self._seqs[seq.seq_id]
-        n = seq.num_computed_tokens
-        if not state.num_committed <= n <= state.room:
-            raise RuntimeError(
-                f"sequence {seq.seq_id}: {n} computed tokens outside its pages "
-                f"(committed {state.num_committed}, room {state.room})"
-            )
-        self._used_tokens += n - state.num_committed
-        self._sum_committed += n - state.num_committed
-        state.num_committed = n
+        new = newly_computed(seq, state.num_committed, state.room, "pages")
+        self._used_tokens += new
+        self._sum_committed += new
+        state.num_committed += new
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s pages. A sequence holding none (never admitted) is a no-op."""

@@ -33,7 +33,7 @@ from pydantic import Field
 from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, EngineSettings, KVPolicy
 from kvbench.engines.kv.arena import Arena
-from kvbench.engines.kv.base import KVManager, SlotCopy
+from kvbench.engines.kv.base import KVManager, SlotCopy, newly_computed
 from kvbench.engines.kv.spec import Footprint, KVSpec
 from kvbench.engines.sequence import Sequence
 from kvbench.errors import KvbenchError
@@ -232,15 +232,10 @@ class SegmentedKVManager(KVManager):
 
     def commit(self, seq: Sequence) -> None:
         state = self._seqs[seq.seq_id]
-        n = seq.num_computed_tokens
-        if not state.num_committed <= n <= state.room(self.block_size):
-            raise RuntimeError(
-                f"sequence {seq.seq_id}: {n} computed tokens outside its segments "
-                f"(committed {state.num_committed}, room {state.room(self.block_size)})"
-            )
-        self._used_tokens += n - state.num_committed
-        self._sum_committed += n - state.num_committed
-        state.num_committed = n
+        new = newly_computed(seq, state.num_committed, state.room(self.block_size), "segments")
+        self._used_tokens += new
+        self._sum_committed += new
+        state.num_committed += new
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s head, tail and unforked spare heads (no-op if it holds none)."""

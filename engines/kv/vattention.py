@@ -37,7 +37,7 @@ from pydantic import Field, PrivateAttr
 
 from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, EngineSettings, KVPolicy
-from kvbench.engines.kv.base import KVManager, SlotCopy
+from kvbench.engines.kv.base import KVManager, SlotCopy, newly_computed
 from kvbench.engines.kv.prewarm import Prewarm, hint_tokens
 from kvbench.engines.kv.spec import Footprint, KVSpec
 from kvbench.engines.sequence import Sequence
@@ -256,14 +256,9 @@ class VAttentionKVManager(KVManager):
 
     def commit(self, seq: Sequence) -> None:
         rng = self._ranges[seq.seq_id]
-        n = seq.num_computed_tokens
-        if not rng.num_committed <= n <= rng.need * self.page_tokens:
-            raise RuntimeError(
-                f"sequence {seq.seq_id}: {n} computed tokens outside its mapped pages "
-                f"(committed {rng.num_committed}, room {rng.need * self.page_tokens})"
-            )
-        self._sum_committed += n - rng.num_committed
-        rng.num_committed = n
+        new = newly_computed(seq, rng.num_committed, rng.need * self.page_tokens, "mapped pages")
+        self._sum_committed += new
+        rng.num_committed += new
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s range (or its hinted one) and unforked spares; their groups stay
