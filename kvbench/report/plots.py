@@ -374,7 +374,9 @@ def plot_block_sweep(records: Sequence[RunRecord], path: Path) -> Path:
         def col(name: str, rs: list[tuple[int, RunRecord]] = recs) -> list[float]:
             return [np.nan if (v := r.summary.get(name)) is None else float(v) for _, r in rs]
 
-        mem, tpot = [m / _GIB for m in col("peak_kv_reserved_bytes")], col("median_tpot_ms")
+        # What a block size costs in memory: the reserved share its rounding leaves empty
+        # (a pool under load is full at any block size, so its peak tells nothing).
+        mem, tpot = col("kv_waste_pct"), col("median_tpot_ms")
         ax_t.plot(mem, tpot, "o-", color=color, label=engine)
         for size, x, y in zip(xs, mem, tpot, strict=True):
             ax_t.annotate(str(size), (x, y), textcoords="offset points", xytext=(4, 4),
@@ -382,8 +384,8 @@ def plot_block_sweep(records: Sequence[RunRecord], path: Path) -> Path:
         ax_l.plot(xs, tpot, "o-", color=color, label=f"{engine}: TPOT p50")
         ax_l.plot(xs, col("median_ttft_ms"), "s--", color=color, alpha=0.7,
                   label=f"{engine}: TTFT p50")
-        ax_w.plot(xs, col("kv_waste_pct"), "o-", color=color, label=engine)
-    ax_t.set_xlabel("peak KV reserved (GiB)")
+        ax_w.plot(xs, col("max_concurrent_requests"), "o-", color=color, label=engine)
+    ax_t.set_xlabel("KV waste % (reserved memory holding no KV)")
     ax_t.set_ylabel("TPOT p50 (ms)")
     ax_t.set_title("latency vs memory (labels: block size in tokens)", fontsize=10)
     for ax in (ax_l, ax_w):
@@ -394,8 +396,8 @@ def plot_block_sweep(records: Sequence[RunRecord], path: Path) -> Path:
     ax_l.set_ylabel("ms")
     ax_l.set_yscale("log")
     ax_l.set_title("latency vs block size", fontsize=10)
-    ax_w.set_ylabel("KV waste % (reserved, not holding KV)")
-    ax_w.set_title("waste vs block size", fontsize=10)
+    ax_w.set_ylabel("max concurrent requests")
+    ax_w.set_title("concurrency vs block size", fontsize=10)
     ax_w.set_ylim(bottom=0)
     for ax in (ax_t, ax_l, ax_w):
         ax.grid(alpha=0.3)
