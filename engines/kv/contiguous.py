@@ -10,7 +10,8 @@ output, the tightest possible: it needs the output length in advance), ``pow2`` 
 of two, as size-class allocators do). With ``compaction`` a request that fits in the total free
 space but in no single hole slides every extent to the left, at a measured copy cost; with
 ``auto_defrag = T`` the same compaction also runs whenever freeing an extent leaves the
-fragmentation index (largest hole / free) below ``T`` (the reports' auto_defrag, P6).
+fragmentation index (largest hole / free) below ``T`` (the reports' auto_defrag, P6), after
+a free or an admission.
 
 ``align_bytes`` rounds every allocation up to a multiple of that many bytes, as a CUDA
 allocator's alignment does (the reports' C4 says 128 B): each layer's K and V of an extent is
@@ -207,6 +208,7 @@ class ContiguousKVManager(KVManager):
         self._reserved_tokens += count * length
         self._limit_tokens += count * min(length, seq.max_tokens - 1)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
+        self._defrag_if_fragmented()
         return True
 
     def grow(self, seq: Sequence, num_new: int) -> bool:
@@ -240,8 +242,7 @@ class ContiguousKVManager(KVManager):
             self._limit_tokens -= min(e.length, e.final_len)
             self._used_tokens -= e.num_committed
             self._frees += 1
-        if self.auto_defrag is not None and self._fragmented(self.auto_defrag):
-            self._compact()
+        self._defrag_if_fragmented()
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         if child.seq_id in self._extents:
@@ -333,11 +334,15 @@ class ContiguousKVManager(KVManager):
         self._compact()
         return [self._take(length) for _ in range(count)]
 
-    def _fragmented(self, threshold: float) -> bool:
-        """Whether the fragmentation index (largest hole / free slots) is below
-        ``threshold``."""
+    def _defrag_if_fragmented(self) -> None:
+        """With ``auto_defrag``, compact once the fragmentation index (largest hole / free
+        slots) is below it: a free can split the free space, an extent carved from the
+        largest hole can shrink it."""
+        if self.auto_defrag is None:
+            return
         free = self.capacity_tokens - self._reserved_tokens
-        return free > 0 and self.arena.largest < threshold * free
+        if free > 0 and self.arena.largest < self.auto_defrag * free:
+            self._compact()
 
     def _take(self, length: int) -> int:
         start = self.arena.take(length)
