@@ -10,6 +10,7 @@ from kvbench.engines.base import (
     KVStats,
     StepReport,
     causal_pairs,
+    keys_read,
     output_digest,
 )
 from kvbench.engines.config import EngineConfig
@@ -71,7 +72,7 @@ class BuiltinEngine:
     def step(self) -> StepReport:
         sched = self.scheduler
         batch, preempted, first = sched.schedule()
-        shape = batch_shape(batch, self._bytes_per_token)
+        shape = batch_shape(batch, self._bytes_per_token, self.preset.sliding_window)
         sampled = self.executor.execute(batch, self.kv) if batch.items or batch.copies else []
         device = self.executor.step_memory()
         outcome = sched.update(batch, sampled)
@@ -122,8 +123,11 @@ class BuiltinEngine:
         }
 
 
-def batch_shape(batch: ScheduledBatch, bytes_per_token: int) -> BatchShape:
-    """What the cost model needs to know about ``batch``."""
+def batch_shape(
+    batch: ScheduledBatch, bytes_per_token: int, window: int | None = None
+) -> BatchShape:
+    """What the cost model needs to know about ``batch`` (attention limited to the model's
+    sliding ``window``, if it has one)."""
     decode = prefill = context = pairs = 0
     for item in batch.items:
         n, start = item.num_tokens, item.start
@@ -131,12 +135,16 @@ def batch_shape(batch: ScheduledBatch, bytes_per_token: int) -> BatchShape:
             decode += 1
         else:
             prefill += n
-        context += start + n
-        pairs += causal_pairs(start, n)
+        if window is None:
+            context += start + n
+            pairs += causal_pairs(start, n)
+        else:
+            context += keys_read(start, n, window)
+            pairs += causal_pairs(start, n, window)
     copied = sum(c.num_slots for c in batch.copies) * bytes_per_token if batch.copies else 0
     return BatchShape(
         num_seqs=len(batch.items), prefill_tokens=prefill, decode_tokens=decode,
-        context_tokens=context, attn_pairs=pairs, copied_bytes=copied,
+        context_tokens=context, attn_pairs=pairs, copied_bytes=copied, map_ops=batch.map_ops,
     )
 
 

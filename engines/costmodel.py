@@ -13,6 +13,9 @@ does not keep chunk sizes, so that is estimated as if the step's prefill chunks 
 FLOPs: 2 x params x tokens for the layer matmuls, LM head for sampled positions only, and
 4 x heads x head_dim x (query, key) pairs per layer for attention. Bytes: weights once per
 step, KV read for every context position, KV written for every new token, plus copies.
+Virtual-memory map/unmap calls the step waits for (``BatchShape.map_ops``) add
+``map_op_s`` each; every rank maps its own pages in parallel with the others.
+
 All per tensor-parallel rank: each rank holds 1/TP of the weights and of the KV heads
 (replicated when there are fewer KV heads than ranks) and does 1/TP of the FLOPs; two ring
 all-reduces of the hidden states per layer join the ranks. The coefficients come with the
@@ -106,10 +109,11 @@ class CostModel:
         return flops, attention / tp, masked, nbytes, kv_bytes, allreduce
 
     def step_time_s(self, batch: BatchShape) -> float:
-        if batch.prefill_tokens + batch.decode_tokens == 0 and batch.copied_bytes == 0:
-            return 0.0
         c, hw = self.coef, self.hardware
         assert c is not None  # resolved at construction
+        if batch.prefill_tokens + batch.decode_tokens == 0 and batch.copied_bytes == 0:
+            # No forward pass; only the mapping calls, if any, take time.
+            return c.map_op_s * batch.map_ops / self.tp
         flops, attention, masked, nbytes, kv_bytes, allreduce = self._work(batch)
         peak_flops, peak_bw = hw.flops_per_s, hw.hbm_bytes_per_s
         if c.split_attention:
@@ -126,7 +130,10 @@ class CostModel:
                 flops / (peak_flops * c.flops_efficiency),
                 nbytes / (peak_bw * c.bandwidth_efficiency),
             )
-        return c.overhead_s + c.per_seq_s * batch.num_seqs + roofline + allreduce
+        step = c.overhead_s + c.per_seq_s * batch.num_seqs + roofline + allreduce
+        if batch.map_ops:
+            step += c.map_op_s * batch.map_ops / self.tp
+        return step
 
     def describe(self) -> dict[str, Any]:
         assert self.coef is not None

@@ -107,6 +107,7 @@ class Scheduler:
         seq = self._new_seq(request, prompt_ids, 0)
         self._requests[request.id] = _RequestState(request, [seq])
         self.waiting.append(seq)
+        self.kv.arrive(seq)
 
     def _new_seq(self, request: Request, prompt_ids: Any, sample_index: int) -> Sequence:
         seq = Sequence(self._next_seq_id, request, prompt_ids, sample_index=sample_index)
@@ -182,7 +183,8 @@ class Scheduler:
                 items.append(ScheduledSeq(seq, start, num_new, start + num_new == seq.num_tokens))
                 budget -= num_new
 
-        return ScheduledBatch(items, kv.take_copies()), preempted, first
+        kv.background()
+        return ScheduledBatch(items, kv.take_copies(), kv.take_map_ops()), preempted, first
 
     def _refusal(self, seq: Sequence) -> Refusal:
         # Free memory as the refusal saw it: the step's end frees finished requests' KV.

@@ -43,7 +43,9 @@ def _mixed(n: int = 40):
     )
 
 
-@pytest.mark.parametrize("name", ["paged", "contiguous", "contiguous-request", "contiguous-pow2"])
+@pytest.mark.parametrize("name", ["paged", "contiguous", "contiguous-request", "contiguous-pow2",
+                                  "paged-mixed", "paged-mixed-migrate", "paged-lfu", "segmented",
+                                  "vattention", "vattention-64k", "vattention-prewarm"])
 def test_every_request_gets_exactly_its_tokens(name: str) -> None:
     wl = _mixed()
     run = _run(name, wl, _opts(8192))
@@ -135,3 +137,15 @@ def test_leaking_option_keeps_blocks() -> None:
     assert run.last_kv.reserved_bytes > 0
     clean = _run("paged", wl, _opts(65536))
     assert clean.last_kv.reserved_bytes == 0
+
+
+def test_reserved_memory_holds_back_its_share_of_the_budget() -> None:
+    opts = _opts(8192)
+    full = engine_config("paged", PagedPolicy(), opts)
+    held = engine_config("paged", PagedPolicy(reserved_memory=0.25), opts)
+    assert held.num_pages == 3 * full.num_pages // 4 and held.kv_bytes == full.kv_bytes
+    wl = _mixed()
+    a = summarize(_run("paged", wl, opts))
+    b = summarize(_run("paged", wl, opts, PagedPolicy(reserved_memory=0.25)))
+    assert b["kv_capacity_bytes"] == 3 * a["kv_capacity_bytes"] // 4
+    assert b["completed"] == len(wl) and b["peak_kv_reserved_bytes"] <= b["kv_capacity_bytes"]

@@ -7,11 +7,17 @@ paged engine is forced to preempt and recompute.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from helpers import make_workload
-from kvbench.engines.config import EngineSettings, engine_config
-from kvbench.engines.presets import get_preset
+from kvbench.engines.config import EngineSection, EngineSettings, engine_config
+from kvbench.engines.kv.paged import PagedPolicy
+from kvbench.engines.kv.paged_mixed import PagedMixedPolicy
+from kvbench.engines.kv.segmented import SegmentedPolicy
+from kvbench.engines.kv.vattention import VAttentionPolicy
+from kvbench.engines.presets import ModelPreset, get_preset
 from kvbench.engines.registry import NAMED_ENGINES, build_engine
 from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.results.metrics import summarize
@@ -35,8 +41,9 @@ def _workload():
 
 
 def _outputs(engine: str, kv_tokens: int, *, chunked: bool = True, batched: int = 512,
-             prefix: bool = True) -> tuple[dict[str, str], dict]:
-    preset = get_preset("tiny")
+             prefix: bool = True, section: EngineSection | None = None,
+             preset: ModelPreset | None = None) -> tuple[dict[str, str], dict]:
+    preset = preset or get_preset("tiny")
     opts = EngineSettings(
         preset=preset,
         device=parse_device("cpu"),
@@ -48,7 +55,7 @@ def _outputs(engine: str, kv_tokens: int, *, chunked: bool = True, batched: int 
             max_num_batched_tokens=batched if chunked else 1024, chunked_prefill=chunked,
         ),
     )
-    engine_ = build_engine(engine_config(engine, NAMED_ENGINES[engine], opts))
+    engine_ = build_engine(engine_config(engine, section or NAMED_ENGINES[engine], opts))
     run = run_engine(engine_, _workload(), WallClock())
     assert run.status == "ok", run.error
     digests = {rid: t.output_digest for rid, t in run.timings.items()}
@@ -82,3 +89,75 @@ def test_preemption_and_recompute_match(reference) -> None:
     digests, summary = _outputs("paged", 640, batched=128)
     assert summary["preemptions"] > 0
     assert digests == reference
+
+
+def test_paged_mixed_matches_with_merges_migration_and_preemption(reference) -> None:
+    # Small classes (16/64/256-token pages past 63/255 tokens) and 16-token prefill chunks,
+    # so that these requests grow through every class: a prefill running alone fills
+    # adjacent small pages that merge, one interleaved with decodes gets scattered ones that
+    # migrate (real copies); at 640 slots the scheduler preempts.
+    section = PagedMixedPolicy(class_limits=(63, 255), migrate=True)
+    digests, summary = _outputs("mixed", 8192, batched=16, section=section)
+    assert summary["kv_merges"] > 0 and summary["kv_migrated_bytes"] > 0
+    assert digests == reference
+    digests, summary = _outputs("mixed", 640, batched=128, section=section)
+    assert summary["preemptions"] > 0
+    assert digests == reference
+
+
+def test_segmented_matches_with_heads_tails_and_preemption(reference) -> None:
+    # 64-token heads: every request has a contiguous head and a paged tail.
+    section = SegmentedPolicy(head_tokens=64)
+    assert _outputs("segmented", 8192, batched=64, section=section)[0] == reference
+    digests, summary = _outputs("segmented", 640, batched=128, section=section)
+    assert summary["preemptions"] > 0
+    assert digests == reference
+
+
+@pytest.mark.parametrize("section", [
+    VAttentionPolicy(page_bytes=64 << 10),
+    VAttentionPolicy(page_bytes=64 << 10, prewarm_pages=4, prewarm="hint"),
+], ids=["sync", "prewarm+hint"])
+def test_vattention_matches_with_mapping_and_preemption(reference, section) -> None:
+    # tiny at 64 KiB pages: 256-token page groups, translated through the block table.
+    digests, summary = _outputs("vattention", 8192, batched=64, section=section)
+    assert summary["kv_map_ops"] > 0
+    assert digests == reference
+    digests, summary = _outputs("vattention", 640, batched=128, section=section)
+    assert summary["preemptions"] > 0
+    assert digests == reference
+
+
+# tiny with a 48-position sliding window: shorter than every request here.
+WINDOWED = replace(get_preset("tiny"), name="tiny-swa", sliding_window=48,
+                   hf_architecture="MistralForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def windowed_reference() -> dict[str, str]:
+    return _outputs("contiguous-request", 8192, chunked=False, preset=WINDOWED)[0]
+
+
+def test_sliding_window_changes_the_tokens(reference, windowed_reference) -> None:
+    assert windowed_reference != reference
+
+
+@pytest.mark.parametrize("section", [
+    PagedPolicy(), PagedPolicy(sliding_window_release=True), SegmentedPolicy(head_tokens=64),
+    PagedMixedPolicy(class_limits=(63, 255)), VAttentionPolicy(page_bytes=64 << 10),
+], ids=["paged", "paged-release", "segmented", "paged-mixed", "vattention"])
+def test_every_policy_matches_under_a_sliding_window(windowed_reference, section) -> None:
+    digests, _ = _outputs("windowed", 8192, batched=64, section=section, preset=WINDOWED)
+    assert digests == windowed_reference
+
+
+def test_releasing_blocks_outside_the_window_keeps_the_tokens_and_frees_memory(
+    windowed_reference,
+) -> None:
+    kept = _outputs("kept", 640, batched=128, section=PagedPolicy(), preset=WINDOWED)
+    freed = _outputs("freed", 640, batched=128, section=PagedPolicy(sliding_window_release=True),
+                     preset=WINDOWED)
+    assert kept[0] == freed[0] == windowed_reference
+    # 640 slots: kept blocks force preemptions; freed ones leave room (no machine timing).
+    assert freed[1]["preemptions"] < kept[1]["preemptions"]
+    assert freed[1]["peak_kv_used_bytes"] < kept[1]["peak_kv_used_bytes"]

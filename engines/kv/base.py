@@ -23,6 +23,18 @@ from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.workloads.model import Request
 
 
+def newly_computed(seq: Sequence, committed: int, room: int, what: str) -> int:
+    """Tokens ``seq`` computed since its last commit (``committed`` of them then), checked to
+    lie within the ``room`` slots of its ``what``: outside them is a bookkeeping bug."""
+    n = seq.num_computed_tokens
+    if not committed <= n <= room:
+        raise RuntimeError(
+            f"sequence {seq.seq_id}: {n} computed tokens outside its {what} "
+            f"(committed {committed}, room {room})"
+        )
+    return n - committed
+
+
 class KVManager(ABC):
     spec: KVSpec
     capacity_tokens: int
@@ -88,6 +100,19 @@ class KVManager(ABC):
     @abstractmethod
     def take_copies(self) -> list[SlotCopy]:
         """Copies queued since the last call, in order."""
+
+    def arrive(self, seq: Sequence) -> None:  # noqa: B027 (an optional hook)
+        """``seq``, the first sample of a request, has just arrived (a policy that reserves
+        memory ahead of admission does it here)."""
+
+    def background(self) -> None:  # noqa: B027 (an optional hook)
+        """Work that overlaps the step whose batch was just chosen (pre-mapping pages,
+        pre-splitting them): it costs the step no time."""
+
+    def take_map_ops(self) -> int:
+        """Virtual-memory map and unmap operations done on the critical path since the last
+        call (the step waits for them); 0 for policies that map nothing."""
+        return 0
 
     @abstractmethod
     def stats(self) -> KVStats:

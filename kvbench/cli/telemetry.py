@@ -96,39 +96,52 @@ def soak(
         raise typer.Exit(1)
 
 
-@run_flags(exclude=("kv_memory",))
+@run_flags(exclude=("kv_memory", "block_size"))
 def sweep(
     suite: Annotated[str | None, typer.Argument(help="Suite TOML file or name (default: the embedded default).")] = None,
-    kv_memory: Annotated[str, typer.Option(help="KV budgets to run at, e.g. 4MiB,8MiB,16MiB.")] = "4MiB,8MiB,16MiB,32MiB",
+    kv_memory: Annotated[str | None, typer.Option(help="KV budgets to run at, e.g. 4MiB,8MiB,16MiB (default without --block-size: 4MiB,8MiB,16MiB,32MiB).")] = None,
+    block_size: Annotated[str | None, typer.Option(help="Block sizes to run at, e.g. 8,16,32,64,128 (with --kv-memory: every combination).")] = None,
+    repeat: Annotated[int, typer.Option(help="Run every engine N times at each point; records hold medians (measured latencies are noisy).")] = 1,
     out: Out = None,
     force: Force = False,
     *,
     flags: RunFlags,
 ) -> None:
-    """Run the suite at each KV budget: how many requests fit at once, per engine."""
-    from kvbench.tools.sweep import SWEEP_COLUMNS, parse_budgets, run_sweep, sweep_rows
+    """Run the suite at each KV budget and/or block size: how many requests fit at once, and
+    what the block size trades between latency and memory, per engine."""
+    from kvbench.tools.sweep import (
+        parse_block_sizes,
+        parse_budgets,
+        run_sweep,
+        sweep_header,
+        sweep_points,
+        sweep_rows,
+    )
 
-    budgets = parse_budgets(kv_memory)
+    if kv_memory is None and block_size is None:
+        kv_memory = "4MiB,8MiB,16MiB,32MiB"
+    points = sweep_points(parse_budgets(kv_memory) if kv_memory else None,
+                          parse_block_sizes(block_size) if block_size else None)
     the_suite, base = resolve_suite(suite, flags)
     out_dir = out or _default_out(the_suite.name, "sweep")
     console.print(
-        f"[bold]{the_suite.name}[/] sweep over KV budgets {', '.join(budgets)}: engines "
+        f"[bold]{the_suite.name}[/] sweep over {'; '.join(p.label for p in points)}: engines "
         f"{', '.join(the_suite.run.engines)}"
     )
     with interruptible() as interrupts, progress_bar() as progress:
 
-        def on_engine(budget: str, name: str):
-            task = progress.add_task(f"{name} @ {budget}", total=None)
+        def on_engine(point: str, name: str):
+            task = progress.add_task(f"{name} @ {point}", total=None)
             return lambda done: progress.update(task, completed=done)
 
-        result = run_sweep(the_suite, base, budgets, out_dir, command_line(), on_engine,
-                           force=force)
+        result = run_sweep(the_suite, base, points, out_dir, command_line(), on_engine,
+                           force=force, repeats=repeat)
     warn(result.warnings)
     for skipped in result.skipped:
         err_console.print(f"[yellow]skipped:[/] {escape(skipped)}", highlight=False)
-    header = ["engine", "KV budget", *[label for _, label in SWEEP_COLUMNS]]
-    _print_table(f"{the_suite.name}: KV budget sweep", header, sweep_rows(result.records))
-    console.print(f"per-budget runs, sweep.md and sweep.png written to {out_dir}")
+    _print_table(f"{the_suite.name}: sweep", sweep_header(result.block_axis),
+                 sweep_rows(result.records, result.block_axis))
+    console.print(f"per-point runs, sweep.md and sweep.png written to {out_dir}")
     exit_for(result.records, interrupts)
 
 
