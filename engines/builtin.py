@@ -24,7 +24,6 @@ from kvbench.engines.presets import ModelPreset
 from kvbench.engines.scheduler import Scheduler, SchedulerConfig
 from kvbench.workloads.model import Request
 
-
 # The most decode steps one fast-forward advances (bounds its per-step arrays).
 MAX_DECODE_RUN = 4096
 

@@ -51,14 +51,16 @@ class SimExecutor(Executor):
         """Append to each of ``seqs`` the tokens ``steps`` decode steps sample, the ids
         :meth:`execute` gives them one step at a time (uint64 arithmetic wraps as the
         masked integer one does)."""
-        vocab = np.uint64(self.vocab_size)
-        offsets = np.arange(1, steps + 1, dtype=np.uint64)
-        golden, shift = np.uint64(_GOLDEN), np.uint64(29)
+        first = np.fromiter((s.num_prompt_tokens + len(s.output_ids) for s in seqs),
+                            np.uint64, len(seqs))
+        keys = np.fromiter((key_hash(s.request.id) for s in seqs), np.uint64, len(seqs))
         with np.errstate(over="ignore"):
-            for seq in seqs:
-                first = seq.num_prompt_tokens + len(seq.output_ids)
-                h = (offsets + np.uint64(first)) * golden + np.uint64(key_hash(seq.request.id))
-                seq.output_ids.extend(((h ^ (h >> shift)) % vocab).tolist())
+            h = (first[:, None] + np.arange(1, steps + 1, dtype=np.uint64)) * np.uint64(_GOLDEN)
+            h += keys[:, None]
+            h ^= h >> np.uint64(29)
+            h %= np.uint64(self.vocab_size)
+        for seq, ids in zip(seqs, h.tolist(), strict=True):
+            seq.output_ids.extend(ids)
 
     def step_memory(self) -> DeviceMemory:
         stepped, self._stepped = self._stepped, None

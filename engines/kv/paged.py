@@ -398,18 +398,23 @@ class PagedKVManager(KVManager):
             if caching and state.num_indexed != last:
                 return 0
             firsts.append(len(table) * bs - p)
-        first = np.asarray(firsts, dtype=np.int64)
-        count = np.zeros(max_steps + 1, dtype=np.int64)
-        # Crossings of each sequence: steps first, first + bs, ... below max_steps.
-        per_seq = np.maximum(0, -(-(max_steps - first) // bs))
-        total = int(per_seq.sum())
-        if total:
-            starts = np.repeat(first, per_seq)
-            offsets = np.arange(total) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
-            np.add.at(count, starts + offsets * bs, 1)
-        taken = np.cumsum(count[:max_steps])
         room = self.pool.num_plain_free if keep_cached else self.pool.num_free
-        return int(np.searchsorted(taken, room, side="right"))
+        first = np.asarray(firsts, dtype=np.int64)
+
+        def taken(j: int) -> int:
+            """Blocks the grows of steps 0 .. j take together."""
+            return int(np.maximum(0, (j - first) // bs + 1).sum())
+
+        if taken(max_steps - 1) <= room:
+            return max_steps
+        lo, hi = 0, max_steps - 1  # taken(hi) > room; find the first such step
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if taken(mid) > room:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def _decode_events(self, seqs: list[Sequence], steps: int
                        ) -> tuple[dict[int, list[int]], dict[int, list[int]], np.ndarray]:
