@@ -238,18 +238,22 @@ class DeviceMemoryModel:
         reserved = self._workspace_reserved
         values: dict[str, int] | None = None
         taken = 0
-        for j in range(steps):
-            if values is None or not fixed:
-                peak = acts.peak(ForwardShape(num_seqs, num_seqs, (), num_seqs, longest + j))
-                activation, attention = peak.total - peak.attention, peak.attention
-                kept = max(reserved, _segments_up(activation + attention + encoder))
-                snapshot = self._snapshot_with(kept, activation, attention, encoder)
-                if snapshot.used_bytes // self.tp > self.memory_bytes:
-                    break
-                reserved, values = kept, snapshot.components()
+        for j in range(1 if fixed else steps):
+            peak = acts.peak(ForwardShape(num_seqs, num_seqs, (), num_seqs, longest + j))
+            activation, attention = peak.total - peak.attention, peak.attention
+            kept = max(reserved, _segments_up(activation + attention + encoder))
+            snapshot = self._snapshot_with(kept, activation, attention, encoder)
+            if snapshot.used_bytes // self.tp > self.memory_bytes:
+                break
+            reserved, values = kept, snapshot.components()
             for name, value in values.items():
                 columns[name].append(value)
             taken += 1
+        if fixed and taken:
+            # Every step alike: the first step's reading holds for all of them.
+            assert values is not None
+            taken = steps
+            columns = {name: [value] * steps for name, value in values.items()}
         return taken, columns, reserved
 
     def end_decode(self, workspace_reserved: int) -> None:
