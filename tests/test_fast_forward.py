@@ -108,8 +108,7 @@ def test_sliding_window_model_and_release(tmp_path: Path) -> None:
                   kv_memory="8GiB", expect_bulk=False,
                   sections={"swa": PagedPolicy(sliding_window_release=True)})
     assert fast["paged"]["engine_config"]["fast_forward"]["mode"] == "on"
-    assert fast["swa"]["engine_config"]["fast_forward"]["mode"] == "on"
-    assert fast["swa"]["engine_config"]["fast_forward"]["steps"] == 0
+    assert fast["swa"]["engine_config"]["fast_forward"]["mode"].startswith("unsupported")
 
 
 def test_tensor_parallel_unfused_attention_and_on_demand_kv(tmp_path: Path) -> None:

@@ -377,6 +377,11 @@ class PagedKVManager(KVManager):
 
     # --- decode fast-forward ---------------------------------------------------------------
 
+    def fast_forward_blocker(self) -> str | None:
+        if self.sliding_window is not None:
+            return "blocks outside the sliding window are released as sequences advance"
+        return super().fast_forward_blocker()
+
     def decode_room(self, seqs: list[Sequence], max_steps: int, keep_cached: bool = False) -> int:
         """Steps before a grow could fail or copy: every block the sequences reach at a block
         boundary comes from the free queues, so at most ``num_free`` of them; a shared block
