@@ -111,9 +111,14 @@ def test_sliding_window_model_and_release(tmp_path: Path) -> None:
     assert fast["swa"]["engine_config"]["fast_forward"]["mode"].startswith("unsupported")
 
 
-def test_tensor_parallel_unfused_attention_and_on_demand_kv(tmp_path: Path) -> None:
-    _check(tmp_path / "tp", MIXED, "llama-2-7b", ["paged", "contiguous"],
-           device="sim:a100-80gbx2", kv_memory="6GiB", attention_impl="sdpa-dense-mask")
+@pytest.mark.parametrize("impl", ["sdpa-dense-mask", "cpu-reference", "eager"])
+def test_tensor_parallel_and_unfused_attention(tmp_path: Path, impl: str) -> None:
+    """Unfused kernels' workspace grows with the longest decode's context, step by step."""
+    _check(tmp_path, MIXED, "llama-2-7b", ["paged", "contiguous"],
+           device="sim:a100-80gbx2", kv_memory="6GiB", attention_impl=impl)
+
+
+def test_on_demand_kv_steps_one_at_a_time(tmp_path: Path) -> None:
     fast = _check(tmp_path / "od", MIXED, "llama-2-7b", ["paged"], kv_memory="4GiB",
                   kv_allocation="on-demand", expect_bulk=False)
     assert fast["paged"]["engine_config"]["fast_forward"]["mode"].startswith("unsupported")
