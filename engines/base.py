@@ -112,10 +112,24 @@ class DeviceMemory:
         return {name: getattr(self, f"{name}_bytes") for name in self.COMPONENTS}
 
 
-def causal_pairs(start: int, num_tokens: int) -> int:
+def causal_pairs(start: int, num_tokens: int, window: int | None = None) -> int:
     """Query x key pairs of causal attention for ``num_tokens`` new tokens after ``start``
-    cached ones: query ``i`` of the chunk sees ``start + i + 1`` keys."""
-    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
+    cached ones: query ``i`` of the chunk sees ``start + i + 1`` keys, at most ``window``."""
+    full = num_tokens * start + num_tokens * (num_tokens + 1) // 2
+    if window is None or start + num_tokens <= window:
+        return full
+    if start >= window:
+        return num_tokens * window
+    # Queries up to position window - 1 see all keys before them, the rest see window each.
+    under = window - start
+    return under * start + under * (under + 1) // 2 + (num_tokens - under) * window
+
+
+def keys_read(start: int, num_tokens: int, window: int | None = None) -> int:
+    """KV positions a chunk of ``num_tokens`` queries after ``start`` cached tokens reads:
+    all of them, or with a ``window`` only those its queries can see."""
+    end = start + num_tokens
+    return end if window is None else end - max(0, start + 1 - window)
 
 
 @dataclass(slots=True)
@@ -123,7 +137,9 @@ class BatchShape:
     """What one step computed; the cost model and the virtual clock read it.
 
     ``context_tokens`` sums, over scheduled sequences, the KV positions attention reads
-    (cached context plus the new tokens); ``attn_pairs`` sums query x key pairs.
+    (cached context plus the new tokens); ``attn_pairs`` sums query x key pairs;
+    ``copied_bytes`` and ``map_ops`` are the KV copies and virtual-memory map/unmap calls
+    (all tensor-parallel ranks together) the step waits for.
     """
 
     num_seqs: int = 0
@@ -132,6 +148,7 @@ class BatchShape:
     context_tokens: int = 0
     attn_pairs: int = 0
     copied_bytes: int = 0
+    map_ops: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -104,6 +104,10 @@ class EngineSection(BaseModel):
         """A short name of the kind with its distinguishing options (tables, plots)."""
         return self.kind
 
+    def held_back_bytes(self, kv_bytes: int) -> int:
+        """Bytes of the KV budget ``kv_bytes`` this kind keeps out of its pool."""
+        return 0
+
     def block_multiple(self, device: DeviceSpec) -> int:
         """What the run's block size must be a multiple of for this kind on ``device``."""
         return 1
@@ -129,7 +133,14 @@ class EngineSection(BaseModel):
 
 class KVPolicy(EngineSection):
     """A KV policy of the built-in engine: its manager does the bookkeeping, the built-in
-    scheduler and executors do the rest."""
+    scheduler and executors do the rest. ``reserved_memory`` holds that fraction of the KV
+    budget back from the pool (the reports' headroom, P6): the pool, and every figure of its
+    capacity, is the rest."""
+
+    reserved_memory: float = Field(default=0.0, ge=0.0, lt=1.0)
+
+    def held_back_bytes(self, kv_bytes: int) -> int:
+        return int(kv_bytes * self.reserved_memory)
 
     @abstractmethod
     def manager(self, config: EngineConfig) -> KVManager:
@@ -185,11 +196,14 @@ def engine_config(name: str, section: EngineSection, settings: EngineSettings) -
     section = section.resolved(settings)
     preset, device = settings.preset, settings.device
     kv = KVSpec(section.page_tokens(), kv_bytes_per_token(preset, device.tp), preset.dtype)
-    num_pages = settings.kv_bytes // kv.page_bytes
+    held_back = section.held_back_bytes(settings.kv_bytes)
+    num_pages = (settings.kv_bytes - held_back) // kv.page_bytes
     if num_pages < 1:
+        kept = f" after holding back {held_back} bytes" if held_back else ""
         raise KvbenchError(
             f"KV budget {settings.kv_bytes} bytes holds no {kv.page_tokens}-token page of "
-            f"{kv.page_bytes} bytes; raise --kv-memory to at least {kv.page_bytes}"
+            f"{kv.page_bytes} bytes{kept}; raise --kv-memory to at least "
+            f"{kv.page_bytes + held_back}"
         )
     return EngineConfig(
         name=name, section=section, preset=preset, device=device, kv_bytes=settings.kv_bytes,

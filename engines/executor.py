@@ -25,8 +25,12 @@ class ScheduledSeq:
 
 @dataclass(slots=True)
 class ScheduledBatch:
+    """A step's work: the sequences to compute, the KV copies to apply first, and the
+    mapping operations the KV manager did on the step's critical path."""
+
     items: list[ScheduledSeq] = field(default_factory=list)
     copies: list[SlotCopy] = field(default_factory=list)
+    map_ops: int = 0
 
 
 class Executor(ABC):

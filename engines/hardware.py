@@ -36,6 +36,12 @@ class CostCoefficients:
     with its own roofline (its FLOPs against ``attention_flops_efficiency``, the KV it reads
     and writes against ``attention_bandwidth_efficiency``) added to that of the linear layers
     (their FLOPs, the weights and KV copies): what an unfused attention, as on a CPU, costs.
+
+    ``map_op_s`` is one virtual-memory map or unmap call of one physical page (one layer's K
+    or V on one rank) that a step waits for (``BatchShape.map_ops``; virtually contiguous
+    KV). Its default of 10 us is an assumed order of magnitude for a ``cuMemMap`` +
+    ``cuMemSetAccess`` pair, not a measurement: calibration does not fit it (no
+    virtual-memory probe yet), so set it in a profile for a device where it was measured.
     """
 
     flops_efficiency: float = 0.6
@@ -44,6 +50,7 @@ class CostCoefficients:
     per_seq_s: float = 0.0
     attention_flops_efficiency: float | None = None
     attention_bandwidth_efficiency: float | None = None
+    map_op_s: float = 10e-6
 
     @property
     def split_attention(self) -> bool:
@@ -61,7 +68,7 @@ class CostCoefficients:
                 raise KvbenchError(
                     f"cost coefficient {name} must be a positive number, not {value}"
                 )
-        for name in ("overhead_s", "per_seq_s"):
+        for name in ("overhead_s", "per_seq_s", "map_op_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise KvbenchError(

@@ -39,6 +39,11 @@ def hf_config(preset: ModelPreset) -> dict[str, Any]:
         raise KvbenchError(
             f"model preset {preset.name!r}: Qwen2 always has QKV biases, but the preset has none"
         )
+    if model_type == "llama" and preset.sliding_window is not None:
+        raise KvbenchError(
+            f"model preset {preset.name!r}: a Llama config.json has no sliding window; use "
+            "the Mistral or Qwen2 architecture for sliding-window attention"
+        )
     cfg: dict[str, Any] = {
         "architectures": [arch],
         "model_type": model_type,
@@ -61,10 +66,13 @@ def hf_config(preset: ModelPreset) -> dict[str, Any]:
         cfg["attention_bias"] = preset.qkv_bias
         cfg["mlp_bias"] = False
     else:
-        # Full attention in every layer, as the presets (and the KV budget) assume.
-        cfg["sliding_window"] = None
+        # The window of every layer, or None: full attention.
+        cfg["sliding_window"] = preset.sliding_window
         if model_type == "qwen2":
-            cfg["use_sliding_window"] = False
+            windowed = preset.sliding_window is not None
+            cfg["use_sliding_window"] = windowed
+            if windowed:  # Qwen2 windows the layers from max_window_layers on: all of them
+                cfg["max_window_layers"] = 0
     return cfg
 
 
@@ -88,10 +96,16 @@ def preset_from_hf_config(config: dict[str, Any], name: str, source: str) -> Mod
         raise unsupported(f"RoPE scaling {rope!r}")
     if arch == "LlamaForCausalLM" and (config.get("attention_bias") or config.get("mlp_bias")):
         raise unsupported("attention_bias/mlp_bias (bias on o_proj and the MLP)")
-    if arch == "MistralForCausalLM" and config.get("sliding_window") is not None:
-        raise unsupported(f"sliding-window attention (sliding_window={config['sliding_window']})")
-    if arch == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
-        raise unsupported("sliding-window attention (use_sliding_window=true)")
+    window = None
+    if arch == "MistralForCausalLM":
+        window = config.get("sliding_window")
+    elif arch == "Qwen2ForCausalLM" and config.get("use_sliding_window"):
+        if config.get("max_window_layers", 0) not in (0, None):
+            raise unsupported(
+                f"sliding windows in only some layers (max_window_layers="
+                f"{config['max_window_layers']})"
+            )
+        window = config.get("sliding_window")
     dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
     if dtype not in DTYPE_BYTES:
         raise unsupported(f"dtype {dtype!r}")
@@ -118,6 +132,7 @@ def preset_from_hf_config(config: dict[str, Any], name: str, source: str) -> Mod
         qkv_bias=arch == "Qwen2ForCausalLM",
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         hf_architecture=arch,
+        sliding_window=window,
     )
 
 

@@ -102,6 +102,7 @@ class Attention(nn.Module):
         self.num_kv_heads = preset.num_kv_heads
         self.head_dim = preset.head_dim
         self.scale = preset.head_dim**-0.5
+        self.window = preset.sliding_window
         self.kernels = kernels
         q_dim, kv_dim = preset.num_heads * preset.head_dim, preset.num_kv_heads * preset.head_dim
         h, bias, dtype = preset.hidden_size, preset.qkv_bias, _dtype(preset)
@@ -122,7 +123,7 @@ class Attention(nn.Module):
         self.kernels.store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         o = batch.layout.attend(
             self.kernels, q, k_cache, v_cache, batch.context_lens, batch.cu_seqlens_q,
-            self.scale, plan=batch.plan,
+            self.scale, plan=batch.plan, window=self.window,
         )
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 

@@ -30,6 +30,9 @@ class ModelPreset:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     hf_architecture: str = "LlamaForCausalLM"
+    # Sliding-window attention: each token attends to the last ``sliding_window`` positions
+    # (itself included) in every layer; None: full attention.
+    sliding_window: int | None = None
 
     @property
     def dtype_bytes(self) -> int:
@@ -122,10 +125,18 @@ _PRESETS: dict[str, ModelPreset] = {
         max_position=131072, rope_theta=10000.0, rms_eps=1e-6, qkv_bias=True,
         hf_architecture="Qwen2ForCausalLM",
     ),
+    # Mistral-7B v0.3 (vocabulary 32768, RoPE theta 1e6, full attention).
     "mistral-7b": ModelPreset(
         name="mistral-7b", vocab_size=32768, hidden_size=4096, num_layers=32, num_heads=32,
         num_kv_heads=8, head_dim=128, intermediate_size=14336, max_position=32768,
         rope_theta=1000000.0, hf_architecture="MistralForCausalLM",
+    ),
+    # Mistral-7B v0.1: vocabulary 32000, RoPE theta 10000, a 4096-token sliding window.
+    "mistral-7b-v0.1": ModelPreset(
+        name="mistral-7b-v0.1", vocab_size=32000, hidden_size=4096, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+        max_position=32768, rope_theta=10000.0, hf_architecture="MistralForCausalLM",
+        sliding_window=4096,
     ),
     "llama-3-70b": ModelPreset(
         name="llama-3-70b", vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,

@@ -15,6 +15,9 @@ from kvbench.engines.config import EngineConfig, EngineSection
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.contiguous import ContiguousKVManager, ContiguousPolicy
 from kvbench.engines.kv.paged import PagedKVManager, PagedPolicy
+from kvbench.engines.kv.paged_mixed import PagedMixedKVManager, PagedMixedPolicy
+from kvbench.engines.kv.segmented import SegmentedKVManager, SegmentedPolicy
+from kvbench.engines.kv.vattention import VAttentionKVManager, VAttentionPolicy
 from kvbench.engines.openai import OpenAISection
 from kvbench.engines.vllm import VllmSection
 from kvbench.errors import KvbenchError
@@ -45,6 +48,9 @@ KINDS: dict[str, Kind] = {
     for k in (
         Kind(PagedPolicy, PagedKVManager, BlockTables),
         Kind(ContiguousPolicy, ContiguousKVManager, Extents),
+        Kind(PagedMixedPolicy, PagedMixedKVManager, BlockTables),
+        Kind(SegmentedPolicy, SegmentedKVManager, BlockTables),
+        Kind(VAttentionPolicy, VAttentionKVManager, BlockTables),
         Kind(VllmSection),
         Kind(OpenAISection),
     )
@@ -52,19 +58,32 @@ KINDS: dict[str, Kind] = {
 
 # A suite's [engines.NAME] table: validated by its kind's model.
 AnyEngineSection = Annotated[
-    PagedPolicy | ContiguousPolicy | VllmSection | OpenAISection, Field(discriminator="kind")
+    PagedPolicy | ContiguousPolicy | PagedMixedPolicy | SegmentedPolicy | VAttentionPolicy
+    | VllmSection | OpenAISection,
+    Field(discriminator="kind"),
 ]
 _SECTION = TypeAdapter(AnyEngineSection)
 
 # Engine variants every suite can name without defining them.
 NAMED_ENGINES: dict[str, EngineSection] = {
     "paged": PagedPolicy(),
+    "paged-lfu": PagedPolicy(eviction="lfu"),
     # Finished sequences' blocks are never recycled: the fault soak runs must catch.
     "paged-leaky": PagedPolicy(leak_finished=True),
     "contiguous": ContiguousPolicy(reservation="max_model_len"),
     "contiguous-request": ContiguousPolicy(reservation="request"),
     "contiguous-pow2": ContiguousPolicy(reservation="pow2"),
     "contiguous-compact": ContiguousPolicy(reservation="request", compaction=True),
+    # Compacts whenever the fragmentation index drops below the reports' "healthy" 0.7.
+    "contiguous-defrag": ContiguousPolicy(reservation="request", auto_defrag=0.7),
+    "paged-mixed": PagedMixedPolicy(),
+    "paged-mixed-migrate": PagedMixedPolicy(migrate=True),
+    "segmented": SegmentedPolicy(),
+    "vattention": VAttentionPolicy(),
+    "vattention-64k": VAttentionPolicy(page_bytes=64 * 1024),
+    # vAttention's latency hiding: pages mapped ahead in the background, finished ranges
+    # kept mapped for the next sequences.
+    "vattention-prewarm": VAttentionPolicy(prewarm_pages=64),
     "vllm": VllmSection(),
     # A server on this machine at vLLM's default port; suites name others.
     "openai": OpenAISection(),

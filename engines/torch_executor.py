@@ -100,7 +100,7 @@ class TorchExecutor(Executor):
         cu_t, ctx_t = dev(cu, torch.int32), dev(ctx, torch.int32)
         # Every layer reads the same layout: the kernels plan it once for the step.
         plan = layout.plan(self.kernels, ctx_t, cu_t, pool[0, 0], pool[0, 1],
-                           self.preset.num_heads)
+                           self.preset.num_heads, window=self.preset.sliding_window)
         attn = AttentionBatch(dev(slots, torch.int64), cu_t, ctx_t, layout, plan)
 
         with torch.inference_mode():

@@ -36,10 +36,12 @@ class KVLayout(Protocol):
     def plan(
         self, kernels: KernelBackend, context_lens: Tensor, cu_seqlens_q: Tensor,
         k_cache: Tensor, v_cache: Tensor, num_heads: int, positions: bool = False,
+        window: int | None = None,
     ) -> Any:
         """The kernels' plan for this layout, lengths and queries over caches shaped like
         ``k_cache``/``v_cache`` (``positions``: calls pass key positions), or None where the
-        backend makes none; pass it to :meth:`attend` as ``plan`` in every layer."""
+        backend makes none; pass it to :meth:`attend` as ``plan`` in every layer (with the
+        same ``window``)."""
         ...
 
     def attend(
@@ -67,12 +69,13 @@ class BlockTables:
     def plan(
         self, kernels: KernelBackend, context_lens: Tensor, cu_seqlens_q: Tensor,
         k_cache: Tensor, v_cache: Tensor, num_heads: int, positions: bool = False,
+        window: int | None = None,
     ) -> Any:
         if kernels.plan_paged is None:
             return None
         return kernels.plan_paged(
             self.block_tables, context_lens, cu_seqlens_q, self.block_size, k_cache, v_cache,
-            num_heads, positions=positions,
+            num_heads, positions=positions, window=window,
         )
 
     def attend(
@@ -99,12 +102,13 @@ class Extents:
     def plan(
         self, kernels: KernelBackend, context_lens: Tensor, cu_seqlens_q: Tensor,
         k_cache: Tensor, v_cache: Tensor, num_heads: int, positions: bool = False,
+        window: int | None = None,
     ) -> Any:
         if kernels.plan_contiguous is None:
             return None
         return kernels.plan_contiguous(
             self.extent_starts, context_lens, cu_seqlens_q, k_cache, v_cache, num_heads,
-            positions=positions,
+            positions=positions, window=window,
         )
 
     def attend(

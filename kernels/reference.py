@@ -28,11 +28,15 @@ Optional keyword arguments, the same for every backend:
   are then its first ``context_len`` slots in table (extent) order, and query ``t`` sees key
   slot ``s`` iff ``slot_positions[s] <= query_positions[t]``. The executor writes
   ``slot_positions[slot_mapping] = positions`` once per step for all layers.
+- ``window``: sliding-window attention (None: none): the query at position ``q`` sees only
+  positions ``q - window + 1 .. q``. Blocks wholly before every query's window may have been
+  freed and reused: kernels do not read them (or read and mask them). Not with
+  ``slot_positions``.
 - ``return_lse``: also return the log-sum-exp (natural log) of each query row's scaled scores,
   ``[T, num_heads]`` float32, ``-inf`` for a row that sees no key (its output is 0).
   :func:`merge_attention` combines outputs over disjoint key sets with it.
 - ``plan``: what the backend's ``plan_paged`` (``plan_contiguous``) returned for the same
-  tables (extents), lengths and queries: host-side work done once per step and reused by
+  tables (extents), lengths, queries and window: host-side work done once per step and reused by
   every layer. None plans in the call. The Triton kernels read the tables on the device and
   need no plan (their backend has no planners; they accept ``plan=None``).
 
@@ -186,12 +190,15 @@ def plan_paged(
     num_heads: int,
     *,
     positions: bool = False,
+    window: int | None = None,
 ) -> AttentionPlan:
     """The plan :func:`paged_attention` follows for these tables, lengths and queries
     (``num_heads`` per row) over caches shaped like ``k_cache`` and ``v_cache``, to pass as its
-    ``plan`` in every layer of a step; ``positions``: the calls get ``slot_positions``."""
+    ``plan`` in every layer of a step; ``positions``: the calls get ``slot_positions``;
+    ``window``: their sliding window."""
+    check_window(window, positions)
     runs = paged_runs(block_tables, context_lens, block_size)
-    return make_plan(runs, cu_seqlens_q, k_cache, v_cache, num_heads, positions)
+    return make_plan(runs, cu_seqlens_q, k_cache, v_cache, num_heads, positions, window)
 
 
 def plan_contiguous(
@@ -203,10 +210,26 @@ def plan_contiguous(
     num_heads: int,
     *,
     positions: bool = False,
+    window: int | None = None,
 ) -> AttentionPlan:
     """The plan :func:`contiguous_attention` follows (see :func:`plan_paged`)."""
+    check_window(window, positions)
     runs = extent_runs(extent_starts, context_lens)
-    return make_plan(runs, cu_seqlens_q, k_cache, v_cache, num_heads, positions)
+    return make_plan(runs, cu_seqlens_q, k_cache, v_cache, num_heads, positions, window)
+
+
+def check_window(window: int | None, positions: bool) -> None:
+    """Refuse a sliding window the kernels cannot apply (``positions``: the call passes
+    ``slot_positions``)."""
+    if window is None:
+        return
+    if window < 1:
+        raise KvbenchError(f"a sliding window must be at least 1 position, not {window}")
+    if positions:
+        raise KvbenchError(
+            "a sliding window over a pool holding part of a sequence (slot_positions) is not "
+            "supported"
+        )
 
 
 def paged_attention(
@@ -224,14 +247,16 @@ def paged_attention(
     slot_positions: Tensor | None = None,
     query_positions: Tensor | None = None,
     return_lse: bool = False,
+    window: int | None = None,
     plan: AttentionPlan | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Varlen attention reading each sequence's KV through its block table."""
     if plan is None:
         plan = plan_paged(block_tables, context_lens, cu_seqlens_q, block_size, k_cache,
-                          v_cache, query.shape[1], positions=slot_positions is not None)
+                          v_cache, query.shape[1], positions=slot_positions is not None,
+                          window=window)
     return _Attention(
-        query, k_cache, v_cache, scale, k_scale, v_scale, slot_positions, query_positions
+        query, k_cache, v_cache, scale, k_scale, v_scale, slot_positions, query_positions, window
     ).run(plan, return_lse)
 
 
@@ -249,14 +274,16 @@ def contiguous_attention(
     slot_positions: Tensor | None = None,
     query_positions: Tensor | None = None,
     return_lse: bool = False,
+    window: int | None = None,
     plan: AttentionPlan | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Varlen attention reading each sequence's KV from its contiguous extent."""
     if plan is None:
         plan = plan_contiguous(extent_starts, context_lens, cu_seqlens_q, k_cache, v_cache,
-                               query.shape[1], positions=slot_positions is not None)
+                               query.shape[1], positions=slot_positions is not None,
+                               window=window)
     return _Attention(
-        query, k_cache, v_cache, scale, k_scale, v_scale, slot_positions, query_positions
+        query, k_cache, v_cache, scale, k_scale, v_scale, slot_positions, query_positions, window
     ).run(plan, return_lse)
 
 
@@ -273,9 +300,11 @@ class _Attention:
         v_scale: Tensor | None,
         slot_positions: Tensor | None,
         query_positions: Tensor | None,
+        window: int | None,
     ) -> None:
         if (slot_positions is None) != (query_positions is None):
             raise KvbenchError("slot_positions and query_positions go together")
+        self.window = window
         self.query, self.k_cache, self.v_cache, self.scale = query, k_cache, v_cache, scale
         self.k_scale, self.v_scale = k_scale, v_scale
         self.k_group = scale_group(k_cache, k_scale, "k_scale")
@@ -289,13 +318,13 @@ class _Attention:
 
     def _check(self, plan: AttentionPlan) -> None:
         row_bytes = self.k_cache[0].nbytes + self.v_cache[0].nbytes
-        made_for = (plan.num_rows, plan.num_slots, plan.row_bytes, plan.positions)
+        made_for = (plan.num_rows, plan.num_slots, plan.row_bytes, plan.positions, plan.window)
         given = (self.query.shape[0], self.k_cache.shape[0], row_bytes,
-                 self.slot_positions is not None)
+                 self.slot_positions is not None, self.window)
         if made_for != given:
             raise KvbenchError(
-                f"attention plan made for (rows, slots, row bytes, key positions) {made_for}, "
-                f"used with {given}"
+                "attention plan made for (rows, slots, row bytes, key positions, window) "
+                f"{made_for}, used with {given}"
             )
 
     def run(self, plan: AttentionPlan, return_lse: bool) -> Tensor | tuple[Tensor, Tensor]:
@@ -315,7 +344,9 @@ class _Attention:
         for i, sp in enumerate(plan.seqs):
             if i in batched:
                 continue
-            if sp.pieces:
+            if sp.pieces and sp.windowed:
+                o, lse = self.windowed_chunk(sp)
+            elif sp.pieces:
                 o, lse = self.sequence(sp)
             else:
                 o = torch.zeros(sp.q1 - sp.q0, hq, query.shape[2], dtype=self.dtype,
@@ -384,6 +415,25 @@ class _Attention:
         total = torch.logsumexp(lse, 0)
         w = torch.exp(lse - torch.where(total == float("-inf"), 0.0, total))
         return (w[..., None] * o).sum(0), total
+
+    def windowed_chunk(self, sp: SeqPlan) -> tuple[Tensor, Tensor]:
+        """A prefill chunk under a sliding window: the keys any of its queries sees, in order,
+        in one piece, each query masked to its own window."""
+        assert self.window is not None
+        ((piece, _),) = sp.pieces
+        q = self.query[sp.q0 : sp.q1]
+        if q.dtype != self.dtype:
+            q = q.to(self.dtype)
+        k = self._load(self.k_cache, self.k_scale, self.k_group, piece)
+        v = self._load(self.v_cache, self.v_scale, self.v_group, piece)
+        # Positions relative to the piece's first key: the chunk's queries are its last.
+        nk, nq = k.shape[0], q.shape[0]
+        k_pos = torch.arange(nk, device=q.device)[None, :]
+        q_pos = torch.arange(nk - nq, nk, device=q.device)[:, None]
+        visible = (k_pos <= q_pos) & (k_pos > q_pos - self.window)
+        if q.device.type == "cpu":
+            return self._flash_cpu(q, k, v, visible, False)
+        return self._math(q, k, v, visible, False)
 
     def _load(self, cache: Tensor, scale: Tensor | None, group: int, piece: Piece) -> Tensor:
         if isinstance(piece, Gather):

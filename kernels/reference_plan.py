@@ -112,11 +112,14 @@ Piece = tuple[int, int] | Gather
 class SeqPlan:
     """Query rows ``q0 : q1`` of one sequence and the pieces of its keys, each with whether
     the causal mask applies (a prefill chunk's own keys); no pieces: it sees no key (or it is
-    in the plan's batch of short decodes)."""
+    in the plan's batch of short decodes). ``windowed``: a prefill chunk under a sliding
+    window, one piece of the keys any of its queries sees, in order, each query masked to its
+    own window."""
 
     q0: int
     q1: int
     pieces: tuple[tuple[Piece, bool], ...]
+    windowed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,16 +151,20 @@ class AttentionPlan:
     num_slots: int
     row_bytes: int
     positions: bool
+    window: int | None
     seqs: tuple[SeqPlan, ...]
     short: ShortDecodes | None
 
 
 def make_plan(runs: Runs, cu_seqlens_q: Tensor, k_cache: Tensor, v_cache: Tensor,
-              num_heads: int, positions: bool) -> AttentionPlan:
+              num_heads: int, positions: bool, window: int | None = None) -> AttentionPlan:
     """The plan of ``runs`` for queries split by ``cu_seqlens_q`` (``num_heads`` per row),
     over caches shaped like ``k_cache`` and ``v_cache``; ``positions``: the kernels get key
-    and query positions (one page class of several), which mask every piece."""
+    and query positions (one page class of several), which mask every piece; ``window``: a
+    sliding window (decodes read only their last ``window`` keys, chunks are masked)."""
     cu = cu_seqlens_q.tolist()
+    if window is not None and len(cu) > 1:
+        runs = _window_decodes(runs, cu, window)
     num_slots = k_cache.shape[0]
     row_bytes = k_cache[0].nbytes + v_cache[0].nbytes
     planner = _Planner(num_slots, row_bytes, num_heads * k_cache.shape[-1] * FP32,
@@ -174,12 +181,32 @@ def make_plan(runs: Runs, cu_seqlens_q: Tensor, k_cache: Tensor, v_cache: Tensor
         pieces: tuple[tuple[Piece, bool], ...] = ()
         if b in batched:
             members.append(len(seqs))
+        elif p1 > p0 and runs.context[b] > 0 and window is not None and q1 - q0 > 1:
+            pieces = planner.windowed(q1 - q0, runs.segs[:, p0:p1], runs.context[b], window)
+            seqs.append(SeqPlan(q0, q1, pieces, windowed=True))
+            continue
         elif p1 > p0 and runs.context[b] > 0:
             pieces = planner.sequence(q1 - q0, runs.segs[:, p0:p1], runs.context[b])
         seqs.append(SeqPlan(q0, q1, pieces))
     batch = planner.short_batch(short, tuple(members), cu, runs) if short else None
-    return AttentionPlan(cu[-1] if cu else 0, num_slots, row_bytes, positions, tuple(seqs),
-                         batch)
+    return AttentionPlan(cu[-1] if cu else 0, num_slots, row_bytes, positions, window,
+                         tuple(seqs), batch)
+
+
+def _window_decodes(runs: Runs, cu: list[int], window: int) -> Runs:
+    """``runs`` with each decode's keys cut to the last ``window`` and renumbered from 0, so
+    that a decode needs no mask; prefill chunks keep theirs (they are masked)."""
+    ptr, parts, context = [0], [], []
+    for b, ctx in enumerate(runs.context):
+        segs = runs.segs[:, runs.ptr[b] : runs.ptr[b + 1]]
+        if cu[b + 1] - cu[b] == 1 and ctx > window:
+            segs = _clip(segs, ctx - window, ctx)
+            segs[1] -= ctx - window
+            ctx = window
+        parts.append(segs)
+        ptr.append(ptr[-1] + segs.shape[1])
+        context.append(ctx)
+    return Runs(ptr, np.concatenate(parts, axis=1), context)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +261,14 @@ class _Planner:
         return tuple(
             (piece, causal) for part, causal in parts for piece in self._pieces(part, nq, causal)
         )
+
+    def windowed(self, nq: int, segs: np.ndarray, ctx: int, window: int
+                 ) -> tuple[tuple[Piece, bool], ...]:
+        """A windowed prefill chunk's one piece: keys from the first query's window on."""
+        segs = _clip(segs, max(ctx - nq - window + 1, 0), ctx)
+        piece: Piece = (int(segs[0, 0]), int(segs[2, 0])) if segs.shape[1] == 1 else (
+            self._gather(segs[0], segs[2], in_order=True))
+        return ((piece, False),)
 
     def _pieces(self, segs: np.ndarray, nq: int, causal: bool) -> list[Piece]:
         """Runs long enough to attend on their own as slices, the others gathered together;

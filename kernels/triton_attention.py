@@ -36,6 +36,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kvbench.errors import KvbenchError
 from kvbench.kernels.quant import QMAX, is_quantised, scale_group
+from kvbench.kernels.reference import check_window
 
 # tl.dot needs every dimension >= 16 on GPUs.
 MIN_DOT = 16
@@ -75,7 +76,7 @@ def _attention_kernel(
     MIN_SPLIT_TOKENS: tl.constexpr,
     PAGED: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
     QUANT: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
-    POSITIONS: tl.constexpr, RETURN_LSE: tl.constexpr,
+    POSITIONS: tl.constexpr, RETURN_LSE: tl.constexpr, WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -122,12 +123,18 @@ def _attention_kernel(
     else:
         # Causal: the tile's last query sees positions up to its own; later keys are skipped.
         kv_end = ctx - q_len + tl.minimum(q0 + BLOCK_Q, q_len)
-    kv_lo = kv_end * 0
+    kv_begin = kv_end * 0
+    if WINDOW > 0:
+        # Nor does any query see keys before its window: whole tiles before the first
+        # query's are skipped (their blocks may have been freed and reused).
+        kv_begin = tl.maximum(ctx - q_len + q0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    kv_lo = kv_begin
     kv_hi = kv_end
     if SPLIT:
-        active = tl.maximum(tl.minimum(num_splits, tl.cdiv(kv_end, MIN_SPLIT_TOKENS)), 1)
-        per_split = tl.cdiv(tl.cdiv(kv_end, active), BLOCK_N) * BLOCK_N
-        kv_lo = split * per_split
+        span = kv_end - kv_begin
+        active = tl.maximum(tl.minimum(num_splits, tl.cdiv(span, MIN_SPLIT_TOKENS)), 1)
+        per_split = tl.cdiv(tl.cdiv(span, active), BLOCK_N) * BLOCK_N
+        kv_lo = kv_begin + split * per_split
         kv_hi = tl.minimum(kv_end, kv_lo + per_split)
     if not PAGED:
         extent = tl.load(starts_ptr + b).to(tl.int64)
@@ -174,6 +181,8 @@ def _attention_kernel(
             visible = pos_ok[None, :] & (k_abs[None, :] <= q_abs[:, None])
         else:
             visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -313,6 +322,7 @@ def paged_attention(
     slot_positions: Tensor | None = None,
     query_positions: Tensor | None = None,
     return_lse: bool = False,
+    window: int | None = None,
     num_splits: int | None = None,
     plan: None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -324,7 +334,7 @@ def paged_attention(
     """
     return _attention(
         query, k_cache, v_cache, context_lens, cu_seqlens_q, scale, num_splits,
-        _Extras(k_scale, v_scale, slot_positions, query_positions, return_lse),
+        _Extras(k_scale, v_scale, slot_positions, query_positions, return_lse, window),
         tables=block_tables, starts=None, block_size=block_size,
     )
 
@@ -343,26 +353,29 @@ def contiguous_attention(
     slot_positions: Tensor | None = None,
     query_positions: Tensor | None = None,
     return_lse: bool = False,
+    window: int | None = None,
     num_splits: int | None = None,
     plan: None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Varlen attention reading each sequence's KV from its contiguous extent."""
     return _attention(
         query, k_cache, v_cache, context_lens, cu_seqlens_q, scale, num_splits,
-        _Extras(k_scale, v_scale, slot_positions, query_positions, return_lse),
+        _Extras(k_scale, v_scale, slot_positions, query_positions, return_lse, window),
         tables=None, starts=extent_starts, block_size=1,
     )
 
 
 @dataclass(frozen=True, slots=True)
 class _Extras:
-    """The optional inputs shared with the reference: scales, key positions, lse."""
+    """The optional inputs shared with the reference: scales, key positions, lse, a sliding
+    window."""
 
     k_scale: Tensor | None
     v_scale: Tensor | None
     slot_positions: Tensor | None
     query_positions: Tensor | None
     return_lse: bool
+    window: int | None = None
 
 
 def _check_inputs(query: Tensor, k_cache: Tensor, v_cache: Tensor, extras: _Extras) -> bool:
@@ -377,6 +390,7 @@ def _check_inputs(query: Tensor, k_cache: Tensor, v_cache: Tensor, extras: _Extr
         )
     if (extras.slot_positions is None) != (extras.query_positions is None):
         raise KvbenchError("slot_positions and query_positions go together")
+    check_window(extras.window, extras.slot_positions is not None)
     return quantised
 
 
@@ -452,7 +466,7 @@ def _attention(
         MIN_SPLIT_TOKENS=MIN_SPLIT_TOKENS,
         PAGED=tables is not None, SPLIT=split, UPCAST=upcast,
         QUANT=quantised, K_GROUP=max(k_group, 1), V_GROUP=max(v_group, 1),
-        POSITIONS=positions, RETURN_LSE=extras.return_lse,
+        POSITIONS=positions, RETURN_LSE=extras.return_lse, WINDOW=extras.window or 0,
         # float32 inputs get exact float32 products, as in the reference, not TF32.
         PRECISION="ieee" if query.dtype == torch.float32 or upcast else "tf32",
         num_stages=num_stages,

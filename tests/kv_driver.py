@@ -7,7 +7,10 @@ two sequences, any wrong copy-on-write or compaction move, and any bad prefix-ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+from hypothesis import strategies as st
 
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.sequence import Sequence
@@ -101,11 +104,62 @@ class KVDriver:
         if child.is_finished:
             self.free(child)
 
+    def held_from(self, seq: Sequence) -> int:
+        """The first position whose KV ``seq`` still holds (a sliding window frees earlier
+        ones)."""
+        return 0
+
     def check_contents(self) -> None:
         """Every live sequence reads back exactly its own tokens."""
         self.apply_copies()
         for seq in self.running:
-            n = seq.num_computed_tokens
-            want = np.arange(n) * VOCAB + seq.token_ids(0, n)
-            got = self.mem[self.kv.slots(seq, 0, n)]
+            n, first = seq.num_computed_tokens, self.held_from(seq)
+            want = np.arange(first, n) * VOCAB + seq.token_ids(first, n)
+            got = self.mem[self.kv.slots(seq, first, n)]
             assert np.array_equal(got, want), f"sequence {seq.seq_id} reads foreign KV"
+
+
+def random_operations(
+    data: st.DataObject, driver: KVDriver, check: Callable[[KVManager, KVDriver], None], *,
+    prompt_max: int, output_max: int, chunk_max: int, step_max: int, admit_any: bool = False,
+    background: bool = False,
+) -> None:
+    """Drive ``driver`` through random arrivals (1-3 samples each; each arrives at the manager
+    unless it can never fit), admissions (the oldest waiting sequence, or with ``admit_any``
+    any), growth (preempting the newest running sequence when it fails), preemptions and,
+    with ``background``, the manager's background work, calling ``check`` after each; then
+    release everything, running or waiting, and check once more."""
+    kv = driver.kv
+    ops = ["new", "admit", "step", "step", "step", "preempt"] + (
+        ["background"] if background else [])
+    waiting: list[Sequence] = []
+    for i in range(data.draw(st.integers(1, 60), label="ops")):
+        op = data.draw(st.sampled_from(ops))
+        if op == "new":
+            seq = make_seq(i, data.draw(st.integers(1, prompt_max)),
+                           data.draw(st.integers(1, output_max)), n=data.draw(st.integers(1, 3)))
+            if kv.never_fits(seq.request) is None:
+                kv.arrive(seq)
+                waiting.append(seq)
+        elif op == "admit" and waiting:
+            seq = data.draw(st.sampled_from(waiting)) if admit_any else waiting[0]
+            if driver.admit(seq, data.draw(st.integers(1, chunk_max))):
+                waiting.remove(seq)
+        elif op == "step" and driver.running:
+            seq = data.draw(st.sampled_from(driver.running))
+            if not driver.step(seq, data.draw(st.integers(1, step_max))):
+                victim = driver.running[-1]  # as the scheduler would: the newest one
+                driver.preempt(victim)
+                waiting.append(victim)
+        elif op == "preempt" and driver.running:
+            seq = data.draw(st.sampled_from(driver.running))
+            driver.preempt(seq)
+            waiting.append(seq)
+        elif op == "background":
+            kv.background()
+        check(kv, driver)
+    for seq in list(driver.running):
+        driver.free(seq)
+    for seq in waiting:
+        kv.free(seq)  # a hint reserved at arrival goes with it
+    check(kv, driver)

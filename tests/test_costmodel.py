@@ -100,3 +100,20 @@ def test_decode_time_falls_with_tp_until_allreduce_dominates() -> None:
 def test_sim_device_with_tp_uses_per_rank_figures() -> None:
     d = parse_device("sim:h200x4")
     assert d.tp == 4 and d.label == "sim:h200x4" and d.hardware.name == "h200"
+
+
+def test_map_ops_cost_their_latency_per_rank_and_nothing_when_absent() -> None:
+    p, gpu = get_preset("llama-3-8b"), get_gpu("a100-80gb")
+    batch = _decode(8, 1000)
+    base = CostModel(p, gpu).step_time_s(batch)
+    mapped = CostModel(p, gpu).step_time_s(replace(batch, map_ops=64))
+    assert mapped == pytest.approx(base + 64 * CostCoefficients().map_op_s)
+    two = CostModel(p, gpu, tp=2)
+    assert two.step_time_s(replace(batch, map_ops=64)) == pytest.approx(
+        two.step_time_s(batch) + 32 * CostCoefficients().map_op_s
+    )
+    # Unmapping pages with nothing scheduled takes just the calls' time.
+    assert CostModel(p, gpu).step_time_s(BatchShape(map_ops=10)) == pytest.approx(10e-5)
+    assert CostModel(p, gpu).step_time_s(BatchShape()) == 0.0
+    with pytest.raises(KvbenchError, match="map_op_s"):
+        CostCoefficients(map_op_s=-1.0).validate()

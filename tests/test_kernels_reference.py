@@ -17,16 +17,21 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
 def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None
 ) -> torch.Tensor:
-    """q [Q, Hq, D] for the last Q of L positions; k/v [L, Hkv, D]; float64, explicit softmax."""
+    """q [Q, Hq, D] for the last Q of L positions; k/v [L, Hkv, D]; float64, explicit softmax
+    over the keys each query sees (its last ``window`` positions, if given)."""
     nq, hq, _ = q.shape
     length, hkv = k.shape[0], k.shape[1]
     k = k.double().repeat_interleave(hq // hkv, dim=1)
     v = v.double().repeat_interleave(hq // hkv, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
     q_pos = torch.arange(length - nq, length)[:, None]
-    scores = scores.masked_fill(torch.arange(length)[None, :] > q_pos, float("-inf"))
+    k_pos = torch.arange(length)[None, :]
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= k_pos <= q_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -75,23 +80,23 @@ class Case:
             self.cont_k[starts[b] : starts[b] + n] = self.keys[b]
             self.cont_v[starts[b] : starts[b] + n] = self.values[b]
 
-    def expected(self) -> torch.Tensor:
+    def expected(self, window: int | None = None) -> torch.Tensor:
         outs = []
         for b, n in enumerate(self.q_lens):
             q = self.query[int(self.cu[b]) : int(self.cu[b]) + n]
-            outs.append(dense_attention(q, self.keys[b], self.values[b], self.scale))
+            outs.append(dense_attention(q, self.keys[b], self.values[b], self.scale, window))
         return torch.cat(outs)
 
-    def paged(self) -> torch.Tensor:
+    def paged(self, **kw) -> torch.Tensor:
         return reference.paged_attention(
             self.query, self.paged_k, self.paged_v, self.block_tables, self.context_lens,
-            self.cu, self.block_size, self.scale,
+            self.cu, self.block_size, self.scale, **kw,
         )
 
-    def contiguous(self) -> torch.Tensor:
+    def contiguous(self, **kw) -> torch.Tensor:
         return reference.contiguous_attention(
             self.query, self.cont_k, self.cont_v, self.extent_starts, self.context_lens,
-            self.cu, self.scale,
+            self.cu, self.scale, **kw,
         )
 
 
@@ -109,6 +114,37 @@ def test_attention_matches_dense(dtype, block_size, group):
     for got in (case.paged(), case.contiguous()):
         assert got.dtype == dtype and got.shape == case.query.shape
         torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 100])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_sliding_window_sees_only_the_last_positions(window, block_size):
+    case = Case(Q_LENS, CTX_LENS, 4, block_size, torch.float32)
+    want = case.expected(window)
+    for got in (case.paged(window=window), case.contiguous(window=window)):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    if window < max(CTX_LENS):  # a window shorter than the context changes the answer
+        assert not torch.allclose(case.paged(window=window).double(), case.expected(),
+                                  atol=1e-3)
+
+
+def test_sliding_window_ignores_whatever_blocks_before_it_hold():
+    case = Case([1, 3], [40, 40], 1, 8, torch.float32)
+    want = case.paged(window=10)
+    case.block_tables[:, :3] = case.block_tables[1, 4]  # positions < 24: another block's KV
+    torch.testing.assert_close(case.paged(window=10), want)
+
+
+def test_a_window_must_be_positive_and_not_over_partial_pools():
+    from kvbench.errors import KvbenchError
+
+    case = Case([1], [8], 1, 4, torch.float32)
+    with pytest.raises(KvbenchError, match="at least 1"):
+        case.paged(window=0)
+    positions = torch.zeros(case.paged_k.shape[0], dtype=torch.int32)
+    with pytest.raises(KvbenchError, match="not supported"):
+        case.paged(window=4, slot_positions=positions,
+                   query_positions=torch.zeros(1, dtype=torch.int32))
 
 
 def test_consecutive_blocks_equal_an_extent_bitwise():

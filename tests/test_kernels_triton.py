@@ -128,10 +128,12 @@ def make_batch(
     )
 
 
-def check_attention(batch: Batch, **kw) -> None:
+def check_attention(batch: Batch, window: int | None = None, **kw) -> None:
     """Both layouts' Triton output against the reference, in the query's dtype."""
     tr = triton_backend()
-    want = batch.paged(reference.paged_attention)
+    if window is not None:
+        kw["window"] = window
+    want = batch.paged(reference.paged_attention, window=window)
     tol = TOL[batch.query.dtype]
     for got in (batch.paged(tr.paged_attention, **kw),
                 batch.contiguous(tr.contiguous_attention, **kw)):
@@ -191,6 +193,18 @@ def test_split_k_decode(short_splits, num_splits):
 def test_split_k_prefill(short_splits):
     """Splitting is only chosen for decodes, but stays exact for prefill chunks."""
     check_attention(make_batch([3, 1], [100, 40], block_size=8, num_kv_heads=1), num_splits=2)
+
+
+@kernel_test
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_sliding_window(short_splits, window):
+    """Decodes past the window and prefill chunks straddling it, with and without split-K;
+    the tiles wholly before a window are skipped, the one it starts in masked."""
+    q_lens, ctx = [1, 9, 1, 20, 1], [150, 60, 3, 20, 65]
+    batch = make_batch(q_lens, ctx, block_size=16, group=4, num_kv_heads=1)
+    check_attention(batch, window=window)
+    decodes = make_batch([1, 1, 1], [150, 3, 65], block_size=16, group=4, num_kv_heads=1)
+    check_attention(decodes, window=window, num_splits=3)
 
 
 @kernel_test

@@ -38,6 +38,9 @@ def check_invariants(kv: ContiguousKVManager, driver: KVDriver) -> None:
     assert 0 <= s.reserved_ahead_bytes == ahead * BPT <= s.reserved_bytes - s.used_bytes
     assert s.largest_free_bytes == max((n for _, n in kv.arena.holes), default=0) * BPT
     assert s.block_allocs - s.block_frees == len(extents) == s.page_table_entries
+    assert all(e.length % kv.align_slots == 0 for e in extents)
+    if kv.auto_defrag is not None and s.free_bytes:  # compacted whenever it fell below
+        assert s.largest_free_bytes >= kv.auto_defrag * s.free_bytes
     driver.check_contents()
 
 
@@ -49,12 +52,15 @@ def check_invariants(kv: ContiguousKVManager, driver: KVDriver) -> None:
     reservation=st.sampled_from(["max_model_len", "request", "pow2"]),
     fit=st.sampled_from(["first", "best"]),
     compaction=st.booleans(),
+    auto_defrag=st.sampled_from([None, None, 0.5, 1.0]),
+    align=st.sampled_from([1, 1, 4]),
     seed=st.integers(0, 2**16),
 )
 def test_random_operations_keep_invariants(
-    data, capacity, max_model_len, reservation, fit, compaction, seed
+    data, capacity, max_model_len, reservation, fit, compaction, auto_defrag, align, seed
 ):
-    kv = ContiguousKVManager(capacity, BPT, max_model_len, reservation, fit, compaction)
+    kv = ContiguousKVManager(capacity, BPT, max_model_len, reservation, fit, compaction,
+                             auto_defrag=auto_defrag, align_slots=align)
     d = KVDriver(kv, seed)
     waiting = []
     for i in range(data.draw(st.integers(1, 60), label="ops")):
@@ -234,3 +240,63 @@ def test_never_fits_says_why_and_what_to_do():
     assert kv.never_fits(Request("c", 0.0, (Segment("text", 10, "k"),), 8)) is None
     with pytest.raises(KvbenchError):
         contiguous(reservation="exact")
+
+
+def test_auto_defrag_compacts_when_a_free_leaves_the_index_below_the_threshold():
+    kv = contiguous(60, auto_defrag=0.9)
+    d = KVDriver(kv)
+    seqs = [make_seq(i, 8, 2) for i in range(6)]  # 10-token extents, 8 tokens written each
+    for s in seqs:
+        assert d.admit(s, 100)
+    d.free(seqs[0])  # one hole at 0 (index 1.0): nothing to do
+    assert kv.stats().copied_bytes == 0 and kv.arena.holes == [(0, 10)]
+    d.free(seqs[2])  # holes at 0 and 20: index 0.5 < 0.9, so everything slides left
+    assert kv.arena.holes == [(40, 20)]
+    assert kv.stats().copied_bytes == 4 * 8 * BPT  # the four extents above the first hole
+    d.check_contents()
+
+
+def test_alignment_rounds_extents_up_and_the_rounding_is_internal_waste():
+    kv = contiguous(100, align_slots=8)
+    d = KVDriver(kv)
+    seq = make_seq(1, 9, 2)  # 11 tokens: an extent of 16
+    assert d.admit(seq, 100)
+    assert kv.extent(seq) == (0, 16)
+    s = kv.stats()
+    assert s.reserved_bytes == 16 * BPT
+    # 9 written, 1 to come (the last sampled token gets no KV), 6 never: internal waste.
+    assert s.reserved_ahead_bytes == 1 * BPT and s.used_bytes == 9 * BPT
+
+
+def test_alignment_unit_is_one_layers_k_or_v_per_token_on_a_rank():
+    from kvbench.engines.config import EngineSettings, engine_config
+    from kvbench.engines.kv.contiguous import ContiguousPolicy
+    from kvbench.engines.presets import get_preset
+    from kvbench.engines.scheduler import SchedulerConfig
+    from kvbench.run.devices import parse_device
+
+    def slots(align: int, model: str = "llama-3-8b") -> int:
+        settings = EngineSettings(
+            preset=get_preset(model), device=parse_device("sim:a100-80gb"), kv_bytes=1 << 30,
+            block_size=16, prefix_caching=False, scheduler=SchedulerConfig(max_model_len=4096),
+        )
+        policy = ContiguousPolicy(align_bytes=align)
+        return policy.align_slots(engine_config("c", policy, settings))
+
+    # Llama-3-8B: 8 KV heads x 128 x 2 B = 2 KiB a token per layer and K/V, so 128 B
+    # alignment (the reports' C4) never rounds anything; 2 MiB rounds to 1024 tokens.
+    assert slots(128) == 1 and slots(2 << 20) == 1024 and slots(3072) == 3
+
+
+def test_auto_defrag_also_compacts_when_an_admission_shrinks_the_largest_hole():
+    kv = contiguous(60, auto_defrag=0.6)
+    d = KVDriver(kv)
+    seqs = [make_seq(i, 8, 2) for i in range(6)]  # six 10-token extents
+    for s in seqs:
+        assert d.admit(s, 100)
+    for s in (seqs[0], seqs[1], seqs[4]):
+        d.free(s)  # holes [0, 20) and [40, 50): index 20 / 30, above 0.6
+    assert kv.arena.holes == [(0, 20), (40, 10)] and kv.stats().copied_bytes == 0
+    assert d.admit(make_seq(9, 11, 1), 1)  # 12 tokens from [0, 20): index 10 / 18
+    assert len(kv.arena.holes) == 1 and kv.stats().copied_bytes > 0
+    d.check_contents()

@@ -21,14 +21,24 @@ def paged(num_blocks: int = 16, block_size: int = 4, **kw) -> PagedKVManager:
     return PagedKVManager(num_blocks, block_size, BPT, max_model_len=1 << 20, **kw)
 
 
+class WindowDriver(KVDriver):
+    """A driver for a manager releasing blocks outside a sliding window."""
+
+    def held_from(self, seq) -> int:
+        return (len(self.kv.block_table(seq)) - len(self.kv.held_blocks(seq))) * self.kv.block_size
+
+
 def check_invariants(kv: PagedKVManager, driver: KVDriver) -> None:
     pool, bs = kv.pool, kv.block_size
     refs: Counter[int] = Counter()
     fill: dict[int, int] = {}
     for seq in driver.running:
-        table = kv.block_table(seq)
+        table = kv.held_blocks(seq)
+        released = len(kv.block_table(seq)) - len(table)
         refs.update(table)
-        n = seq.num_computed_tokens
+        n = seq.num_computed_tokens - released * bs
+        if kv.sliding_window is not None:  # nothing a future query can see was released
+            assert released * bs <= max(seq.num_computed_tokens - kv.sliding_window + 1, 0)
         for i, b in enumerate(table):
             f = min(bs, max(n - i * bs, 0))
             # Sharers of a block agree on how much of it holds KV (it is the same KV).
@@ -52,7 +62,7 @@ def check_invariants(kv: PagedKVManager, driver: KVDriver) -> None:
     assert s.block_allocs - s.block_frees == s.reserved_bytes // block_bytes
     assert s.shared_bytes >= sum(1 for r in refs.values() if r > 1) * block_bytes
     assert s.largest_free_bytes == s.free_bytes
-    assert s.page_table_entries == sum(len(kv.block_table(seq)) for seq in driver.running)
+    assert s.page_table_entries == sum(len(kv.held_blocks(seq)) for seq in driver.running)
     assert 0 <= s.reserved_ahead_bytes <= s.reserved_bytes - s.used_bytes
     if s.prefix_hit_tokens is not None:
         assert 0 <= s.prefix_hit_tokens <= s.prefix_query_tokens
@@ -65,11 +75,16 @@ def check_invariants(kv: PagedKVManager, driver: KVDriver) -> None:
     num_blocks=st.integers(3, 16),
     block_size=st.sampled_from([1, 2, 4, 16]),
     caching=st.booleans(),
+    eviction=st.sampled_from(["lru", "lfu"]),
+    window=st.sampled_from([None, None, 3, 9]),
     seed=st.integers(0, 2**16),
 )
-def test_random_operations_keep_invariants(data, num_blocks, block_size, caching, seed):
-    kv = paged(num_blocks, block_size, enable_prefix_caching=caching)
-    d = KVDriver(kv, seed)
+def test_random_operations_keep_invariants(
+    data, num_blocks, block_size, caching, eviction, window, seed
+):
+    kv = paged(num_blocks, block_size, enable_prefix_caching=caching, eviction=eviction,
+               sliding_window=window)
+    d = WindowDriver(kv, seed)
     waiting = []
     for i in range(data.draw(st.integers(1, 60), label="ops")):
         op = data.draw(st.sampled_from(["new", "admit", "step", "step", "step", "preempt"]))
@@ -164,6 +179,63 @@ def test_cached_blocks_survive_free_and_are_evicted_lru():
     assert kv.stats().evictions == 1
     assert kv.lookup_prefix(make_seq(5, 1, 1, prefix=("old", 8))) == 4
     assert kv.lookup_prefix(make_seq(6, 1, 1, prefix=("new", 8))) == 8
+
+
+def test_lfu_evicts_the_least_hit_block_first_and_breaks_ties_by_recency():
+    kv = paged(num_blocks=6, block_size=4, eviction="lfu")
+    d = KVDriver(kv)
+    popular, rare = make_seq(1, 0, 1, prefix=("popular", 4)), make_seq(2, 0, 1, prefix=("rare", 4))
+    assert d.admit(popular, 100) and d.admit(rare, 100)  # one cached block each, freed
+    for i in range(3):  # the popular block serves three hits, freed again each time
+        assert d.admit(make_seq(10 + i, 1, 1, prefix=("popular", 4)), 100)
+    # One hit on "rare" makes it the most recently freed: LRU would now evict "popular".
+    assert d.admit(make_seq(20, 1, 1, prefix=("rare", 4)), 100)
+    hungry = make_seq(30, 19, 1)  # 5 blocks: the 4 plain ones and one cached
+    assert d.admit(hungry, 100)
+    assert kv.stats().evictions == 1
+    assert kv.lookup_prefix(make_seq(31, 1, 1, prefix=("popular", 4))) == 4
+    assert kv.lookup_prefix(make_seq(32, 1, 1, prefix=("rare", 4))) == 0
+
+
+def test_lru_evicts_the_least_recently_freed_block_whatever_its_hits():
+    kv = paged(num_blocks=6, block_size=4)
+    d = KVDriver(kv)
+    assert d.admit(make_seq(1, 0, 1, prefix=("popular", 4)), 100)
+    assert d.admit(make_seq(2, 0, 1, prefix=("rare", 4)), 100)
+    for i in range(3):
+        assert d.admit(make_seq(10 + i, 1, 1, prefix=("popular", 4)), 100)
+    assert d.admit(make_seq(20, 1, 1, prefix=("rare", 4)), 100)
+    assert d.admit(make_seq(30, 19, 1), 100)
+    assert kv.stats().evictions == 1
+    assert kv.lookup_prefix(make_seq(31, 1, 1, prefix=("popular", 4))) == 0
+    assert kv.lookup_prefix(make_seq(32, 1, 1, prefix=("rare", 4))) == 4
+
+
+def test_sliding_window_release_frees_blocks_no_query_can_see():
+    kv = paged(num_blocks=8, block_size=4, sliding_window=6)
+    d = WindowDriver(kv)
+    seq = make_seq(1, 9, 8)
+    assert d.admit(seq, 9)  # 9 computed: queries from position 9 see 4..9: block 0 goes
+    assert len(kv.held_blocks(seq)) == 2 and kv.block_table(seq)[0] == 0
+    s = kv.stats()
+    assert s.reserved_bytes == 2 * 4 * BPT and s.used_bytes == 5 * BPT
+    assert s.page_table_entries == 2 and s.block_frees == 1
+    for _ in range(4):  # 13 computed: queries see 8.. on, so block 1 goes too
+        assert d.step(seq, 1)
+    assert kv.held_blocks(seq) == kv.block_table(seq)[2:]
+    d.check_contents()
+    with pytest.raises(RuntimeError):
+        kv.slots(seq, 0, 4)  # released positions have no slots any more
+
+
+def test_without_release_a_window_model_keeps_every_block():
+    kv = paged(num_blocks=8, block_size=4)
+    d = KVDriver(kv)
+    seq = make_seq(1, 9, 8)
+    assert d.admit(seq, 9)
+    for _ in range(4):
+        assert d.step(seq, 1)
+    assert len(kv.held_blocks(seq)) == 4 and kv.stats().block_frees == 0
 
 
 def test_free_queues_tail_blocks_first():

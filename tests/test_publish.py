@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from cli_main import cli
+from cli_main import cli, run_main
 from record_factory import MACHINE, changed, make_record, write
 from typer.testing import CliRunner
 
@@ -165,3 +165,48 @@ def test_publish_names_an_unreadable_figure(capsys, monkeypatch, tmp_path: Path)
     assert code == 2 and "Traceback" not in output
     assert "memory.png: cannot read figure" in output
     assert not out.exists()
+
+
+# --- selected metrics, named files, figure, notes ------------------------------------------
+
+
+def test_publish_picks_rows_names_files_draws_and_appends_notes(tmp_path: Path) -> None:
+    for wl, digest in (("wl-a", "aaa"), ("wl-b", "bbb")):
+        for engine in ("paged", "vattention"):
+            rec = make_record(engine, suite="policies", digest=digest)
+            rec = rec.model_copy(update={"workload": rec.workload.model_copy(
+                update={"name": wl})})
+            rec = changed(rec, kv_map_ops=None if engine == "paged" else 640,
+                          peak_page_table_entries=12)
+            write(rec, tmp_path / wl)
+    notes = tmp_path / "notes.md"
+    notes.write_text("## Findings\n\nvattention maps pages.\n")
+    out = tmp_path / "tables"
+    result = CliRunner().invoke(app, [
+        "publish", str(tmp_path / "wl-a"), str(tmp_path / "wl-b"), "-o", str(out),
+        "--name", "policies", "--figure", "--notes", str(notes),
+        "--metrics", "max_concurrent_requests,kv_map_ops,peak_page_table_entries",
+    ], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == [
+        "policies.csv", "policies.html", "policies.md", "policies.png"]
+    md = (out / "policies.md").read_text()
+    # One suite on two workloads: a section each.
+    assert "## policies: wl-a, tiny" in md and "## policies: wl-b, tiny" in md
+    section = md[md.index("## policies: wl-a"):md.index("## policies: wl-b")]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows] == [
+        "| metric", "| status", "| max concurrent requests", "| page map operations",
+        "| peak page-table entries"]
+    assert "| page map operations | - | 640 |" in section
+    assert md.rstrip().endswith("vattention maps pages.")
+    assert (out / "policies.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "vattention maps pages." in (out / "policies.html").read_text()
+
+
+def test_publish_refuses_unknown_metrics_with_a_hint(tmp_path: Path, capsys) -> None:
+    write(make_record(), tmp_path / "run")
+    code, out = run_main(capsys, "publish", str(tmp_path / "run"), "-o", str(tmp_path / "t"),
+                         "--metrics", "kv_map_opps")
+    assert code == 2 and "did you mean kv_map_ops" in out
+    assert not (tmp_path / "t").exists()

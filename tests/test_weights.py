@@ -178,3 +178,18 @@ def test_weights_larger_than_free_memory(monkeypatch):
     monkeypatch.setattr(torch_device, "free_bytes", lambda device: 1000)
     with pytest.raises(KvbenchError, match=r"cannot allocate small weights: .* asked, .*\(1000"):
         build_model(SMALL, KERNELS, CPU)
+
+
+def test_sliding_windows_read_from_mistral_and_qwen2_configs(tmp_path):
+    v01 = get_preset("mistral-7b-v0.1")
+    assert (v01.vocab_size, v01.rope_theta, v01.sliding_window) == (32000, 10000.0, 4096)
+    assert hf_config(v01)["sliding_window"] == 4096
+    qwen = replace(QWEN, sliding_window=64)
+    cfg = hf_config(qwen)
+    assert (cfg["use_sliding_window"], cfg["max_window_layers"]) == (True, 0)
+    assert preset_from_hf_config(cfg, qwen.name, "config.json") == qwen
+    partly = cfg | {"max_window_layers": 1}  # full attention in the first layer only
+    with pytest.raises(WeightsError, match="only some layers"):
+        preset_from_hf_config(partly, qwen.name, "config.json")
+    with pytest.raises(KvbenchError, match="no sliding window"):
+        hf_config(replace(SMALL, sliding_window=64))  # a Llama config cannot say it

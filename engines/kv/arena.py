@@ -46,11 +46,14 @@ class Arena:
     def take(self, length: int) -> int | None:
         """Start of a new extent of ``length`` carved from the front of a hole, or None."""
         lengths = self._lengths
-        fits = [i for i, n in enumerate(lengths) if n >= length]
-        if not fits:
+        if self.fit == "first":
+            i = next((i for i, n in enumerate(lengths) if n >= length), None)
+        else:
+            # Best fit: smallest hole that fits, lowest address among equals.
+            fits = [i for i, n in enumerate(lengths) if n >= length]
+            i = min(fits, key=lengths.__getitem__) if fits else None
+        if i is None:
             return None
-        # Best fit: smallest hole that fits, lowest address among equals.
-        i = fits[0] if self.fit == "first" else min(fits, key=lengths.__getitem__)
         start = self._starts[i]
         if lengths[i] == length:
             del self._starts[i], lengths[i]
@@ -58,6 +61,20 @@ class Arena:
             self._starts[i] += length
             lengths[i] -= length
         return start
+
+    def take_top(self, n: int) -> list[int]:
+        """The ``n`` highest free slots, highest first (single blocks kept away from the low
+        end, where first fit places extents); fewer when not that many are free."""
+        out: list[int] = []
+        starts, lengths = self._starts, self._lengths
+        while len(out) < n and starts:
+            k = min(n - len(out), lengths[-1])
+            end = starts[-1] + lengths[-1]
+            out += range(end - 1, end - 1 - k, -1)
+            lengths[-1] -= k
+            if not lengths[-1]:
+                del starts[-1], lengths[-1]
+        return out
 
     def give(self, start: int, length: int) -> None:
         """Return ``[start, start + length)`` to the free space, merging with neighbours."""

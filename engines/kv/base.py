@@ -23,6 +23,18 @@ from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.workloads.model import Request
 
 
+def newly_computed(seq: Sequence, committed: int, room: int, what: str) -> int:
+    """Tokens ``seq`` computed since its last commit (``committed`` of them then), checked to
+    lie within the ``room`` slots of its ``what``: outside them is a bookkeeping bug."""
+    n = seq.num_computed_tokens
+    if not committed <= n <= room:
+        raise RuntimeError(
+            f"sequence {seq.seq_id}: {n} computed tokens outside its {what} "
+            f"(committed {committed}, room {room})"
+        )
+    return n - committed
+
+
 class KVManager(ABC):
     spec: KVSpec
     capacity_tokens: int
@@ -93,6 +105,66 @@ class KVManager(ABC):
     @abstractmethod
     def take_copies(self) -> list[SlotCopy]:
         """Copies queued since the last call, in order."""
+
+    def arrive(self, seq: Sequence) -> None:  # noqa: B027 (an optional hook)
+        """``seq``, the first sample of a request, has just arrived (a policy that reserves
+        memory ahead of admission does it here)."""
+
+    def background(self) -> None:  # noqa: B027 (an optional hook)
+        """Work that overlaps the step whose batch was just chosen (pre-mapping pages,
+        pre-splitting them): it costs the step no time."""
+
+    def take_map_ops(self) -> int:
+        """Virtual-memory map and unmap operations done on the critical path since the last
+        call (the step waits for them); 0 for policies that map nothing."""
+        return 0
+
+    # --- decode fast-forward (optional) ---------------------------------------------------
+    #
+    # Between events, every step of a batch whose sequences all decode one token is alike:
+    # the engine can advance many such steps at once when the manager says how far that is
+    # safe and applies them exactly as one step after another would. A policy opts in by
+    # defining these methods in its own class; a subclass that inherits them does not
+    # (its other hooks may act between steps), and runs step by step.
+
+    def fast_forward_blocker(self) -> str | None:
+        """Why this manager cannot advance decode steps in bulk, or None when it can."""
+        if "decode_room" not in type(self).__dict__:
+            return f"the {type(self).__name__} policy advances step by step"
+        return None
+
+    def decode_room(self, seqs: list[Sequence], max_steps: int, keep_cached: bool = False) -> int:
+        """How many consecutive steps, up to ``max_steps``, in which each of ``seqs`` (the
+        running sequences, in order, each one token short of its computed tokens) decodes
+        one token, this manager can take with nothing but the bookkeeping of those tokens:
+        no allocation that could fail, no copy, no page released or moved; with
+        ``keep_cached``, no cached prefix evicted either."""
+        return 0
+
+    def decode_stop(self, seqs: list[Sequence], steps: int, avoid: set[int]) -> int:
+        """The first of the next ``steps`` decode steps of ``seqs`` (their ``output_ids``
+        already hold the tokens those steps sample) that would make a block findable whose
+        prefix-cache key is in ``avoid`` (one the request waiting at the head of the queue
+        could hit), or ``steps`` when none would."""
+        return steps
+
+    def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
+        """Apply ``steps`` (at most :meth:`decode_room`) decode steps of ``seqs``, whose
+        ``output_ids`` already hold the tokens those steps sample and whose
+        ``num_computed_tokens`` the caller advances afterwards, exactly as that many
+        grow/commit rounds would. Returns the per-step values, after each step, of the
+        :class:`KVStats` fields that change, keyed by field."""
+        raise NotImplementedError
+
+    def would_admit(self, seq: Sequence, num_cached: int, num_new: int) -> bool | None:
+        """Whether :meth:`allocate` would admit ``seq`` now, without changing anything;
+        None where the policy cannot tell."""
+        return None
+
+    def waiting_hashes(self, seq: Sequence) -> set[int] | None:
+        """Prefix-cache keys whose appearance could let ``seq`` hit more cached KV (None:
+        the policy has no prefix cache)."""
+        return None
 
     @abstractmethod
     def stats(self) -> KVStats:

@@ -2,19 +2,22 @@
 
 Free blocks wait in two queues. Blocks holding no cached content are handed out first (a
 stack: bulk pops are one slice). Blocks that still hold a cached full block stay findable by
-hash in an LRU queue and are evicted, oldest first, only when no plain block is left; a cache
-hit on one of them takes it back out of the queue in O(1). Every operation is O(blocks touched)
+hash in an eviction queue (:mod:`~kvbench.engines.kv.eviction`: LRU, or LFU by prefix hits)
+and are evicted only when no plain block is left; a cache hit on one of them takes it back
+out of the queue. Every operation is O(blocks touched)
 with a few list/dict steps per block, no per-token work; the bulk steps (a long prompt's
 blocks) run as C-level ``map`` loops rather than Python ones.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Iterator
 from functools import partial
-from itertools import compress, islice, repeat, takewhile
+from itertools import compress, repeat, takewhile
 from operator import is_, is_not
+
+from kvbench.engines.kv.eviction import Eviction, eviction_queue
 
 _IS_BLOCK = partial(is_not, None)
 
@@ -41,6 +44,7 @@ class BlockPool:
     got it from a prefix-cache hit (its content serves a second request). ``num_allocs`` counts
     blocks leaving the free queues (fresh, evicted or revived by a hit), ``num_frees`` blocks
     entering them, so ``num_allocs - num_frees`` is the number of blocks not free.
+    ``hits[b]`` counts the prefix hits block ``b``'s cached content served (LFU reads it).
     """
 
     __slots__ = (
@@ -51,6 +55,7 @@ class BlockPool:
         "_hit",
         "_leaked",
         "block_size",
+        "hits",
         "num_allocs",
         "num_blocks",
         "num_evictions",
@@ -59,16 +64,17 @@ class BlockPool:
         "ref",
     )
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, eviction: Eviction = "lru") -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref = [0] * num_blocks
+        self.hits = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
         self._hit = [False] * num_blocks
         self._by_hash: dict[int, int] = {}
         # A stack whose top is block 0, so a fresh pool hands out blocks 0, 1, 2, ... in order.
         self._free_plain = list(range(num_blocks - 1, -1, -1))
-        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._free_cached = eviction_queue(eviction, self.hits)
         self._leaked: set[int] = set()
         self.num_shared = 0
         self.num_allocs = 0
@@ -79,6 +85,11 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free_plain) + len(self._free_cached)
 
+    @property
+    def num_plain_free(self) -> int:
+        """Free blocks holding no cached content (taking them evicts nothing)."""
+        return len(self._free_plain)
+
     def take(self, n: int) -> list[int]:
         """Hand out ``n`` blocks (caller checked ``num_free``), each with one reference."""
         plain = self._free_plain
@@ -86,16 +97,15 @@ class BlockPool:
         out = plain[len(plain) - k :][::-1]
         del plain[len(plain) - k :]
         if k < n:
-            # Evict the least recently freed cached blocks, oldest first.
-            cached, hashes, by_hash = self._free_cached, self._hash, self._by_hash
-            evicted = list(islice(cached, n - k))
+            hashes, by_hash = self._hash, self._by_hash
+            evicted = self._free_cached.evict(n - k)
             if len(evicted) < 8:
                 for b in evicted:
-                    del cached[b], by_hash[hashes[b]]
+                    del by_hash[hashes[b]]
             else:
-                _consume(map(cached.__delitem__, evicted))
                 _consume(map(by_hash.__delitem__, map(hashes.__getitem__, evicted)))
             _fill(hashes, evicted, None)
+            _fill(self.hits, evicted, 0)
             self.num_evictions += len(evicted)
             out += evicted
         _fill(self.ref, out, 1)
@@ -113,17 +123,18 @@ class BlockPool:
 
     def touch(self, blocks: list[int]) -> int:
         """Reference cached ``blocks`` for a prefix hit; returns how many were free before."""
-        ref, hit, cached = self.ref, self._hit, self._free_cached
+        ref, hit, hits, cached = self.ref, self._hit, self.hits, self._free_cached
         revived = 0
         for b in blocks:
             r = ref[b]
             if r == 0:
-                del cached[b]
+                cached.remove(b)
                 revived += 1
             if not hit[b] and r <= 1:
                 self.num_shared += 1
             ref[b] = r + 1
             hit[b] = True
+            hits[b] += 1
         self.num_allocs += revived
         return revived
 
@@ -198,7 +209,7 @@ class BlockPool:
             if block_hash[b] is None:
                 plain.append(b)
             else:
-                cached[b] = None
+                cached.add(b)
         self.num_shared -= unshared
         self.num_frees += freed
         return dead_full * bs + dead_tail
@@ -216,9 +227,7 @@ class BlockPool:
         tail_first = blocks[::-1]
         hashes = list(map(block_hash.__getitem__, tail_first))
         self._free_plain += compress(tail_first, map(is_, hashes, repeat(None)))
-        self._free_cached.update(
-            zip(compress(tail_first, map(is_not, hashes, repeat(None))), repeat(None))
-        )
+        self._free_cached.add_many(compress(tail_first, map(is_not, hashes, repeat(None))))
         self.num_frees += len(blocks)
         return num_filled
 

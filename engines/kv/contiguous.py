@@ -8,15 +8,25 @@ small enough can reuse. Position ``p`` of a sequence lives in slot ``extent star
 Reservation policies: ``max_model_len`` (the whole context window), ``request`` (prompt +
 output, the tightest possible: it needs the output length in advance), ``pow2`` (the next power
 of two, as size-class allocators do). With ``compaction`` a request that fits in the total free
-space but in no single hole slides every extent to the left, at a measured copy cost.
+space but in no single hole slides every extent to the left, at a measured copy cost; with
+``auto_defrag = T`` the same compaction also runs whenever freeing an extent leaves the
+fragmentation index (largest hole / free) below ``T`` (the reports' auto_defrag, P6), after
+a free or an admission.
+
+``align_bytes`` rounds every allocation up to a multiple of that many bytes, as a CUDA
+allocator's alignment does (the reports' C4 says 128 B): each layer's K and V of an extent is
+one allocation, so an extent's length becomes a multiple of the tokens whose K (or V) of one
+layer on one rank fill whole aligned units, and the rounding is measured as internal waste.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+from pydantic import Field
 
 from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, KVPolicy
@@ -41,36 +51,52 @@ class ContiguousPolicy(KVPolicy):
     reservation: Reservation = "max_model_len"
     fit: Fit = "first"
     compaction: bool = False
+    auto_defrag: float | None = Field(default=None, gt=0.0, le=1.0)
+    align_bytes: int = Field(default=1, ge=1)
 
     def label(self) -> str:
-        return f"contiguous/{self.reservation}" + ("+compact" if self.compaction else "")
+        return f"contiguous/{self.reservation}" + ("+compact" if self.compaction else "") + (
+            f"+defrag{self.auto_defrag:g}" if self.auto_defrag else "") + (
+            f"+align{self.align_bytes}" if self.align_bytes > 1 else "")
 
     def footprint(self, config: EngineConfig, request: Request) -> Footprint:
         return extent_footprint(request, self.reservation, config.scheduler.max_model_len,
-                                config.capacity_tokens)
+                                config.capacity_tokens, self.align_slots(config))
+
+    def align_slots(self, config: EngineConfig) -> int:
+        """Tokens an extent's length is a multiple of under ``align_bytes``: one layer's K
+        (or V) on one rank per token is the unit the allocator aligns."""
+        preset, tp = config.preset, config.device.tp
+        tensor_bytes = preset.kv_bytes_per_token_per_rank(tp) // (2 * preset.num_layers)
+        return self.align_bytes // math.gcd(self.align_bytes, tensor_bytes)
 
     def manager(self, config: EngineConfig) -> ContiguousKVManager:
         return ContiguousKVManager(
             config.capacity_tokens, config.kv.bytes_per_token, config.scheduler.max_model_len,
             reservation=self.reservation, fit=self.fit, compaction=self.compaction,
-            dtype=config.kv.dtype,
+            dtype=config.kv.dtype, auto_defrag=self.auto_defrag,
+            align_slots=self.align_slots(config),
         )
 
 
-def reserve_len(reservation: Reservation, num_tokens: int, max_model_len: int) -> int:
-    """Extent length ``reservation`` reserves for a sample that will hold ``num_tokens``."""
+def reserve_len(reservation: Reservation, num_tokens: int, max_model_len: int,
+                align_slots: int = 1) -> int:
+    """Extent length ``reservation`` reserves for a sample that will hold ``num_tokens``,
+    rounded up to a multiple of ``align_slots``."""
     if reservation == "max_model_len":
-        return max_model_len
-    if reservation == "request":
-        return num_tokens
-    return min(1 << (num_tokens - 1).bit_length(), max_model_len)
+        length = max_model_len
+    elif reservation == "request":
+        length = num_tokens
+    else:
+        length = min(1 << (num_tokens - 1).bit_length(), max_model_len)
+    return -(-length // align_slots) * align_slots
 
 
 def extent_footprint(request: Request, reservation: Reservation, max_model_len: int,
-                     capacity_tokens: int) -> Footprint:
+                     capacity_tokens: int, align_slots: int = 1) -> Footprint:
     """All of ``request``'s extents (they are reserved together, so must fit together)."""
     length = reserve_len(reservation, request.prompt_tokens + request.output_tokens,
-                         max_model_len)
+                         max_model_len, align_slots)
     samples = f"{request.n} samples x " if request.n > 1 else ""
     return Footprint(
         tokens=request.n * length, capacity_tokens=capacity_tokens,
@@ -107,11 +133,14 @@ class ContiguousKVManager(KVManager):
         fit: Fit = "first",
         compaction: bool = False,
         dtype: str | None = None,
+        auto_defrag: float | None = None,
+        align_slots: int = 1,
     ) -> None:
         for name, value in (
             ("capacity_tokens", capacity_tokens),
             ("bytes_per_token", bytes_per_token),
             ("max_model_len", max_model_len),
+            ("align_slots", align_slots),
         ):
             if value <= 0:
                 raise KvbenchError(f"contiguous KV cache: {name} must be positive, got {value}")
@@ -128,6 +157,8 @@ class ContiguousKVManager(KVManager):
         self.reservation = reservation
         self.fit = fit
         self.compaction = compaction
+        self.auto_defrag = auto_defrag
+        self.align_slots = align_slots
         self.arena = Arena(capacity_tokens, fit)
         self._extents: dict[int, _Extent] = {}
         self._spare: dict[int, list[_Extent]] = {}  # parent seq_id -> extents for its forks
@@ -143,11 +174,11 @@ class ContiguousKVManager(KVManager):
 
     def reserve_len(self, num_tokens: int) -> int:
         """Extent length reserved for a sample that will hold ``num_tokens`` tokens."""
-        return reserve_len(self.reservation, num_tokens, self.max_model_len)
+        return reserve_len(self.reservation, num_tokens, self.max_model_len, self.align_slots)
 
     def footprint(self, request: Request) -> Footprint:
         return extent_footprint(request, self.reservation, self.max_model_len,
-                                self.capacity_tokens)
+                                self.capacity_tokens, self.align_slots)
 
     def held_tokens(self, prompt: int, output: int, n: int = 1) -> int:
         return n * self.reserve_len(prompt + output)
@@ -177,6 +208,7 @@ class ContiguousKVManager(KVManager):
         self._reserved_tokens += count * length
         self._limit_tokens += count * min(length, seq.max_tokens - 1)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
+        self._defrag_if_fragmented()
         return True
 
     def grow(self, seq: Sequence, num_new: int) -> bool:
@@ -210,6 +242,7 @@ class ContiguousKVManager(KVManager):
             self._limit_tokens -= min(e.length, e.final_len)
             self._used_tokens -= e.num_committed
             self._frees += 1
+        self._defrag_if_fragmented()
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         if child.seq_id in self._extents:
@@ -280,7 +313,49 @@ class ContiguousKVManager(KVManager):
             "reservation": self.reservation,
             "fit": self.fit,
             "compaction": self.compaction,
+            "auto_defrag": self.auto_defrag,
+            "align_slots": self.align_slots,
         }
+
+    # --- decode fast-forward ---------------------------------------------------------------
+
+    def decode_room(self, seqs: list[Sequence], max_steps: int, keep_cached: bool = False) -> int:
+        """Extents are reserved at admission, so decodes only write into them: any number of
+        steps up to the end of the shortest room left."""
+        if self._copies:
+            return 0
+        room = max_steps
+        for seq in seqs:
+            ext = self._extents[seq.seq_id]
+            if ext.num_committed != seq.num_computed_tokens:
+                return 0
+            room = min(room, ext.length - ext.num_committed)
+        return max(room, 0)
+
+    def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
+        n, bpt = len(seqs), self.bytes_per_token
+        used = self._used_tokens + n * np.arange(1, steps + 1, dtype=np.int64)
+        columns = {
+            "used_bytes": used * bpt,
+            "reserved_ahead_bytes": (self._limit_tokens - used) * bpt,
+        }
+        extents = self._extents
+        for seq in seqs:
+            extents[seq.seq_id].num_committed += steps
+        self._used_tokens += n * steps
+        return columns
+
+    def would_admit(self, seq: Sequence, num_cached: int, num_new: int) -> bool | None:
+        if seq.seq_id in self._extents or num_cached:
+            return None
+        length = self.reserve_len(seq.max_tokens)
+        if num_new > length:
+            return None
+        count = seq.request.n if seq.sample_index == 0 and not seq.output_ids else 1
+        trial = self.arena.copy()
+        if all(trial.take(length) is not None for _ in range(count)):
+            return True
+        return self.compaction and self.arena.total_free >= count * length
 
     def _place(self, length: int, count: int) -> list[int] | None:
         """Starts of ``count`` new extents of ``length``, all or none (compacting if allowed)."""
@@ -298,6 +373,16 @@ class ContiguousKVManager(KVManager):
             return None
         self._compact()
         return [self._take(length) for _ in range(count)]
+
+    def _defrag_if_fragmented(self) -> None:
+        """With ``auto_defrag``, compact once the fragmentation index (largest hole / free
+        slots) is below it: a free can split the free space, an extent carved from the
+        largest hole can shrink it."""
+        if self.auto_defrag is None:
+            return
+        free = self.capacity_tokens - self._reserved_tokens
+        if free > 0 and self.arena.largest < self.auto_defrag * free:
+            self._compact()
 
     def _take(self, length: int) -> int:
         start = self.arena.take(length)

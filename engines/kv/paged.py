@@ -7,7 +7,12 @@ partially filled last block for a private copy before the sequence writes into i
 Prefix caching indexes every full block, once its KV is written (``commit``), by the chained
 hash of all tokens up to its end, so a later sequence with the same leading tokens reuses the
 blocks instead of recomputing them. A cached block nobody references stays free but findable
-until the pool needs it for something else (LRU).
+until the pool needs it for something else (``eviction``: LRU, or LFU by prefix hits).
+
+With a sliding-window model and ``sliding_window_release``, blocks that fall wholly outside
+the window of every query still to come are freed as the sequence advances (as vLLM's
+sliding-window manager does); their table entries stay, stale, for position bookkeeping,
+and windowed attention never reads them. Without it they are kept to the end.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, KVPolicy, Paging
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.block_pool import BlockPool
+from kvbench.engines.kv.eviction import EVICTIONS, Eviction
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
 from kvbench.engines.kv.spec import Footprint, KVSpec
 from kvbench.engines.sequence import Sequence
@@ -47,15 +53,28 @@ def paged_footprint(request: Request, block_size: int, num_blocks: int) -> Footp
 
 
 class PagedPolicy(Paging, KVPolicy):
-    """Fixed-size blocks with per-sequence block tables; prefix caching and fork + CoW.
-    ``leak_finished`` is a deliberate fault: finished sequences' blocks are never returned."""
+    """Fixed-size blocks with per-sequence block tables; prefix caching (``eviction`` of
+    cached free blocks: ``lru`` or ``lfu``) and fork + CoW. ``leak_finished`` is a deliberate
+    fault: finished sequences' blocks are never returned."""
 
     kind: Literal["paged"] = "paged"
-    summary = "fixed-size blocks + block tables, prefix caching (LRU), fork + copy-on-write"
+    summary = "fixed-size blocks + block tables, prefix caching (LRU | LFU), fork + copy-on-write"
     leak_finished: bool = False
+    eviction: Eviction = "lru"
+    sliding_window_release: bool = False
 
     def label(self) -> str:
-        return f"paged/bs{self.block_size}" if self.block_size else "paged"
+        base = f"paged/bs{self.block_size}" if self.block_size else "paged"
+        return base + ("/lfu" if self.eviction == "lfu" else "") + (
+            "/swa-release" if self.sliding_window_release else "")
+
+    def check(self, config: EngineConfig) -> list[str]:
+        if self.sliding_window_release and config.preset.sliding_window is None:
+            raise KvbenchError(
+                f"sliding_window_release needs a sliding-window model; {config.preset.name} "
+                "attends to its whole context (try mistral-7b-v0.1)"
+            )
+        return []
 
     def footprint(self, config: EngineConfig, request: Request) -> Footprint:
         return paged_footprint(request, config.kv.page_tokens, config.num_pages)
@@ -64,7 +83,8 @@ class PagedPolicy(Paging, KVPolicy):
         return PagedKVManager(
             config.num_pages, config.kv.page_tokens, config.kv.bytes_per_token,
             config.scheduler.max_model_len, enable_prefix_caching=config.prefix_caching,
-            leak_finished=self.leak_finished, dtype=config.kv.dtype,
+            leak_finished=self.leak_finished, dtype=config.kv.dtype, eviction=self.eviction,
+            sliding_window=config.preset.sliding_window if self.sliding_window_release else None,
         )
 
 
@@ -76,6 +96,7 @@ class _SeqBlocks:
     num_committed: int  # leading tokens whose KV is written (as of the last commit)
     num_indexed: int  # leading blocks already offered to the prefix cache
     final_len: int  # tokens whose KV it writes by the end (the last sampled one gets none)
+    released: int = 0  # leading blocks freed outside the sliding window (entries kept stale)
 
 
 class PagedKVManager(KVManager):
@@ -96,6 +117,8 @@ class PagedKVManager(KVManager):
         enable_prefix_caching: bool = True,
         leak_finished: bool = False,
         dtype: str | None = None,
+        eviction: Eviction = "lru",
+        sliding_window: int | None = None,
     ) -> None:
         for name, value in (
             ("num_blocks", num_blocks),
@@ -105,6 +128,8 @@ class PagedKVManager(KVManager):
         ):
             if value <= 0:
                 raise KvbenchError(f"paged KV cache: {name} must be positive, got {value}")
+        if eviction not in EVICTIONS:
+            raise KvbenchError(f"unknown eviction {eviction!r}: use one of {', '.join(EVICTIONS)}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.spec = KVSpec(block_size, bytes_per_token, dtype)
@@ -113,7 +138,9 @@ class PagedKVManager(KVManager):
         self.enable_prefix_caching = enable_prefix_caching
         self.leak_finished = leak_finished
         self.releases_finished = not leak_finished
-        self.pool = BlockPool(num_blocks, block_size)
+        self.eviction = eviction
+        self.sliding_window = sliding_window
+        self.pool = BlockPool(num_blocks, block_size, eviction)
         self._hasher = BlockHasher(block_size)
         self._seqs: dict[int, _SeqBlocks] = {}
         # Kept across preemption (the tokens do not change), dropped when a sequence finishes.
@@ -230,6 +257,8 @@ class PagedKVManager(KVManager):
                 hashes = self._hashes_upto(seq, full)
                 self.pool.cache(state.table, hashes, state.num_indexed, full)
                 state.num_indexed = full
+        if self.sliding_window is not None:
+            self._release_outside_window(state, n)
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks. A sequence holding none (never admitted) is a no-op."""
@@ -241,12 +270,15 @@ class PagedKVManager(KVManager):
             return
         self._sum_limit -= self._limit(state)
         self._sum_committed -= state.num_committed
-        self._table_entries -= len(state.table)
         self._forked.discard(seq.seq_id)
+        table, filled = state.table, state.num_committed
+        if state.released:
+            table, filled = table[state.released :], filled - state.released * self.block_size
+        self._table_entries -= len(table)
         if finished and self.leak_finished:
-            self._used_tokens -= self.pool.leak(state.table, state.num_committed)
+            self._used_tokens -= self.pool.leak(table, filled)
         else:
-            self._used_tokens -= self.pool.release(state.table, state.num_committed)
+            self._used_tokens -= self.pool.release(table, filled)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         if child.seq_id in self._seqs:
@@ -254,12 +286,13 @@ class PagedKVManager(KVManager):
         state = self._seqs[parent.seq_id]
         # Share only blocks holding computed KV; any room reserved beyond stays the parent's.
         shared = state.table[: _cdiv(state.num_committed, self.block_size)]
-        self.pool.share(shared)
+        self.pool.share(shared[state.released :])
         child_state = _SeqBlocks(
-            shared, state.num_committed, min(state.num_indexed, len(shared)), state.final_len
+            shared, state.num_committed, min(state.num_indexed, len(shared)), state.final_len,
+            state.released,
         )
         self._seqs[child.seq_id] = child_state
-        self._table_entries += len(shared)
+        self._table_entries += len(shared) - state.released
         self._sum_limit += self._limit(child_state)
         self._sum_committed += child_state.num_committed
         self._forked.update((parent.seq_id, child.seq_id))
@@ -268,8 +301,9 @@ class PagedKVManager(KVManager):
             self._hashes[child.seq_id] = list(hashes)
 
     def slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
-        table, bs = self._seqs[seq.seq_id].table, self.block_size
-        if not 0 <= start <= end <= len(table) * bs:
+        state, bs = self._seqs[seq.seq_id], self.block_size
+        table = state.table
+        if not state.released * bs <= start <= end <= len(table) * bs:
             raise RuntimeError(
                 f"sequence {seq.seq_id}: positions [{start}, {end}) outside its {len(table)} blocks"
             )
@@ -279,8 +313,13 @@ class PagedKVManager(KVManager):
         return slots[start - first * bs : end - first * bs]
 
     def block_table(self, seq: Sequence) -> list[int]:
-        """A copy of ``seq``'s block table."""
+        """A copy of ``seq``'s block table (entries released outside the window included)."""
         return list(self._seqs[seq.seq_id].table)
+
+    def held_blocks(self, seq: Sequence) -> list[int]:
+        """The blocks ``seq`` holds: its table past the entries released outside the window."""
+        state = self._seqs[seq.seq_id]
+        return state.table[state.released :]
 
     def attention_layout(self, seqs: list[Sequence], context_lens: np.ndarray) -> BlockTables:
         bs = self.block_size
@@ -328,8 +367,177 @@ class PagedKVManager(KVManager):
             "bytes_per_token": self.bytes_per_token,
             "max_model_len": self.max_model_len,
             "enable_prefix_caching": self.enable_prefix_caching,
+            "eviction": self.eviction,
+            "sliding_window_release": self.sliding_window,
             "leak_finished": self.leak_finished,
         }
+
+    def _release_outside_window(self, state: _SeqBlocks, num_computed: int) -> None:
+        """Free the leading blocks no query from ``num_computed`` on can see: query ``q``
+        reads positions ``q - window + 1 .. q``."""
+        assert self.sliding_window is not None
+        outside = max(num_computed - self.sliding_window + 1, 0) // self.block_size
+        if outside > state.released:
+            blocks = state.table[state.released : outside]
+            self._used_tokens -= self.pool.release(blocks, len(blocks) * self.block_size)
+            self._table_entries -= len(blocks)
+            state.released = outside
+
+    # --- decode fast-forward ---------------------------------------------------------------
+
+    def fast_forward_blocker(self) -> str | None:
+        if self.sliding_window is not None:
+            return "blocks outside the sliding window are released as sequences advance"
+        return super().fast_forward_blocker()
+
+    def decode_room(self, seqs: list[Sequence], max_steps: int, keep_cached: bool = False) -> int:
+        """Steps before a grow could fail or copy: every block the sequences reach at a block
+        boundary comes from the free queues, so at most ``num_free`` of them; a shared block
+        being written (copy-on-write) or a window release is an event of its own. While a
+        request waits refused at the head of the queue (``keep_cached``), only plain blocks
+        count: evicting a cached one could change what that request hits."""
+        if self.sliding_window is not None or self._copies:
+            return 0
+        bs, ref, caching = self.block_size, self.pool.ref, self.enable_prefix_caching
+        firsts = []
+        for seq in seqs:
+            state = self._seqs[seq.seq_id]
+            p, table = seq.num_computed_tokens, state.table
+            last = p // bs
+            if state.num_committed != p or p > len(table) * bs:
+                return 0
+            if last < len(table) and ref[table[last]] > 1:
+                return 0
+            if caching and state.num_indexed != last:
+                return 0
+            firsts.append(len(table) * bs - p)
+        room = self.pool.num_plain_free if keep_cached else self.pool.num_free
+        first = np.asarray(firsts, dtype=np.int64)
+
+        def taken(j: int) -> int:
+            """Blocks the grows of steps 0 .. j take together."""
+            return int(np.maximum(0, (j - first) // bs + 1).sum())
+
+        if taken(max_steps - 1) <= room:
+            return max_steps
+        lo, hi = 0, max_steps - 1  # taken(hi) > room; find the first such step
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if taken(mid) > room:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _decode_events(self, seqs: list[Sequence], steps: int
+                       ) -> tuple[dict[int, list[int]], dict[int, list[int]], np.ndarray]:
+        """Per step of the next ``steps`` decode steps: the sequences (by index) that reach a
+        block boundary and take a block, those that fill a block (made findable by its hash
+        with prefix caching), and the growth of the running sum of slots to be written."""
+        bs, caching = self.block_size, self.enable_prefix_caching
+        takes: dict[int, list[int]] = {}
+        fills: dict[int, list[int]] = {}
+        limit_delta = np.zeros(steps, dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            state = self._seqs[seq.seq_id]
+            p, f = seq.num_computed_tokens, state.final_len
+            m = len(state.table)
+            j = m * bs - p
+            while j < steps:
+                takes.setdefault(j, []).append(i)
+                limit_delta[j] += min((m + 1) * bs, f) - min(m * bs, f)
+                m += 1
+                j += bs
+            if caching:
+                j = (-(p + 1)) % bs
+                while j < steps:
+                    fills.setdefault(j, []).append(i)
+                    j += bs
+        return takes, fills, limit_delta
+
+    def decode_stop(self, seqs: list[Sequence], steps: int, avoid: set[int]) -> int:
+        if not self.enable_prefix_caching or not avoid:
+            return steps
+        bs = self.block_size
+        _, fills, _ = self._decode_events(seqs, steps)
+        hashes: dict[int, list[int]] = {}
+        for j in sorted(fills):
+            for i in fills[j]:
+                seq = seqs[i]
+                full = (seq.num_computed_tokens + j + 1) // bs
+                chain = hashes.get(i)
+                if chain is None:
+                    chain = hashes[i] = self._hashes_upto(
+                        seq, (seq.num_computed_tokens + steps) // bs)
+                if chain[full - 1] in avoid:
+                    return j
+        return steps
+
+    def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
+        bs, pool = self.block_size, self.pool
+        n = len(seqs)
+        states = [self._seqs[s.seq_id] for s in seqs]
+        starts = [s.num_computed_tokens for s in seqs]
+        takes, fills, limit_delta = self._decode_events(seqs, steps)
+        # In step order: a step's grows (in running order), then its commits.
+        for j in sorted(takes.keys() | fills.keys()):
+            idx = takes.get(j)
+            if idx:
+                for i, block in zip(idx, pool.take(len(idx)), strict=True):
+                    states[i].table.append(block)
+            idx = fills.get(j)
+            if idx:
+                for i in idx:
+                    state, full = states[i], (starts[i] + j + 1) // bs
+                    if full > state.num_indexed:
+                        hashes = self._hashes_upto(seqs[i], full)
+                        pool.cache(state.table, hashes, state.num_indexed, full)
+                        state.num_indexed = full
+        count = np.zeros(steps, dtype=np.int64)
+        for j, idx in takes.items():
+            count[j] = len(idx)
+        taken = np.cumsum(count)
+        grown = int(taken[-1])
+        written = n * np.arange(1, steps + 1, dtype=np.int64)
+        bpt, block_bytes = self.bytes_per_token, self.block_size * self.bytes_per_token
+        free = (pool.num_free + grown - taken) * block_bytes
+        limits = self._sum_limit + np.cumsum(limit_delta)
+        columns = {
+            "used_bytes": (self._used_tokens + written) * bpt,
+            "reserved_bytes": self.num_blocks * block_bytes - free,
+            "reserved_ahead_bytes": (limits - (self._sum_committed + written)) * bpt,
+            "free_bytes": free,
+            "largest_free_bytes": free,
+            "block_allocs": pool.num_allocs - grown + taken,
+            "page_table_entries": self._table_entries + taken,
+        }
+        self._used_tokens += n * steps
+        self._sum_committed += n * steps
+        self._sum_limit = int(limits[-1])
+        self._table_entries += grown
+        for i, state in enumerate(states):
+            state.num_committed = starts[i] + steps
+        return columns
+
+    def would_admit(self, seq: Sequence, num_cached: int, num_new: int) -> bool | None:
+        if seq.seq_id in self._seqs:
+            return None
+        bs, pool = self.block_size, self.pool
+        hits: list[int] = []
+        if num_cached:
+            if not self.enable_prefix_caching or num_cached % bs:
+                return None
+            hashes = self._hashes_upto(seq, num_cached // bs)
+            hits = pool.lookup(islice(hashes, num_cached // bs))
+            if len(hits) * bs != num_cached:
+                return None
+        num_fresh = _cdiv(num_cached + num_new, bs) - len(hits)
+        return num_fresh + pool.count_free(hits) <= pool.num_free
+
+    def waiting_hashes(self, seq: Sequence) -> set[int] | None:
+        if not self.enable_prefix_caching:
+            return None
+        return set(self._hashes_upto(seq, seq.num_tokens // self.block_size))
 
     def _limit(self, state: _SeqBlocks) -> int:
         """Slots of ``state``'s blocks its sequence writes by its end."""

@@ -97,8 +97,13 @@ def publish(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run folders or record files (any number of runs, shards and machines).")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Output folder.")],
     include_host: Annotated[bool, typer.Option(help="Show hostnames and absolute paths (traces, weights, output folders) as recorded; by default they are left out.")] = False,
+    metrics: Annotated[str | None, typer.Option(help="Comma-separated summary metrics as table rows, in order (default: the run tables' rows).")] = None,
+    name: Annotated[str | None, typer.Option(help="Name the files NAME.md, NAME.csv, NAME.html (and NAME.png) instead of tables.md, tables.csv, index.html.")] = None,
+    figure: Annotated[bool, typer.Option(help="Also draw the tables' metrics as bar charts, one panel per metric (NAME.png or tables.png).")] = False,
+    notes: Annotated[Path | None, typer.Option(help="A Markdown file placed under the tables (findings, commands).")] = None,
 ) -> None:
     """Comparison tables for publication: Markdown, CSV and a self-contained HTML page."""
+    from kvbench.fileio import read_text
     from kvbench.report.publish import publish as write_tables
     from kvbench.results.recordset import load_records
 
@@ -107,7 +112,10 @@ def publish(
     for f in bad:
         err_console.print(f"[yellow]warning:[/] {escape(str(f.path))}: {escape(f.record.engine)} "
                           f"ended {f.record.status}", highlight=False, soft_wrap=True)
-    for path in write_tables(found, output, include_host=include_host):
+    rows = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else None
+    text = read_text(notes, "notes file") if notes is not None else ""
+    for path in write_tables(found, output, include_host=include_host, metrics=rows, name=name,
+                             figure=figure, notes=text):
         typer.echo(f"wrote {path}")
 
 

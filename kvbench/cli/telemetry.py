@@ -96,11 +96,13 @@ def soak(
         raise typer.Exit(1)
 
 
-@run_flags(exclude=("kv_memory",))
+@run_flags(exclude=("kv_memory", "block_size"))
 def sweep(
     suite: Annotated[str | None, typer.Argument(help="Suite TOML file or name (default: the embedded default).")] = None,
-    kv_memory: Annotated[str | None, typer.Option(help="KV budgets to run at, e.g. 4MiB,8MiB,16MiB (default 4MiB,8MiB,16MiB,32MiB; with --grid, one more axis).")] = None,
-    grid: Annotated[list[str] | None, typer.Option(help="A grid axis FIELD=V1,V2,... over any suite field (repeatable): run flags (block_size, replicas, request_rate, ...), engine, or suite paths (cluster.router, engines.NAME.FIELD).")] = None,
+    kv_memory: Annotated[str | None, typer.Option(help="KV budgets to run at, e.g. 4MiB,8MiB,16MiB (default without --block-size: 4MiB,8MiB,16MiB,32MiB; with --grid, one more axis).")] = None,
+    block_size: Annotated[str | None, typer.Option(help="Block sizes to run at, e.g. 8,16,32,64,128 (with --kv-memory: every combination; with --grid, one more axis).")] = None,
+    repeat: Annotated[int, typer.Option(help="Run every engine N times at each point; records hold medians (measured latencies are noisy).")] = 1,
+    grid: Annotated[list[str] | None, typer.Option(help="A grid axis FIELD=V1,V2,... over any suite field (repeatable): run flags (replicas, request_rate, max_num_seqs, ...), engine, or suite paths (cluster.router, engines.NAME.FIELD).")] = None,
     workers: Annotated[int, typer.Option(help="With --grid: points run at once on local processes.")] = 1,
     backend: Annotated[str, typer.Option(help="With --grid: local (processes) | ray (one Ray task per point).")] = "local",
     address: Annotated[str | None, typer.Option(help="With --backend ray: the Ray cluster to join (default: start a local one).")] = None,
@@ -109,47 +111,62 @@ def sweep(
     *,
     flags: RunFlags,
 ) -> None:
-    """Run the suite at each KV budget: how many requests fit at once, per engine. With
-    --grid, at every point of the grid instead, points in parallel."""
-    from kvbench.tools.sweep import SWEEP_COLUMNS, parse_budgets, run_sweep, sweep_rows
+    """Run the suite at each KV budget and/or block size: how many requests fit at once, and
+    what the block size trades between latency and memory, per engine. With --grid, at
+    every point of the grid instead, points in parallel."""
+    from kvbench.tools.sweep import (
+        parse_block_sizes,
+        parse_budgets,
+        run_sweep,
+        sweep_header,
+        sweep_points,
+        sweep_rows,
+    )
 
     the_suite, base = resolve_suite(suite, flags)
     out_dir = out or _default_out(the_suite.name, "sweep")
     if grid:
-        _grid_sweep(the_suite, base, grid, kv_memory, workers, backend, address, out_dir,
-                    force)
+        if repeat != 1:
+            raise KvbenchError("--repeat runs the points of a KV-budget or block-size sweep; "
+                               "a --grid point runs once")
+        _grid_sweep(the_suite, base, grid, kv_memory, block_size, workers, backend, address,
+                    out_dir, force)
         return
     if workers != 1 or backend != "local" or address is not None:
         raise KvbenchError("--workers, --backend and --address run the points of a --grid")
-    budgets = parse_budgets(kv_memory or "4MiB,8MiB,16MiB,32MiB")
+    if kv_memory is None and block_size is None:
+        kv_memory = "4MiB,8MiB,16MiB,32MiB"
+    points = sweep_points(parse_budgets(kv_memory) if kv_memory else None,
+                          parse_block_sizes(block_size) if block_size else None)
     console.print(
-        f"[bold]{the_suite.name}[/] sweep over KV budgets {', '.join(budgets)}: engines "
+        f"[bold]{the_suite.name}[/] sweep over {'; '.join(p.label for p in points)}: engines "
         f"{', '.join(the_suite.run.engines)}"
     )
     with interruptible() as interrupts, progress_bar() as progress:
 
-        def on_engine(budget: str, name: str):
-            task = progress.add_task(f"{name} @ {budget}", total=None)
+        def on_engine(point: str, name: str):
+            task = progress.add_task(f"{name} @ {point}", total=None)
             return lambda done: progress.update(task, completed=done)
 
-        result = run_sweep(the_suite, base, budgets, out_dir, command_line(), on_engine,
-                           force=force)
+        result = run_sweep(the_suite, base, points, out_dir, command_line(), on_engine,
+                           force=force, repeats=repeat)
     warn(result.warnings)
     for skipped in result.skipped:
         err_console.print(f"[yellow]skipped:[/] {escape(skipped)}", highlight=False)
-    header = ["engine", "KV budget", *[label for _, label in SWEEP_COLUMNS]]
-    _print_table(f"{the_suite.name}: KV budget sweep", header, sweep_rows(result.records))
-    console.print(f"per-budget runs, sweep.md and sweep.png written to {out_dir}")
+    _print_table(f"{the_suite.name}: sweep", sweep_header(result.block_axis),
+                 sweep_rows(result.records, result.block_axis))
+    console.print(f"per-point runs, sweep.md and sweep.png written to {out_dir}")
     exit_for(result.records, interrupts)
 
 
-def _grid_sweep(the_suite, base, grid: list[str], kv_memory: str | None, workers: int,
-                backend: str, address: str | None, out_dir: Path, force: bool) -> None:
+def _grid_sweep(the_suite, base, grid: list[str], kv_memory: str | None,
+                block_size: str | None, workers: int, backend: str, address: str | None,
+                out_dir: Path, force: bool) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvbench.run.outdir import prepare_out_dir
     from kvbench.tools.grid import grid_header, grid_rows, parse_axis, rate_knees, run_grid
-    from kvbench.tools.sweep import parse_budgets
+    from kvbench.tools.sweep import parse_block_sizes, parse_budgets
 
     if backend not in ("local", "ray"):
         raise KvbenchError(f"--backend {backend!r}: local or ray")
@@ -158,6 +175,9 @@ def _grid_sweep(the_suite, base, grid: list[str], kv_memory: str | None, workers
     axes = [parse_axis(g) for g in grid]
     if kv_memory is not None:
         axes.append(parse_axis("kv_memory=" + ",".join(parse_budgets(kv_memory))))
+    if block_size is not None:
+        sizes = parse_block_sizes(block_size)
+        axes.append(parse_axis("block_size=" + ",".join(map(str, sizes))))
     prepare_out_dir(out_dir, force)
     n = 1
     for a in axes:

@@ -17,11 +17,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from kvbench.fileio import write_bytes_atomic
+from kvbench.results.metric_table import MetricSpec
 from kvbench.results.schema import RunRecord
 from kvbench.units import format_bytes
 
 _MIB, _GIB = 2**20, 2**30
-_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2")
+_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
+           "#17becf", "#bcbd22")
 
 
 # Legends beside the axes: stacked areas leave no empty corner inside them.
@@ -350,6 +352,95 @@ def plot_sweep(records: Sequence[RunRecord], path: Path) -> Path:
     ax_t.set_ylabel("output tokens / s")
     ax_t.set_title("output throughput vs KV budget", fontsize=10)
     fig.suptitle(f"KV budget sweep\n{_context(records[0])}", fontsize=11)
+    return save_png(fig, path)
+
+
+def plot_block_sweep(records: Sequence[RunRecord], path: Path) -> Path:
+    """Latency against memory across block sizes (one line per engine, points labelled by
+    block size), and each against the block size."""
+    by_engine: dict[str, list[tuple[int, RunRecord]]] = {}
+    for rec in records:
+        size = rec.engine_config.get("block_size")
+        if isinstance(size, int):
+            by_engine.setdefault(rec.engine, []).append((size, rec))
+    fig = _figure(1, width=16.0, row_height=4.2)
+    ax_t, ax_l, ax_w = fig.subplots(1, 3, squeeze=False)[0]
+    sizes = sorted({size for recs in by_engine.values() for size, _ in recs})
+    for i, (engine, recs) in enumerate(by_engine.items()):
+        recs.sort(key=lambda sr: sr[0])
+        color = _COLORS[i % len(_COLORS)]
+        xs = [sr[0] for sr in recs]
+
+        def col(name: str, rs: list[tuple[int, RunRecord]] = recs) -> list[float]:
+            return [np.nan if (v := r.summary.get(name)) is None else float(v) for _, r in rs]
+
+        # What a block size costs in memory: the reserved share its rounding leaves empty
+        # (a pool under load is full at any block size, so its peak tells nothing).
+        mem, tpot = col("kv_waste_pct"), col("median_tpot_ms")
+        ax_t.plot(mem, tpot, "o-", color=color, label=engine)
+        for size, x, y in zip(xs, mem, tpot, strict=True):
+            ax_t.annotate(str(size), (x, y), textcoords="offset points", xytext=(4, 4),
+                          fontsize=7, color=color)
+        ax_l.plot(xs, tpot, "o-", color=color, label=f"{engine}: TPOT p50")
+        ax_l.plot(xs, col("median_ttft_ms"), "s--", color=color, alpha=0.7,
+                  label=f"{engine}: TTFT p50")
+        ax_w.plot(xs, col("max_concurrent_requests"), "o-", color=color, label=engine)
+    ax_t.set_xlabel("KV waste % (reserved memory holding no KV)")
+    ax_t.set_ylabel("TPOT p50 (ms)")
+    ax_t.set_title("latency vs memory (labels: block size in tokens)", fontsize=10)
+    for ax in (ax_l, ax_w):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("block size (tokens, log scale)")
+    ax_l.set_ylabel("ms")
+    ax_l.set_yscale("log")
+    ax_l.set_title("latency vs block size", fontsize=10)
+    ax_w.set_ylabel("max concurrent requests")
+    ax_w.set_title("concurrency vs block size", fontsize=10)
+    ax_w.set_ylim(bottom=0)
+    for ax in (ax_t, ax_l, ax_w):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"block-size sweep: the latency-vs-memory trade-off\n{_context(records[0])}",
+                 fontsize=11)
+    return save_png(fig, path)
+
+
+def plot_metric_bars(
+    sections: Sequence[tuple[str, Sequence[RunRecord]]], metrics: Sequence[MetricSpec],
+    path: Path,
+) -> Path:
+    """One panel per metric: a group of bars per section (suite, workload, model), a bar per
+    engine. A metric spanning more than two decades is drawn on a log scale."""
+    engines = list(dict.fromkeys(r.engine for _, recs in sections for r in recs))
+    cols = 2
+    rows = -(-len(metrics) // cols)
+    fig = _figure(rows, width=8.0 * cols, row_height=3.2)
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    width = 0.8 / max(len(engines), 1)
+    x = np.arange(len(sections))
+    for ax, spec in zip(axes, metrics, strict=False):
+        values = []
+        for j, engine in enumerate(engines):
+            ys = []
+            for _, recs in sections:
+                v = next((r.summary.get(spec.name) for r in recs if r.engine == engine), None)
+                ys.append(np.nan if v is None else float(v))
+            values += [y for y in ys if np.isfinite(y) and y > 0]
+            ax.bar(x + (j - (len(engines) - 1) / 2) * width, ys, width,
+                   color=_COLORS[j % len(_COLORS)], label=engine)
+        if values and max(values) / min(values) > 100:
+            ax.set_yscale("log")
+        ax.set_title(f"{spec.label} ({spec.unit})" if spec.unit else spec.label, fontsize=9)
+        ax.set_xticks(x, [name for name, _ in sections], rotation=30, ha="right", fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    for ax in axes[len(metrics):]:
+        ax.set_visible(False)
+    axes[0].legend(fontsize=7, ncols=min(len(engines), 4))
+    first = sections[0][1][0]
+    fig.suptitle(f"{first.suite}: {len(engines)} engines on {first.device}, {first.clock} "
+                 "clock", fontsize=11)
     return save_png(fig, path)
 
 

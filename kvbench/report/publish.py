@@ -22,14 +22,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbench.errors import InputFileError
+from kvbench.errors import InputFileError, KvbenchError
 from kvbench.report.baselines import machine_slug
 from kvbench.report.compare import mad_spread
 from kvbench.report.findings import FINDINGS_TITLE, run_findings
-from kvbench.report.outputs import check_output_dir, write_outputs
-from kvbench.report.plots import RUN_PLOTS
+from kvbench.report.outputs import check_output_dir, check_output_file, write_outputs
+from kvbench.report.plots import RUN_PLOTS, plot_metric_bars
 from kvbench.report.tables import table_rows
-from kvbench.results.metric_table import METRIC_BY_NAME
+from kvbench.results.metric_table import METRIC_BY_NAME, MetricSpec, closest, report_metrics
 from kvbench.results.paths import redact_paths
 from kvbench.results.recordset import FoundRecord
 from kvbench.results.repeats import REPEATS_KEY, metric_values, repeat_count
@@ -68,10 +68,21 @@ def _column_order(f: FoundRecord) -> tuple[int, str, str]:
 
 
 def by_suite(found: Sequence[FoundRecord]) -> dict[str, list[FoundRecord]]:
+    """Records by suite; a suite run on several workloads or models (flags overriding its
+    own) gets a section per workload and model, named ``suite: workload, model``."""
     groups: dict[str, list[FoundRecord]] = defaultdict(list)
     for f in sorted(found, key=_column_order):
         groups[f.record.suite].append(f)
-    return dict(sorted(groups.items()))
+    out: dict[str, list[FoundRecord]] = {}
+    for suite, members in sorted(groups.items()):
+        kinds = {(f.record.workload.digest, f.record.model.get("name")) for f in members}
+        if len(kinds) == 1:
+            out[suite] = members
+            continue
+        for f in members:
+            r = f.record
+            out.setdefault(f"{suite}: {r.workload.name}, {r.model.get('name')}", []).append(f)
+    return out
 
 
 def column_labels(found: Sequence[FoundRecord]) -> list[str]:
@@ -135,11 +146,31 @@ def context_lines(found: Sequence[FoundRecord], public: Privacy) -> list[tuple[s
     ]
 
 
-def suite_rows(found: Sequence[FoundRecord]) -> list[list[str]]:
-    return table_rows([f.record for f in found])
+def table_metrics(names: Sequence[str] | None) -> list[MetricSpec] | None:
+    """The metrics ``names`` (table rows, in order), each checked; None: the run tables'."""
+    if names is None:
+        return None
+    unknown = [n for n in names if n not in METRIC_BY_NAME]
+    if unknown:
+        hints = [f"{n} (did you mean {c}?)" if (c := closest(n, METRIC_BY_NAME)) else n
+                 for n in unknown]
+        raise KvbenchError(f"unknown metrics: {', '.join(hints)}; see the metric table in "
+                           "kvbench.results.metric_table")
+    return [METRIC_BY_NAME[n] for n in names]
 
 
-def markdown_tables(groups: dict[str, list[FoundRecord]], public: Privacy) -> str:
+def suite_rows(found: Sequence[FoundRecord],
+               metrics: Sequence[MetricSpec] | None = None) -> list[list[str]]:
+    records = [f.record for f in found]
+    if metrics is None:
+        return table_rows(records)
+    return [["status", *[r.status for r in records]]] + [
+        [m.label, *[m.format(r.summary.get(m.name)) for r in records]] for m in metrics
+    ]
+
+
+def markdown_tables(groups: dict[str, list[FoundRecord]], public: Privacy,
+                    metrics: Sequence[MetricSpec] | None = None, notes: str = "") -> str:
     lines = ["# kvbench results", ""]
     for suite, found in groups.items():
         labels = [public(lab) for lab in column_labels(found)]
@@ -148,13 +179,15 @@ def markdown_tables(groups: dict[str, list[FoundRecord]], public: Privacy) -> st
                   for name, text in context_lines(found, public)]
         lines += ["", "| metric | " + " | ".join(labels) + " |",
                   "|---|" + "---:|" * len(labels)]
-        lines += ["| " + " | ".join(row) + " |" for row in suite_rows(found)]
+        lines += ["| " + " | ".join(row) + " |" for row in suite_rows(found, metrics)]
         if any(repeat_count(f.record) > 1 for f in found):
             lines += ["", "Values are medians over the repeats."]
         findings = run_findings([f.record for f in found])
         if findings:
             lines += ["", f"### {FINDINGS_TITLE}", "", *(f"- {public(f)}" for f in findings)]
         lines.append("")
+    if notes:
+        lines += [notes.rstrip(), ""]
     return "\n".join(lines)
 
 
@@ -218,7 +251,8 @@ def _png_data(png: Path) -> str:
 
 
 def html_page(groups: dict[str, list[FoundRecord]], public: Privacy,
-              title: str = "kvbench results") -> str:
+              title: str = "kvbench results", metrics: Sequence[MetricSpec] | None = None,
+              notes: str = "") -> str:
     def e(text: str) -> str:
         return html.escape(public(text))
 
@@ -243,7 +277,7 @@ def html_page(groups: dict[str, list[FoundRecord]], public: Privacy,
         parts.append("<div class='wide'><table><tr><th>metric</th>")
         parts += [f"<th>{e(lab)}</th>" for lab in labels]
         parts.append("</tr>")
-        for row in suite_rows(found):
+        for row in suite_rows(found, metrics):
             parts.append(f"<tr><td>{e(row[0])}</td>"
                          + "".join(f"<td class='num'>{e(c)}</td>" for c in row[1:]) + "</tr>")
         parts.append("</table></div>")
@@ -253,6 +287,8 @@ def html_page(groups: dict[str, list[FoundRecord]], public: Privacy,
             data = _png_data(png)
             parts.append(f"<figure><img alt='{e(png.name)}' src='data:image/png;base64,{data}'>"
                          f"<figcaption>{e(png.parent.name + '/' + png.name)}</figcaption></figure>")
+    if notes:
+        parts += [f"<pre>{e(notes)}</pre>"]
     parts.append("</body></html>\n")
     return "\n".join(parts)
 
@@ -265,14 +301,31 @@ def write_run_page(found: Sequence[FoundRecord], out_dir: Path) -> Path:
 
 
 def publish(
-    found: Sequence[FoundRecord], out_dir: Path, *, include_host: bool = False
+    found: Sequence[FoundRecord], out_dir: Path, *, include_host: bool = False,
+    metrics: Sequence[str] | None = None, name: str | None = None, figure: bool = False,
+    notes: str = "",
 ) -> list[Path]:
-    """Write the three files; all are rendered before any is written."""
+    """Write the three files (``name``.md/.csv/.html when named), plus with ``figure`` a PNG
+    of the tables' metrics; all are rendered before any is written. ``metrics`` picks the
+    table rows (default: the run tables'); ``notes`` is Markdown placed under the tables."""
     check_output_dir(out_dir, "output folder")
+    rows = table_metrics(metrics)
     groups = by_suite(found)
     public = Privacy.of(found, include_host)
-    return write_outputs([
-        (out_dir / MARKDOWN_FILE, markdown_tables(groups, public), "the Markdown tables"),
-        (out_dir / CSV_FILE, csv_table(groups, public), "the CSV table"),
-        (out_dir / HTML_FILE, html_page(groups, public), "the HTML page"),
+    md, csv_file, html_file = (
+        (f"{name}.md", f"{name}.csv", f"{name}.html") if name else
+        (MARKDOWN_FILE, CSV_FILE, HTML_FILE)
+    )
+    png = out_dir / f"{name or 'tables'}.png"
+    if figure:
+        check_output_file(png, "the figure")
+    written = write_outputs([
+        (out_dir / md, markdown_tables(groups, public, rows, notes), "the Markdown tables"),
+        (out_dir / csv_file, csv_table(groups, public), "the CSV table"),
+        (out_dir / html_file, html_page(groups, public, metrics=rows, notes=notes),
+         "the HTML page"),
     ])
+    if figure:
+        sections = [(public(s), [f.record for f in fs]) for s, fs in groups.items()]
+        written.append(plot_metric_bars(sections, rows or report_metrics(), png))
+    return written

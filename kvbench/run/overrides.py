@@ -113,11 +113,16 @@ class RunFlags:
     )
     attention_impl: str | None = _flag(
         "run.attention_impl", "Simulated device: the attention kernel whose workspace "
-        "device memory counts: fused | sdpa-dense-mask | eager."
+        "device memory counts: fused | cpu-reference | sdpa-dense-mask | eager."
     )
     kv_allocation: str | None = _flag(
         "run.kv_allocation", "Simulated device: preallocated (vLLM's pool) | on-demand "
         "(a dynamic cache growing through the caching allocator)."
+    )
+    fast_forward: bool | None = _flag(
+        "run.fast_forward", "Simulated engines (virtual clock): take the decode-only steps "
+        "between events in one go; --no-fast-forward steps one at a time (same records).",
+        ("--fast-forward/--no-fast-forward",),
     )
     extra_kv_window_tokens: int | None = _flag(
         "run.extra_kv_window_tokens", "Simulated device: extra keys/values per layer kept "

@@ -26,7 +26,7 @@ def test_transformers_reads_the_preset_shapes(name: str, tmp_path) -> None:
     )
     assert cfg.head_dim == preset.head_dim
     assert cfg.max_position_embeddings == preset.max_position
-    assert getattr(cfg, "sliding_window", None) is None
+    assert getattr(cfg, "sliding_window", None) == preset.sliding_window
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
     assert kv_per_token * preset.dtype_bytes == preset.kv_bytes_per_token
 
