@@ -125,7 +125,8 @@ def c3(ctx: Context) -> Row:
         "C3", "mixed lengths: Swiss-cheese fragmentation pushes utilisation below 65%",
         "memory utilisation = KV holding tokens / KV capacity while requests wait (demand "
         "exceeds memory), exact-length extents first-fit, Llama-2-7B sim, mixed-text "
-        "saturated; favourable reading: the lowest moment",
+        "saturated, read from the run's curves (per-bucket maxima of used memory: both "
+        "figures lean high, against the claim); favourable reading: the lowest moment",
         f"contiguous-request: time-weighted {pct(mean_c)}, lowest {pct(min_c)}; paged "
         f"{pct(util['paged'][0])}; {worst}; waited with enough free in total "
         f"{s['fragmentation_wait_s']:.1f} s",

@@ -66,7 +66,7 @@ def p1(ctx: Context) -> Row:
     thr = m["output_throughput"] / p["output_throughput"]
     dwaste = m["kv_waste_pct"] - p["kv_waste_pct"]
     verdict = pick([(cut >= 2 and thr >= 0.95 and dwaste <= 5, "reproduced"),
-                    (cut >= 2, "partly")], "refuted")
+                    (cut >= 1.1, "partly")], "refuted")
     return Row(
         "P1", "mixed page granularity by sequence length, merging 4 small pages into one",
         "page unit 16 tokens (4 KB = 16 tokens x one KV head of 128 dims, fp16), 16 KB = 64 "
@@ -78,8 +78,8 @@ def p1(ctx: Context) -> Row:
         f"{num(p['output_throughput'])} -> {num(m['output_throughput'])} ({thr:.3f}x)",
         verdict,
         "reproduced if paged-mixed cuts page-table entries >= 2x with throughput >= 0.95x "
-        "and KV waste at most 5 points above paged; partly if only the entries fall 2x; else "
-        "refuted",
+        "and KV waste at most 5 points above paged; partly if the entries fall by >= 10% "
+        "short of that; else refuted",
         [r.command], {"entries_cut": cut, "throughput_ratio": thr, "waste_delta_pts": dwaste},
     )
 
