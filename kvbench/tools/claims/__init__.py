@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 from kvbench.fileio import write_text_atomic
+from kvbench.run.machine import git_commit
 from kvbench.tools.claims import claims as _claims  # noqa: F401  (registers C1-C26)
 from kvbench.tools.claims import policies as _policies  # noqa: F401  (registers P1-P11)
 from kvbench.tools.claims.core import STUDIES, VERDICTS, Context, Row, parse_only, run_one
@@ -58,7 +58,7 @@ def _write(out_dir: Path, rows: list[Row], quick: bool, only: str | None, start:
         "seconds": time.perf_counter() - start,
         "load_before": load_before,
         "load_after": _load(),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "machine": _machine(),
         "command": "kvbench claims" + (" --quick" if quick else "")
                    + (f" --only {only}" if only else "") + " -o DIR",
     }
@@ -71,6 +71,29 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _machine() -> str:
+    from kvbench.run.machine import machine_info
+
+    info = machine_info()
+    return (f"{info['cpu']}, {info['cpu_count']} CPUs, Python {info['python']}, torch "
+            f"{info['versions'].get('torch')}, commit {(git_commit() or 'unknown')[:12]}")
+
+
+def _busy(meta: dict) -> str:
+    """A clause saying the timings were taken under load, when the load average (before or
+    after) exceeded the CPUs."""
+    try:
+        loads = [float(meta[k].split(" / ")[0]) for k in ("load_before", "load_after")]
+        cpus = int(meta["machine"].split(" CPUs")[0].rsplit(", ", 1)[-1])
+    except (KeyError, ValueError, IndexError):
+        return ""
+    if max(loads) <= cpus:
+        return ""
+    return (f", under load (load average up to {max(loads):.1f} on {cpus} CPUs: other work "
+            "shared the machine, so they are slower and noisier than on a quiet one; "
+            "rerun the command there to redo them)")
+
+
 def claims_markdown(rows: list[Row], meta: dict) -> str:
     counts = {v: sum(r.verdict == v for r in rows) for v in VERDICTS}
     lines = [
@@ -79,8 +102,8 @@ def claims_markdown(rows: list[Row], meta: dict) -> str:
         "One study per policy (P) and claim (C) of the two field reports (`SEED-CLAIMS.md`). "
         "Each verdict follows from the measured figures by the rule in its row; "
         "`misdescribed` and `not measurable here` give their reason. Simulated runs use the "
-        "virtual clock (identical on any machine); CPU timings (C5, C12, C14) are medians "
-        "taken on the machine below.",
+        "virtual clock (identical on any machine); CPU timings (P9, C5, C9, C12, C13, C14) "
+        "are medians taken on the machine below" + _busy(meta) + ".",
         "",
         f"- command: `{meta['command']}` ({meta['mode']}: {meta['seconds']:.0f} s)",
         f"- machine: {meta['machine']}; load average (1/5/15 min) {meta['load_before']} "
