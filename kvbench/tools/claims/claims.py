@@ -506,7 +506,8 @@ def c13(ctx: Context) -> Row:
                   for m in ("tpot", "ttft", "e2el")}
     from kvbench.tools.claims.measure import decode_attention_s
 
-    worst = max(out[16].values())
+    # TTFT grows with the prompt by construction (2-3.5K vs 151-1599 tokens): not counted.
+    worst = max(out[16]["tpot"], out[16]["e2el"])
     # The cost model does not price block size, so whether 128 "fixes" long sequences is
     # timed on this CPU: decode attention over 3072-token contexts at 16 and 128.
     reps = ctx.size(5, 15)
@@ -518,13 +519,15 @@ def c13(ctx: Context) -> Row:
         "C13", "long sequences (> 2K) get 3x latency; block_size 128 fixes it",
         "median TPOT / TTFT / E2E latency of long-context requests (2-3.5K-token prompts) "
         "over mixed-text ones (151-1599), same load (2/s) and memory, Llama-2-7B sim; "
-        "favourable: the metric with the largest ratio",
+        "judged on the larger of the TPOT and E2E ratios (TTFT shown: it scales with the "
+        "prompt); the fix measured on this CPU's reference kernel (the cost model does not "
+        "price block size; GPU kernels not measured)",
         "; ".join(f"sim block {b}: " + ", ".join(f"{m} x{v:.2f}" for m, v in o.items())
                   for b, o in out.items())
         + f"; CPU attention over 3072 tokens: block 16 {attn[16] * 1e3:.2f} ms, block 128 "
         f"{attn[128] * 1e3:.2f} ms",
         verdict,
-        "reproduced if a long/short ratio reaches 2.5 at block 16 and block 128 cuts measured "
+        "reproduced if the TPOT or E2E ratio reaches 2.5 at block 16 and block 128 cuts measured "
         "long-context attention time by 2.5x; partly if only the first; else refuted",
         commands, {"ratios": out, "attention_s": attn},
     )
