@@ -82,7 +82,7 @@ def engine_ratio(folder: str | Path, numerator: str = "paged",
     missing: list[str] = []
     for name, rec in records.items():
         if rec is None:
-            hint = (" (vLLM is not installed in the environment that made the run: "
+            hint = (": vLLM was not run (it runs only where it is installed; "
                     "`nox -s vllm -- engine-bound` runs this case with it)"
                     if name == "vllm" else "")
             missing.append(f"no {name} record in {folder}{hint}")
