@@ -55,3 +55,13 @@ def test_no_folder_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(KvbenchError, match="no such record folder"):
         engine_ratio(tmp_path / "absent")
     assert main([str(tmp_path / "absent")]) == 2
+
+
+def test_engine_bound_suite_is_offline_at_equal_threads() -> None:
+    from kvbench.run.suite import load_suite
+
+    suite, _ = load_suite("engine-bound")
+    r, w = suite.run, suite.workload
+    assert (w.preset, w.num_requests, suite.model.preset) == ("mixed-text", 64, "tiny")
+    assert r.request_rate == float("inf") and r.cpu_threads == 1 and r.block_size == 32
+    assert r.kv_memory == "8MiB" and r.engines == ["paged", "contiguous", "vllm"]
