@@ -343,6 +343,7 @@ class EngineBoundVsVLLM:
 
     track_vllm_output_throughput.unit = "output tokens/s (higher is better)"  # type: ignore[attr-defined]
 
+
 class KVBookkeeping:
     """Every policy's bookkeeping alone: 64 live sequences, 32 pages each, 64 replaced."""
 
