@@ -92,11 +92,32 @@ def vllm(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     if not cuda:
         session.run("python", "-m", "pip", "uninstall", "--quiet", "-y", *VLLM_CPU_BROKEN)
+    if session.posargs[:1] == [ENGINE_BOUND]:
+        _engine_bound(session, session.posargs[1:], with_vllm=True)
+        return
     session.run("pytest", "tests/vllm", *session.posargs)
     session.run(
         "kvbench", "run", "--engines", "paged,contiguous,vllm", "--block-size", "32",
         "--num-requests", "8", "--out", "runs/vllm-smoke", "--force",
     )
+
+
+# The engine-bound case: every request queued at once, so the engines, not the arrivals,
+# set the output throughput; the paged / vLLM ratio of its rounds is printed.
+ENGINE_BOUND = "engine-bound"
+
+
+def _engine_bound(session: nox.Session, posargs: list[str], with_vllm: bool) -> None:
+    engines = "paged,contiguous,vllm" if with_vllm else "paged,contiguous"
+    out = f"{BENCH_DIR}/{ENGINE_BOUND}"
+    if not with_vllm:
+        session.warn(f"vLLM is not installed in this session: {ENGINE_BOUND} runs paged and "
+                     "contiguous only and measures no paged/vLLM ratio; `nox -s vllm -- "
+                     f"{ENGINE_BOUND}` runs the case with vLLM")
+    session.run("kvbench", "run", ENGINE_BOUND, "--engines", engines, "--repeat", "3",
+                "--out", out, "--force", *posargs)
+    session.run("python", "-m", "kvbench.tools.engine_ratio", out, "--json",
+                f"{out}/ratio.json")
 
 
 # --- regression CI --------------------------------------------------------------------
@@ -131,8 +152,16 @@ def _run_quick_suites(session: nox.Session, posargs: list[str]) -> str:
 @nox.session
 def bench(session: nox.Session) -> None:
     """The quick suites into runs/bench/; arguments go to every `kvbench run`, e.g.
-    `nox -s bench -- --shard 1/2` (one share of the engines, for CI matrices)."""
+    `nox -s bench -- --shard 1/2` (one share of the engines, for CI matrices).
+    `nox -s bench -- engine-bound [ARGS]`: the engine-bound case instead (paged, contiguous
+    and, where installed, vLLM, 3 rounds; the paged/vLLM output-throughput ratio printed and
+    in runs/bench/engine-bound/ratio.json). This session has no vLLM, so here the ratio is
+    reported as not measured; `nox -s vllm -- engine-bound` measures it."""
     session.install("-e", ".[cpu]")
+    if session.posargs[:1] == [ENGINE_BOUND]:
+        _engine_bound(session, session.posargs[1:], with_vllm=_installed(session, "vllm-cpu")
+                      is not None or _installed(session, "vllm") is not None)
+        return
     _run_quick_suites(session, session.posargs)
 
 

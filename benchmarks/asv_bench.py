@@ -13,11 +13,15 @@
 - ``Attention.time_*``: the torch reference attention kernels on small shapes.
 - ``peakmem_*``: peak process memory of a short real-compute run.
 - ``TraceImport.time_import``: importing the full public traces.
+- ``EngineBound.track_output_throughput``, ``EngineBoundVsVLLM.track_*``: output tokens/s on
+  the engine-bound suite (every request queued at once, real compute on the CPU) and the
+  paged / vLLM ratio (skipped, saying why, where vLLM is not installed).
 - ``KVBookkeeping.time_churn``: one KV manager's allocate, grow and free of every policy
   (``benchmarks/kv_bookkeeping.py``, which also prints the per-page table).
 
 asv treats smaller as better. Every metric here is lower-is-better except
-``track_max_concurrent_requests`` (its unit says so): a drop in that graph is the regression.
+``track_max_concurrent_requests`` and the engine-bound throughputs and ratio (their units say
+so): a drop in those graphs is the regression.
 """
 
 from __future__ import annotations
@@ -255,6 +259,89 @@ class TraceImport:
         from kvbench.workloads.traces import import_trace
 
         import_trace(self.kind, self.path)
+
+
+def _engine_bound(engines: list[str]) -> Any:
+    """The engine-bound suite (every request queued at 0 s, the tiny model on the CPU at one
+    thread) for ``engines``, 3 interleaved rounds, in a scratch folder: its records' ratio
+    (:func:`kvbench.tools.engine_ratio.engine_ratio`)."""
+    import tempfile
+    from pathlib import Path
+
+    from kvbench.run.execute import execute_plan
+    from kvbench.tools.engine_ratio import engine_ratio
+
+    suite, base = load_suite("engine-bound")
+    suite.run.engines = engines
+    with tempfile.TemporaryDirectory() as out:
+        plan = plan_run(suite, base, Path(out), "asv engine-bound", repeats=3)
+        execute_plan(plan)
+        ratios = {e: engine_ratio(out, e, engines[-1]) for e in engines[:-1]}
+    return ratios
+
+
+def _vllm_missing() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return ("vLLM is not installed in this environment: the engine-bound vLLM figures are "
+                "not measured (run asv in the environment `nox -s vllm` builds)")
+    return None
+
+
+class EngineBound:
+    """Output tokens/s of the built-in engine's paged and contiguous KV on the engine-bound
+    suite (median of 3 rounds): real compute, so per machine. Higher is better (the unit
+    says so)."""
+
+    params = (["paged", "contiguous"],)
+    param_names = ("engine",)
+    timeout = 3600
+
+    def setup_cache(self) -> dict[str, float]:
+        import statistics
+
+        (ratio,) = _engine_bound(["paged", "contiguous"]).values()
+        return {e: statistics.median(v) for e, v in ratio.throughputs.items()}
+
+    def track_output_throughput(self, cache, engine):
+        return cache[engine]
+
+    track_output_throughput.unit = "output tokens/s (higher is better)"  # type: ignore[attr-defined]
+
+
+class EngineBoundVsVLLM:
+    """The paged / vLLM output-throughput ratio on the engine-bound suite (median of the
+    ratios of 3 interleaved rounds, equal CPU threads) and vLLM's own tokens/s. Skipped, with
+    the reason, where vLLM is not installed. Higher is better (the units say so)."""
+
+    timeout = 3600
+
+    def setup_cache(self) -> dict[str, Any] | None:
+        if _vllm_missing():
+            return None
+        (ratio,) = _engine_bound(["paged", "vllm"]).values()
+        if ratio.median is None:
+            raise RuntimeError(f"engine-bound paged/vLLM ratio not measured: {ratio.missing}")
+        import statistics
+
+        return {"ratio": ratio.median, "vllm": statistics.median(ratio.throughputs["vllm"])}
+
+    def setup(self, cache) -> None:
+        why = _vllm_missing()
+        if why is not None:
+            print(why)
+            raise NotImplementedError(why)
+
+    def track_paged_vllm_ratio(self, cache):
+        return cache["ratio"]
+
+    track_paged_vllm_ratio.unit = "x vLLM (higher is better)"  # type: ignore[attr-defined]
+
+    def track_vllm_output_throughput(self, cache):
+        return cache["vllm"]
+
+    track_vllm_output_throughput.unit = "output tokens/s (higher is better)"  # type: ignore[attr-defined]
 
 
 class KVBookkeeping:

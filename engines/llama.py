@@ -46,13 +46,26 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def _fused(*rows: int, cols: int | None, dtype: torch.dtype) -> tuple[Tensor, list[nn.Parameter]]:
+    """One uninitialised tensor of ``sum(rows)`` rows (of ``cols`` columns; a vector without)
+    and parameters that are its consecutive row ranges, views of its storage: each is a
+    parameter of its own (a checkpoint's tensor by name, counted once), and one matmul over
+    the whole tensor computes all of them. The model is built in place and never moved, so
+    the views stay views."""
+    whole = torch.empty(sum(rows), *(() if cols is None else (cols,)), dtype=dtype)
+    return whole, [nn.Parameter(part, requires_grad=False) for part in whole.split(list(rows))]
+
+
 class Linear(nn.Module):
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+        weight: nn.Parameter | None = None, bias_param: nn.Parameter | None = None,
     ) -> None:
         super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype)
-        self.bias = _param(out_features, dtype=dtype) if bias else None
+        self.weight = _param(out_features, in_features, dtype=dtype) if weight is None else weight
+        self.bias = None
+        if bias:
+            self.bias = _param(out_features, dtype=dtype) if bias_param is None else bias_param
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -74,10 +87,12 @@ class RMSNorm(nn.Module):
         self.weight = _param(dim, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in float32, scale in the model dtype (Hugging Face's order).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Normalise in float32, scale in the model dtype (Hugging Face's order), with torch's
+        # fused kernel: the same values as x * rsqrt(mean(x^2) + eps) in one op.
+        shape = (x.shape[-1],)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -106,26 +121,32 @@ class Attention(nn.Module):
         self.kernels = kernels
         q_dim, kv_dim = preset.num_heads * preset.head_dim, preset.num_kv_heads * preset.head_dim
         h, bias, dtype = preset.hidden_size, preset.qkv_bias, _dtype(preset)
-        self.q_proj = Linear(h, q_dim, bias, dtype)
-        self.k_proj = Linear(h, kv_dim, bias, dtype)
-        self.v_proj = Linear(h, kv_dim, bias, dtype)
+        self._split = (q_dim, kv_dim, kv_dim)
+        # q, k and v in one matmul (as vLLM's QKVParallelLinear), their weights named apart.
+        self.qkv_weight, (wq, wk, wv) = _fused(*self._split, cols=h, dtype=dtype)
+        self.qkv_bias, (bq, bk, bv) = _fused(*self._split, cols=None, dtype=dtype) if bias else (
+            None, (None, None, None))
+        self.q_proj = Linear(h, q_dim, bias, dtype, wq, bq)
+        self.k_proj = Linear(h, kv_dim, bias, dtype, wk, bk)
+        self.v_proj = Linear(h, kv_dim, bias, dtype, wv, bv)
         self.o_proj = Linear(q_dim, h, False, dtype)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, batch: AttentionBatch
     ) -> Tensor:
         """``x`` ``[T, hidden]``; ``kv`` this layer's ``[2, num_slots, kv_heads, head_dim]``."""
-        t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        t, d = x.shape[0], self.head_dim
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self._split, dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, d), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, d), cos, sin)
         k_cache, v_cache = kv[0], kv[1]
-        self.kernels.store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        self.kernels.store_kv(k_cache, v_cache, k, v.view(t, self.num_kv_heads, d),
+                              batch.slot_mapping)
         o = batch.layout.attend(
             self.kernels, q, k_cache, v_cache, batch.context_lens, batch.cu_seqlens_q,
             self.scale, plan=batch.plan, window=self.window,
         )
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return F.linear(o.reshape(t, self.num_heads * d), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -134,12 +155,25 @@ class MLP(nn.Module):
     def __init__(self, preset: ModelPreset) -> None:
         super().__init__()
         h, inter, dtype = preset.hidden_size, preset.intermediate_size, _dtype(preset)
-        self.gate_proj = Linear(h, inter, False, dtype)
-        self.up_proj = Linear(h, inter, False, dtype)
+        self.inter = inter
+        # gate and up in one matmul (as vLLM's MergedColumnParallelLinear).
+        self.gate_up_weight, (wg, wu) = _fused(inter, inter, cols=h, dtype=dtype)
+        self.gate_proj = Linear(h, inter, False, dtype, wg)
+        self.up_proj = Linear(h, inter, False, dtype, wu)
         self.down_proj = Linear(inter, h, False, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if x.dtype != torch.float32:
+            # Half precision keeps two matmuls: on the CPU the fused one's peak (measured by
+            # tests/test_activation_model.py) exceeds the three [T, intermediate] tensors
+            # that the activation model counts.
+            return F.linear(
+                F.silu(F.linear(x, self.gate_proj.weight)) * F.linear(x, self.up_proj.weight),
+                self.down_proj.weight,
+            )
+        gate, up = F.linear(x, self.gate_up_weight).split(self.inter, dim=-1)
+        # In place: [T, 2 x intermediate] and one [T, intermediate] at once, as unfused.
+        return F.linear(F.silu(gate).mul_(up), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -155,8 +189,10 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, batch: AttentionBatch
     ) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # The submodules' forwards called directly: a step runs every layer of the model,
+        # and nn.Module's call machinery (hooks, none here) is per-call overhead.
+        h = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, kv, batch)
+        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
 
 
 class LlamaModel(nn.Module):
@@ -199,8 +235,8 @@ class LlamaForCausalLM(nn.Module):
         float32 logits ``[N, vocab]`` for rows ``logits_rows`` ``[N]`` only."""
         cos, sin = rope_cos_sin(positions, self.preset.head_dim, self.preset.rope_theta)
         for i, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, cos, sin, kv_pool[i], batch)
-        last = self.model.norm(hidden[logits_rows])
+            hidden = layer.forward(hidden, cos, sin, kv_pool[i], batch)
+        last = self.model.norm.forward(hidden[logits_rows])
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(last, head).float()
 
