@@ -109,6 +109,7 @@ class BuiltinEngine:
         stats.refused_bytes = refusal.need_bytes
         stats.refused_free_bytes = refusal.free_bytes
         stats.refused_largest_free_bytes = refusal.largest_free_bytes
+        stats.encoder_cache_bytes = self.executor.encoder_cache_bytes()
         return stats
 
     def close(self) -> None:

@@ -119,6 +119,9 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if not isinstance(kv, Tensor):  # a pool of several page classes (ClassPools)
+            o = kv.store_attend(self.kernels, q, k, v, self.scale)
+            return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
         k_cache, v_cache = kv[0], kv[1]
         self.kernels.store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         o = batch.layout.attend(

@@ -48,6 +48,9 @@ class SimExecutor(Executor):
         stepped, self._stepped = self._stepped, None
         return stepped if stepped is not None else self.memory.idle()
 
+    def encoder_cache_bytes(self) -> int:
+        return self.memory.encoder_cache_bytes
+
     def close(self) -> None:
         """Nothing to release."""
 
