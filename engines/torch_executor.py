@@ -74,7 +74,8 @@ class TorchExecutor(Executor):
             )
         self._pool = None  # a rebind must not hold two pools at once
         self._classes = None
-        classes = kv.pool_classes()
+        pool_classes = getattr(kv, "pool_classes", None)  # managers of one flat pool may lack it
+        classes = pool_classes() if pool_classes is not None else None
         if classes is not None:
             from kvbench.engines.class_pools import ClassPools
 

@@ -141,6 +141,11 @@ class ModalPolicy(Paging, KVPolicy):
                 raise ValueError(
                     f"kv_dtype.{modality} = {dtype!r}: use auto, {', '.join(KV_DTYPES)}"
                 )
+        # One of image / audio given: the other (same vision class) follows it.
+        value = dict(value)
+        if "image" in value or "audio" in value:
+            value.setdefault("image", value.get("audio", "auto"))
+            value.setdefault("audio", value["image"])
         image, audio = value.get("image", "auto"), value.get("audio", "auto")
         if image != audio:
             raise ValueError(

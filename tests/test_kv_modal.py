@@ -1,0 +1,202 @@
+"""Modality-aware KV: page classes per modality, their precision, pools, bytes and quality."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from model_driver import SMALL
+
+from helpers import make_workload
+from kvbench.engines.config import EngineSettings, engine_config
+from kvbench.engines.kv.modal import (
+    ModalKVManager,
+    ModalPolicy,
+    capacity_gain,
+    memory_saving,
+    vision_share,
+)
+from kvbench.engines.registry import NAMED_ENGINES, build_engine, parse_section
+from kvbench.engines.scheduler import SchedulerConfig
+from kvbench.engines.sequence import Sequence
+from kvbench.errors import KvbenchError
+from kvbench.run.devices import parse_device
+from kvbench.tools.kv_quality import agreement, run_captured, summarize_agreement
+from kvbench.workloads.modalities import image_token_count
+from kvbench.workloads.model import Request, Segment
+from kvbench.workloads.presets import generate_preset
+from kvbench.workloads.traces import import_trace
+
+LMM = Path(__file__).parent / "fixtures" / "azure_lmm_2025_synthetic.csv"
+
+
+def _settings(kv_tokens: int = 4096, device: str = "cpu", preset=SMALL) -> EngineSettings:
+    return EngineSettings(
+        preset=preset, device=parse_device(device),
+        kv_bytes=kv_tokens * preset.kv_bytes_per_token, block_size=16, prefix_caching=False,
+        scheduler=SchedulerConfig(1024, 8, 512, True),
+    )
+
+
+def _manager(policy: ModalPolicy, kv_tokens: int = 4096) -> ModalKVManager:
+    cfg = engine_config("m", policy, _settings(kv_tokens))
+    assert isinstance(cfg.section, ModalPolicy)
+    return cfg.section.manager(cfg)
+
+
+def _mm_request(rid: str, text: int, image: int, tail: int, output: int,
+                size: int | None = None) -> Request:
+    """Text, an image of ``image`` tokens (a real ``size`` px qwen2-vl image when given,
+    its tokens then the rule's), text."""
+    if size is not None:
+        seg = Segment("image", image_token_count("qwen2-vl", size, size), f"img/{rid}",
+                      height=size, width=size, rule="qwen2-vl")
+    else:
+        seg = Segment("image", image, f"img/{rid}")
+    return Request(rid, 0.0, (Segment("text", text, f"t/{rid}"), seg,
+                              Segment("text", tail, f"q/{rid}")), output)
+
+
+def _seq(i: int, request: Request) -> Sequence:
+    return Sequence(i, request, request.prompt_token_ids(SMALL.vocab_size))
+
+
+def _fill(kv: ModalKVManager, seq: Sequence, n: int) -> None:
+    assert kv.allocate(seq, 0, n)
+    seq.num_computed_tokens = n
+    kv.commit(seq)
+
+
+def test_classes_take_their_own_slots_and_bytes() -> None:
+    kv = _manager(ModalPolicy(vision_page_tokens=64, kv_dtype={"image": "int8"}))
+    text, vision = kv.classes
+    assert (text.dtype, vision.dtype) == ("float32", "int8")
+    assert vision.bytes_per_token * 4 == text.bytes_per_token
+    req = _mm_request("a", 10, 100, 7, 5)
+    seq = _seq(0, req)
+    _fill(kv, seq, req.prompt_tokens)
+    slots = kv.slots(seq, 0, req.prompt_tokens)
+    assert len(set(slots.tolist())) == req.prompt_tokens
+    in_vision = (slots >= vision.base) & (slots < vision.base + vision.num_slots)
+    assert in_vision.tolist() == [False] * 10 + [True] * 100 + [False] * 7
+    stats = kv.stats().classes
+    assert stats is not None
+    assert stats["vision"]["pages"] == 2 and stats["text"]["pages"] == 2
+    assert stats["vision"]["used_bytes"] == 100 * vision.bytes_per_token
+    assert stats["text"]["used_bytes"] == 17 * text.bytes_per_token
+    assert stats["vision"]["reserved_bytes"] == 2 * 64 * vision.bytes_per_token
+    kv.free(seq)
+    assert kv.stats().free_bytes == kv.geometry.pool_units[0] * kv.geometry.unit_bytes
+
+
+def test_split_pools_run_out_apart_and_shared_ones_together() -> None:
+    big = _mm_request("big", 16, 900, 16, 4)
+    split = _manager(ModalPolicy(pools="split", vision_share=0.2))
+    shared = _manager(ModalPolicy())
+    # A fifth of 4096 tokens' bytes holds no 900 vision tokens; the shared pool does.
+    assert "vision pages" in split.never_fits(big)
+    assert shared.never_fits(big) is None
+    _fill(shared, _seq(0, big), big.prompt_tokens)
+    assert shared.stats().classes["vision"]["used_tokens"] == 900
+
+
+def test_executor_pool_bytes_are_the_accounted_bytes() -> None:
+    policy = ModalPolicy(pools="split", kv_dtype={"image": "int8", "audio": "int8"})
+    cfg = engine_config("m", policy, _settings())
+    engine = build_engine(cfg)
+    try:
+        pools = engine.executor._classes  # type: ignore[attr-defined]
+        geometry = engine.kv.geometry  # type: ignore[attr-defined]
+        assert sum(pools.kv_nbytes().values()) == geometry.pool_bytes
+        assert geometry.pool_bytes <= cfg.kv_bytes
+        assert engine.kv.capacity_tokens * engine.kv.bytes_per_token <= geometry.pool_bytes
+    finally:
+        engine.close()
+
+
+def test_capacity_gain_formula_and_the_reports_25_percent() -> None:
+    # The reports: half the positions vision, int8 instead of fp16: 128 KB -> 96 KB per page.
+    assert memory_saving(0.5, 2, 1) == pytest.approx(0.25)
+    assert 128 * (1 - memory_saving(0.5, 2, 1)) == pytest.approx(96)
+    assert capacity_gain(0.5, 2, 1) == pytest.approx(4 / 3)
+    assert capacity_gain(0.0, 2, 1) == 1.0
+
+
+@pytest.mark.parametrize("source", ["mixed-multimodal", "azure-lmm"])
+def test_measured_bytes_follow_the_formula_at_the_measured_share(source: str) -> None:
+    if source == "azure-lmm":
+        requests = import_trace("azure-lmm", LMM, seed=0).requests[:40]
+    else:
+        requests = generate_preset(source, 40, seed=0).requests
+    share = vision_share(requests)
+    full = _manager(ModalPolicy(), kv_tokens=1 << 17)
+    int8 = _manager(ModalPolicy(kv_dtype={"image": "int8", "audio": "int8"}),
+                    kv_tokens=1 << 17)
+    for kv in (full, int8):
+        for i, r in enumerate(requests):
+            seq = _seq(i, r)
+            _fill(kv, seq, r.prompt_tokens + r.output_tokens)
+    used_full, used_int8 = full.stats().used_bytes, int8.stats().used_bytes
+    # The tiny model is float32: int8 codes are a quarter of its bytes.
+    assert used_int8 / used_full == pytest.approx(1 - memory_saving(share, 4, 1), rel=1e-12)
+    # Against the reports' 25 % (fp16 -> int8 at vision share 0.5), at the measured share.
+    assert 0.0 < share < 1.0
+    assert memory_saving(share, 2, 1) == pytest.approx(share / 2)
+
+
+def test_bad_options_are_refused() -> None:
+    with pytest.raises(KvbenchError, match=r"kv_dtype\.image"):
+        parse_section({"kind": "modal", "kv_dtype": {"image": "int4"}}, "suite x")
+    with pytest.raises(KvbenchError, match="share the vision page class"):
+        parse_section({"kind": "modal", "kv_dtype": {"image": "int8", "audio": "fp8_e4m3"}},
+                      "suite x")
+    with pytest.raises(KvbenchError, match="power-of-two"):
+        _manager(ModalPolicy(vision_page_tokens=48))
+
+
+def _mm_workload() -> list[Request]:
+    return [
+        _mm_request("a", 12, 0, 9, 12, size=224),
+        Request("b", 0.0, (Segment("text", 30, "t/b"),), 10),
+        _mm_request("c", 3, 0, 20, 8, size=336),
+    ]
+
+
+def test_real_compute_class_split_is_exact_and_int8_mostly_agrees() -> None:
+    wl = make_workload(_mm_workload())
+    settings = _settings()
+    ref = run_captured("paged", NAMED_ENGINES["paged"], settings, wl)
+    # float32 in both classes: attention split by class and merged is the same attention.
+    same = run_captured("pages", ModalPolicy(vision_page_tokens=64), settings, wl)
+    rows = agreement(ref.capture, same.capture)
+    assert all(r.match_rate == 1.0 and r.first_divergence is None for r in rows)
+    assert max(r.max_abs_logit_diff for r in rows) < 1e-3
+    q = run_captured("int8", NAMED_ENGINES["modal-int8"], settings, wl)
+    summary = summarize_agreement(agreement(ref.capture, q.capture))
+    assert summary["requests"] == 3
+    # The text-only request's KV is full precision: it agrees exactly.
+    text_only = next(r for r in agreement(ref.capture, q.capture) if r.request_id == "b")
+    assert text_only.first_divergence is None and text_only.max_abs_logit_diff == 0.0
+    assert 0.0 < summary["probe_max_abs_logit_diff"] < 1.0
+    assert q.describe["executor"]["weights"] == "random(seed=0)"
+    assert q.summary["completed"] == 3
+
+
+def test_sim_accounts_classes_and_encoder_cache() -> None:
+    from kvbench.engines.costmodel import CostModel
+    from kvbench.engines.presets import get_preset
+    from kvbench.run.clocks import VirtualClock
+    from kvbench.run.harness import run_engine
+
+    preset = get_preset("llama-3-8b")
+    settings = _settings(16384, "sim:a100-80gb", preset)
+    wl = generate_preset("mixed-multimodal", 12, seed=2)
+    engine = build_engine(engine_config("m", NAMED_ENGINES["modal-pages-int8"], settings))
+    run = run_engine(engine, wl, VirtualClock(CostModel(preset, settings.device.hardware, 1)))
+    assert run.status == "ok", run.error
+    assert run.steps.kv_class_bytes["vision_reserved_bytes"]
+    assert max(run.steps.kv_class_bytes["vision_reserved_bytes"]) > 0
+    assert max(run.steps.kv_encoder_cache_bytes) > 0
+    assert np.all(np.asarray(run.steps.kv_class_bytes["vision_used_bytes"])
+                  <= np.asarray(run.steps.kv_class_bytes["vision_reserved_bytes"]))
