@@ -157,11 +157,6 @@ class DeviceMemoryModel:
     def on_demand(self) -> bool:
         return self.options.kv_allocation == "on-demand"
 
-    @property
-    def encoder_cache_bytes(self) -> int:
-        """Encoder outputs held now, over the tensor-parallel ranks."""
-        return self._encoder.nbytes * self.tp
-
     def start(self, kv: KVManager) -> None:
         """Reserve what the engine holds before its first step; raises
         :class:`DeviceOutOfMemory` when that does not fit."""
