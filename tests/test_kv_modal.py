@@ -274,3 +274,21 @@ def test_multimodal_reuse_preset_hits_in_the_sim() -> None:
     s = summarize(run)
     assert s["prefix_hit_rate"] > 0.3
     assert s["peak_encoder_cache_bytes"] > 0
+
+
+def test_agreement_on_a_checkpoint_names_its_weights(tmp_path) -> None:
+    from dataclasses import replace
+
+    from model_driver import make_model
+    from test_weights import save_checkpoint
+
+    from kvbench.tools.kv_quality import weights_used
+
+    ckpt = save_checkpoint(make_model(seed=7), tmp_path / "ckpt")
+    settings = replace(_settings(), weights=str(ckpt))
+    wl = make_workload(_mm_workload()[:2])
+    ref = run_captured("paged", NAMED_ENGINES["paged"], settings, wl)
+    q = run_captured("int8", NAMED_ENGINES["modal-int8"], settings, wl)
+    assert weights_used(q.describe) == str(ckpt)
+    rows = agreement(ref.capture, q.capture)
+    assert len(rows) == 2 and all(r.max_abs_logit_diff is not None for r in rows)
