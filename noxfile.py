@@ -88,7 +88,7 @@ def vllm(session: nox.Session) -> None:
     session.run("pytest", "tests/vllm", *session.posargs)
     session.run(
         "kvbench", "run", "--engines", "paged,contiguous,vllm", "--block-size", "32",
-        "--num-requests", "8", "--out", "runs/vllm-smoke",
+        "--num-requests", "8", "--out", "runs/vllm-smoke", "--force",
     )
 
 
@@ -116,7 +116,8 @@ def _bench_dir(posargs: list[str]) -> str:
 def _run_quick_suites(session: nox.Session, posargs: list[str]) -> str:
     out = _bench_dir(posargs)
     for suite, args in QUICK_SUITES:
-        session.run("kvbench", "run", suite, *args, "--out", f"{out}/{suite}", *posargs)
+        session.run("kvbench", "run", suite, *args, "--out", f"{out}/{suite}", "--force",
+                    *posargs)
     return out
 
 

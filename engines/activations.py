@@ -23,7 +23,15 @@ time, as varlen engines do (the torch reference, vLLM's TORCH_SDPA backend):
 
 - ``fused``: FlashAttention-style kernels read the KV cache in place and keep no
   ``[q, k]`` buffer: only the float32 log-sum-exp ``[heads, T]``.
-- ``sdpa-dense-mask``: the torch reference kernels' path: ``scaled_dot_product_attention``
+- ``cpu-reference``: the torch reference kernels on the CPU (``kernels/reference.py``):
+  prefill chunks and long decodes read the cache in place through torch's fused CPU
+  attention (the float32 log-sum-exp only, as ``fused``), while short decodes (K+V of at
+  most ``SHORT_DECODE_BYTES`` each) share one call over a padded copy of their keys in
+  whole pages, in the model dtype, with an additive mask ``[n, padded]`` in the model
+  dtype. A batch counts as short when its longest decode is. A chunk on top of earlier
+  keys attends them and its own causal square as two pieces merged by their log-sum-exps.
+- ``sdpa-dense-mask``: an unfused SDPA path (vLLM's TORCH_SDPA backend is of this kind):
+  ``scaled_dot_product_attention``
   over context K/V gathered into contiguous tensors (whole pages of a paged cache), with q, k
   and v in float32 (copies when the model runs in half precision) and a dense boolean
   causal mask ``[q, k]`` repeated over the query heads that share a KV head (queries
@@ -53,7 +61,7 @@ from typing import Literal
 from kvbench.engines.executor import ScheduledSeq
 from kvbench.engines.presets import ModelPreset
 
-AttentionImpl = Literal["fused", "sdpa-dense-mask", "eager"]
+AttentionImpl = Literal["fused", "cpu-reference", "sdpa-dense-mask", "eager"]
 
 FP32 = 4
 INT64 = 8
@@ -193,6 +201,9 @@ class ActivationModel:
 
     def _workspace(self, shape: ForwardShape) -> int:
         """The attention kernel's largest transient: the decode batch or one prefill chunk."""
+        if self.attention == "cpu-reference":
+            merges = max((self._merge(q, k) for q, k in shape.chunks), default=0)
+            return self._hq * shape.num_tokens * FP32 + max(self._short_decodes(shape), merges)
         if self.attention == "fused":
             return self._hq * shape.num_tokens * FP32
         largest = max((self.chunk_workspace(q, k) for q, k in shape.chunks), default=0)
@@ -202,11 +213,39 @@ class ActivationModel:
 
     def chunk_workspace(self, q: int, k: int) -> int:
         """The attention workspace of one prefill chunk of ``q`` new tokens and ``k`` keys."""
+        if self.attention == "cpu-reference":
+            return self._hq * q * FP32 + self._merge(q, k)
         if self.attention == "fused":
             return self._hq * q * FP32
         if self.attention == "sdpa-dense-mask":
             return self._chunk_sdpa(q, k)
         return self._chunk_eager(q, k)
+
+    def _merge(self, q: int, k: int) -> int:
+        """The CPU reference's merge of a chunk's two pieces (the keys before it, its causal
+        square): both outputs and their stacked copy in the model dtype, weights times
+        outputs and their sum in float32, and the log-sum-exps."""
+        if k <= q:
+            return 0
+        b = self.preset.dtype_bytes
+        vectors = q * self._hq * self.preset.head_dim
+        # In half precision a further float32 output is alive at the merge's peak: measured
+        # with torch's CPU allocator profile (the fused kernel's float32 accumulation), not
+        # derived from its source.
+        upcast = vectors * FP32 if b != FP32 else 0
+        return 2 * self._hq * q * FP32 + vectors * (4 * b + 3 * FP32) + upcast
+
+    def _short_decodes(self, shape: ForwardShape) -> int:
+        """The CPU reference's padded copy of short decodes' keys and its mask."""
+        from kvbench.kernels.reference_plan import SHORT_DECODE_BYTES
+
+        n, context = shape.num_decodes, shape.max_decode_context
+        if n < 2 or context * 2 * self._hk * self.preset.head_dim * self.preset.dtype_bytes > (
+            SHORT_DECODE_BYTES
+        ):
+            return 0
+        pages = -(-context // self.page_tokens) * self.page_tokens
+        return n * (self.gathered_kv_bytes(context) + pages * self.preset.dtype_bytes)
 
     def gathered_kv_bytes(self, k: int) -> int:
         """Context K and V copied into contiguous tensors for an unfused kernel."""

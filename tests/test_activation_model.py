@@ -26,7 +26,7 @@ def _one_thread():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_matches_the_cpu_executors_allocations(dtype: str) -> None:
-    rows = check_executor(TINY.with_dtype(dtype), "cpu", "reference", "sdpa-dense-mask",
+    rows = check_executor(TINY.with_dtype(dtype), "cpu", "reference", "cpu-reference",
                           CPU_SCENARIOS)
     assert len(rows) == 8
     bad = [(r.scenario, r.step, round(r.error_pct, 1)) for r in rows if abs(r.error_pct) > 10]
@@ -45,10 +45,10 @@ def test_eager_workspace_matches_hugging_face_eager_attention(dtype: str) -> Non
 def test_model_matches_cuda_max_memory_allocated() -> None:
     from kvbench.kernels.backend import triton_installed
 
+    # On CUDA the torch reference is only the Triton kernels' oracle (explicit matmuls), which
+    # no serving engine runs: the kernels checked there are the fused Triton ones and eager.
     preset = TINY.with_dtype("bfloat16")
-    rows = check_executor(preset, "cuda", "reference", "sdpa-dense-mask")
-    if triton_installed():
-        rows += check_executor(preset, "cuda", "triton", "fused")
+    rows = check_executor(preset, "cuda", "triton", "fused") if triton_installed() else []
     rows += check_eager(preset, "cuda")
     bad = [(r.scenario, r.attention, round(r.error_pct, 1)) for r in rows
            if abs(r.error_pct) > 15]

@@ -90,7 +90,7 @@ class RunFlags:
     )
     attention_impl: str | None = _flag(
         "run.attention_impl", "Simulated device: the attention kernel whose workspace "
-        "device memory counts: fused | sdpa-dense-mask | eager."
+        "device memory counts: fused | cpu-reference | sdpa-dense-mask | eager."
     )
     kv_allocation: str | None = _flag(
         "run.kv_allocation", "Simulated device: preallocated (vLLM's pool) | on-demand "
