@@ -161,7 +161,8 @@ class ModalPolicy(Paging, KVPolicy):
 
     def label(self) -> str:
         text, vision = self.kv_dtype.get("text", "auto"), self.kv_dtype.get("image", "auto")
-        pages = f"{self.block_size}/{self.vision_page_tokens or self.block_size}"
+        text_page = self.block_size or "bs"
+        pages = f"{text_page}/{self.vision_page_tokens or text_page}"
         pools = "shared" if self.pools == "shared" else f"split{self.vision_share:g}"
         return f"modal/{pages}/{text}+{vision}/{pools}"
 
@@ -518,7 +519,8 @@ class ModalKVManager(KVManager):
             held = self._pages[k] * c.page_bytes
             cap = self._pools[k].num_units * self.geometry.unit_bytes
             out[c.name] = {
-                "dtype": c.dtype, "page_tokens": c.page_tokens,
+                "dtype": c.dtype, "element_bytes": KV_DTYPES[c.dtype],
+                "page_tokens": c.page_tokens,
                 "capacity_bytes": cap, "reserved_bytes": held,
                 "used_bytes": self._used[k] * c.bytes_per_token,
                 "used_tokens": self._used[k], "pages": self._pages[k],
@@ -530,17 +532,24 @@ class ModalKVManager(KVManager):
         unit = self.geometry.unit_bytes
         pools = self._pools[:1] if self.geometry.pools == "shared" else self._pools
         free = sum(p.free_units for p in pools) * unit
-        largest = max(
-            (p.sizes[p.max_free_order()] * unit if p.max_free_order() >= 0 else 0)
-            for p in pools
-        )
+        if self.geometry.pools == "shared":
+            # Free bytes that can still become a page of the largest class: the rest serves
+            # only smaller pages (the shared pool's external fragmentation).
+            top = max(self._orders)
+            pool = pools[0]
+            largest = sum(pool.free_pages(k) * pool.sizes[k]
+                          for k in range(top, pool.top + 1)) * unit
+        else:
+            # Each pool's pages are of one class, every free page serves it.
+            largest = max(p.free_units for p in pools) * unit
         held = sum(n * c.page_bytes for n, c in zip(self._pages, self.classes, strict=True))
-        scales = sum(c.scale_bytes for c in self.classes)
         used = sum(n * c.bytes_per_token for n, c in zip(self._used, self.classes, strict=True))
+        # Scale tables are a fixed part of the capacity, held from the start: not reserved
+        # by sequences, so waste and utilisation count pages only.
         return KVStats(
             capacity_bytes=self.geometry.pool_bytes,
             used_bytes=used,
-            reserved_bytes=held + scales,
+            reserved_bytes=held,
             free_bytes=free,
             largest_free_bytes=largest,
             shared_bytes=0,

@@ -209,9 +209,9 @@ def summarize(run: EngineRun, slo: SLO | None = None) -> dict[str, Any]:
 
 def modal_metrics(run: EngineRun) -> dict[str, Any]:
     """Encoder-cache memory and, for a pool of page classes (modality-aware KV), per class:
-    its dtype, peak reserved and used bytes, mean utilisation of its capacity (reserved /
-    capacity: usage per pool, not the max of pools) and waste (1 - used / reserved over
-    the steps, reserved-weighted). Only keys the run has figures for."""
+    bytes per stored element (its dtype's), peak reserved and used bytes, mean utilisation
+    of its capacity (reserved / capacity: usage per pool, not the max of pools) and waste
+    (1 - used / reserved over the steps, reserved-weighted). Only keys the run has."""
     s = run.steps
     out: dict[str, Any] = {}
     enc = [v for v in s.kv_encoder_cache_bytes if v is not None]
@@ -225,7 +225,7 @@ def modal_metrics(run: EngineRun) -> dict[str, Any]:
         reserved = np.asarray(s.kv_class_bytes[f"{name}_reserved_bytes"], dtype=np.float64)
         used = np.asarray(s.kv_class_bytes[f"{name}_used_bytes"], dtype=np.float64)
         cap = np.asarray(s.kv_class_bytes[f"{name}_capacity_bytes"], dtype=np.float64)
-        out[f"kv_{name}_dtype"] = last["dtype"]
+        out[f"kv_{name}_element_bytes"] = last["element_bytes"]
         out[f"kv_{name}_page_tokens"] = last["page_tokens"]
         out[f"peak_kv_{name}_reserved_bytes"] = int(reserved.max(initial=0))
         out[f"peak_kv_{name}_used_bytes"] = int(used.max(initial=0))

@@ -87,12 +87,18 @@ def _ms(v: Any) -> str:
     return "-" if v is None else f"{v:.1f}"
 
 
-def _row(name: str, s: dict[str, Any], extra: list[str] | None = None) -> str:
+def _vision_dtype(run: Any) -> str:
+    classes = run.last_kv.classes if run.last_kv is not None else None
+    return "-" if not classes else classes["vision"]["dtype"]
+
+
+def _row(name: str, s: dict[str, Any], extra: list[str] | None = None,
+         dtype: str = "-") -> str:
     cells = [
         name, str(s["completed"]), str(s["max_concurrent_requests"]),
         _mib(s.get("peak_kv_reserved_bytes")),
         _mib(s.get("peak_kv_text_reserved_bytes")), _mib(s.get("peak_kv_vision_reserved_bytes")),
-        s.get("kv_vision_dtype", "-"),
+        dtype,
         _pct(s.get("kv_waste_pct")), _pct(s.get("kv_text_waste_pct")),
         _pct(s.get("kv_vision_waste_pct")),
         "-" if s.get("prefix_hit_rate") is None else f"{100 * s['prefix_hit_rate']:.1f}",
@@ -123,7 +129,8 @@ def sim_section(n: int) -> list[str]:
             clock = VirtualClock(CostModel(preset, settings.device.hardware, 1))
             run = run_engine(engine, w, clock)
             s = summarize(run)
-            out.append(_row(name, s) if run.status == "ok" else f"| {name} | {run.status} |")
+            out.append(_row(name, s, dtype=_vision_dtype(run)) if run.status == "ok"
+                       else f"| {name} | {run.status} |")
         out.append("")
     return out
 
@@ -158,7 +165,7 @@ def cpu_section(n: int, weights: str | None) -> list[str]:
                 "-" if a["first_divergence_min"] is None else str(a["first_divergence_min"]),
                 f"{a['probe_max_abs_logit_diff']:.2e}", f"{a['probe_mean_abs_logit_diff']:.2e}",
             ]
-            out.append(_row(name, q.summary, extra))
+            out.append(_row(name, q.summary, extra, dtype=_vision_dtype(q.run)))
     out.append("")
     return out
 
