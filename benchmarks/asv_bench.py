@@ -9,6 +9,8 @@
 - ``Attention.time_*``: the torch reference attention kernels on small shapes.
 - ``peakmem_*``: peak process memory of a short real-compute run.
 - ``TraceImport.time_import``: importing the full public traces.
+- ``KVBookkeeping.time_churn``: one KV manager's allocate, grow and free of every policy
+  (``benchmarks/kv_bookkeeping.py``, which also prints the per-page table).
 
 asv treats smaller as better. Every metric here is lower-is-better except
 ``track_max_concurrent_requests`` (its unit says so): a drop in that graph is the regression.
@@ -210,3 +212,26 @@ class TraceImport:
         from kvbench.workloads.traces import import_trace
 
         import_trace(self.kind, self.path)
+
+
+class KVBookkeeping:
+    """Every policy's bookkeeping alone: 64 live sequences, 32 pages each, 64 replaced."""
+
+    params = (["paged", "paged-lfu", "contiguous", "contiguous-defrag", "paged-mixed",
+               "paged-mixed-migrate", "segmented", "vattention", "vattention-64k",
+               "vattention-prewarm"],)
+    param_names = ("engine",)
+    timeout = 300
+    number = 1  # a churn leaves the manager empty, but its sequences spent
+    LIVE, PAGES, ROUNDS = 64, 32, 64
+
+    def setup(self, engine: str) -> None:
+        from benchmarks.kv_bookkeeping import manager, sequences
+
+        self.kv = manager(engine, self.LIVE, self.PAGES)
+        self.seqs = sequences(self.LIVE + self.ROUNDS, self.PAGES)
+
+    def time_churn(self, engine: str) -> None:
+        from benchmarks.kv_bookkeeping import churn
+
+        churn(self.kv, self.seqs, self.LIVE, self.PAGES)

@@ -7,7 +7,11 @@ import pytest
 from helpers import make_workload, text_request
 from kvbench.engines.config import EngineSection, EngineSettings, engine_config
 from kvbench.engines.costmodel import CostModel
+from kvbench.engines.kv.contiguous import ContiguousPolicy
 from kvbench.engines.kv.paged import PagedPolicy
+from kvbench.engines.kv.paged_mixed import PagedMixedPolicy
+from kvbench.engines.kv.segmented import SegmentedPolicy
+from kvbench.engines.kv.vattention import VAttentionPolicy
 from kvbench.engines.presets import get_preset
 from kvbench.engines.registry import NAMED_ENGINES, build_engine
 from kvbench.engines.scheduler import SchedulerConfig
@@ -149,3 +153,38 @@ def test_reserved_memory_holds_back_its_share_of_the_budget() -> None:
     b = summarize(_run("paged", wl, opts, PagedPolicy(reserved_memory=0.25)))
     assert b["kv_capacity_bytes"] == 3 * a["kv_capacity_bytes"] // 4
     assert b["completed"] == len(wl) and b["peak_kv_reserved_bytes"] <= b["kv_capacity_bytes"]
+
+
+@pytest.mark.parametrize("section", [
+    ContiguousPolicy(reservation="request", compaction=True),
+    ContiguousPolicy(reservation="request", auto_defrag=0.7, align_bytes=128),
+    PagedMixedPolicy(migrate=True, prewarm_pages=16),
+    SegmentedPolicy(head_tokens=256),
+    VAttentionPolicy(page_bytes=64 << 10, prewarm_pages=8, prewarm="hint"),
+    PagedPolicy(eviction="lfu", reserved_memory=0.25),
+], ids=["compact", "defrag+align", "mixed-migrate+prewarm", "segmented-256", "vattention-hint",
+        "lfu+headroom"])
+def test_policy_options_run_every_request_to_its_tokens(section: EngineSection) -> None:
+    wl = _mixed()
+    run = _run("option", wl, _opts(4096), section)
+    assert run.status == "ok", run.error
+    assert all(t.output_tokens_emitted == t.request.output_tokens for t in run.timings.values())
+    s = summarize(run)
+    assert s["completed"] == len(wl) and s["peak_kv_reserved_bytes"] <= s["kv_capacity_bytes"]
+
+
+def test_mistral_v01_window_release_runs_more_at_once_in_the_simulator() -> None:
+    # Mistral-7B v0.1's 4096-token window; 6000-token requests outgrow it, and four of them
+    # fit in 16384 slots only when the blocks behind the window are released.
+    preset = get_preset("mistral-7b-v0.1")
+    assert preset.sliding_window == 4096
+    opts = EngineSettings(
+        preset=preset, device=parse_device("sim:a100-80gb"),
+        kv_bytes=16384 * preset.kv_bytes_per_token, block_size=16, prefix_caching=True,
+        scheduler=SchedulerConfig(8192, 8, 2048, True),
+    )
+    wl = make_workload([text_request(f"r{i}", 5000, 1000, arrival=0.1 * i) for i in range(4)])
+    kept, freed = (summarize(_run("paged", wl, opts, PagedPolicy(sliding_window_release=r)))
+                   for r in (False, True))
+    assert kept["completed"] == freed["completed"] == 4
+    assert kept["max_concurrent_requests"] == 3 and freed["max_concurrent_requests"] == 4

@@ -1,8 +1,10 @@
-"""Paged and contiguous KV management compute the same thing: identical greedy tokens.
+"""Every KV policy computes the same thing as contiguous: identical greedy tokens.
 
 Same workload, same weights: every request's output ids (digested in the run record) must
-match across KV managers, with chunked prefill on and off, with prefix caching, and when the
-paged engine is forced to preempt and recompute.
+match across KV managers, with chunked prefill on and off, with prefix caching and either
+eviction, when the engine is forced to preempt and recompute, when pages merge, migrate,
+map ahead or are held back as headroom, when extents are compacted or aligned, and under a
+sliding window with and without releasing the blocks outside it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 
 from helpers import make_workload
 from kvbench.engines.config import EngineSection, EngineSettings, engine_config
+from kvbench.engines.kv.contiguous import ContiguousPolicy
 from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.kv.paged_mixed import PagedMixedPolicy
 from kvbench.engines.kv.segmented import SegmentedPolicy
@@ -128,6 +131,57 @@ def test_vattention_matches_with_mapping_and_preemption(reference, section) -> N
     assert digests == reference
 
 
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_prefix_cache_eviction_variants_match_under_pressure(reference, eviction) -> None:
+    # 640 slots: cached blocks of finished and preempted requests must be evicted for room.
+    digests, summary = _outputs(eviction, 640, batched=128, section=PagedPolicy(eviction=eviction))
+    assert summary["kv_evictions"] > 0 and summary["preemptions"] > 0
+    assert summary["prefix_hit_rate"] > 0
+    assert digests == reference
+
+
+@pytest.mark.parametrize("section", [
+    ContiguousPolicy(reservation="request", compaction=True),
+    ContiguousPolicy(reservation="request", auto_defrag=0.9),
+], ids=["compaction", "auto_defrag"])
+def test_contiguous_compaction_moves_keep_the_tokens(reference, section) -> None:
+    # 640 slots: extents come and go, leaving holes the compactor closes by real copies.
+    digests, summary = _outputs("compact", 640, batched=64, section=section)
+    assert summary["kv_copied_bytes"] > 0
+    assert digests == reference
+
+
+def test_aligned_extents_keep_the_tokens_and_waste_the_rounding(reference) -> None:
+    # tiny holds 256 B of one layer's K per token: 4096-byte alignment is 16-token extents.
+    plain = _outputs("plain", 8192, batched=64,
+                     section=ContiguousPolicy(reservation="request"))
+    aligned = _outputs("aligned", 8192, batched=64,
+                       section=ContiguousPolicy(reservation="request", align_bytes=4096))
+    assert plain[0] == aligned[0] == reference
+    assert aligned[1]["peak_kv_reserved_bytes"] > plain[1]["peak_kv_reserved_bytes"]
+
+
+@pytest.mark.parametrize("section", [
+    PagedPolicy(reserved_memory=0.25), SegmentedPolicy(head_tokens=64, reserved_memory=0.25),
+    PagedMixedPolicy(class_limits=(63, 255), reserved_memory=0.25),
+    VAttentionPolicy(page_bytes=64 << 10, reserved_memory=0.25),
+    ContiguousPolicy(reservation="request", reserved_memory=0.25),
+], ids=["paged", "segmented", "paged-mixed", "vattention", "contiguous"])
+def test_headroom_keeps_the_tokens_in_the_smaller_pool(reference, section) -> None:
+    # 1024 slots with a quarter held back: the pool is about 768 slots.
+    digests, summary = _outputs("headroom", 1024, batched=128, section=section)
+    assert summary["kv_capacity_bytes"] <= 0.75 * 1024 * get_preset("tiny").kv_bytes_per_token
+    assert digests == reference
+
+
+def test_paged_mixed_prewarm_keeps_the_tokens(reference) -> None:
+    section = PagedMixedPolicy(class_limits=(63, 255), migrate=True, prewarm_pages=8)
+    digests, summary = _outputs("prewarm", 8192, batched=16, section=section)
+    assert summary["kv_splits"] > 0 and summary["kv_migrated_bytes"] > 0
+    assert digests == reference
+    assert _outputs("prewarm", 640, batched=128, section=section)[0] == reference
+
+
 # tiny with a 48-position sliding window: shorter than every request here.
 WINDOWED = replace(get_preset("tiny"), name="tiny-swa", sliding_window=48,
                    hf_architecture="MistralForCausalLM")
@@ -144,8 +198,12 @@ def test_sliding_window_changes_the_tokens(reference, windowed_reference) -> Non
 
 @pytest.mark.parametrize("section", [
     PagedPolicy(), PagedPolicy(sliding_window_release=True), SegmentedPolicy(head_tokens=64),
-    PagedMixedPolicy(class_limits=(63, 255)), VAttentionPolicy(page_bytes=64 << 10),
-], ids=["paged", "paged-release", "segmented", "paged-mixed", "vattention"])
+    PagedPolicy(eviction="lfu", sliding_window_release=True),
+    PagedMixedPolicy(class_limits=(63, 255), migrate=True), VAttentionPolicy(page_bytes=64 << 10),
+    VAttentionPolicy(page_bytes=64 << 10, prewarm_pages=4, prewarm="hint"),
+    ContiguousPolicy(reservation="request", auto_defrag=0.9, align_bytes=4096),
+], ids=["paged", "paged-release", "segmented", "paged-lfu-release", "paged-mixed-migrate",
+        "vattention", "vattention-prewarm+hint", "contiguous-defrag+align"])
 def test_every_policy_matches_under_a_sliding_window(windowed_reference, section) -> None:
     digests, _ = _outputs("windowed", 8192, batched=64, section=section, preset=WINDOWED)
     assert digests == windowed_reference

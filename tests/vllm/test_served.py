@@ -322,7 +322,8 @@ SWEEP_REQUESTS, SWEEP_PROMPT, SWEEP_OUTPUT = 16, 224, 96
 
 def test_a_rate_sweep_finds_the_kv_pressure_knee(server, tmp_path) -> None:
     from kvbench.results.knee import kv_pressure_knee, saturation_curve
-    from kvbench.workloads.spec import WorkloadSpec, generate
+    from kvbench.workloads.generator import generate
+    from kvbench.workloads.spec import WorkloadSpec
 
     load = os.getloadavg()[0]
 
