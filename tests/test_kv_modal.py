@@ -292,3 +292,23 @@ def test_agreement_on_a_checkpoint_names_its_weights(tmp_path) -> None:
     assert weights_used(q.describe) == str(ckpt)
     rows = agreement(ref.capture, q.capture)
     assert len(rows) == 2 and all(r.max_abs_logit_diff is not None for r in rows)
+
+
+def test_text_pages_fragment_a_shared_pool_for_vision_pages() -> None:
+    kv = _manager(ModalPolicy(vision_page_tokens=512), kv_tokens=1024)
+    texts = [_seq(i, Request(f"t{i}", 0.0, (Segment("text", 16, f"t{i}"),), 1))
+             for i in range(64)]
+    for s in texts:
+        _fill(kv, s, 16)
+    for s in texts[::2]:
+        kv.free(s)
+    stats = kv.stats()
+    assert stats.free_bytes == 32 * 16 * SMALL.kv_bytes_per_token
+    # Half the pool is free, in single text pages: no 512-token vision page can be formed.
+    assert stats.largest_free_bytes == 0
+    image = _seq(99, _mm_request("img", 0, 500, 0, 1))
+    assert not kv.allocate(image, 0, 500)
+    split = _manager(ModalPolicy(vision_page_tokens=512, pools="split"), kv_tokens=2048)
+    for i in range(64):
+        _fill(split, _seq(i, Request(f"t{i}", 0.0, (Segment("text", 16, f"t{i}"),), 1)), 16)
+    assert split.allocate(_seq(99, _mm_request("img", 0, 500, 0, 1)), 0, 500)
