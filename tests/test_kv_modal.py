@@ -200,6 +200,17 @@ def test_sim_accounts_classes_and_encoder_cache() -> None:
     assert max(run.steps.kv_encoder_cache_bytes) > 0
     assert np.all(np.asarray(run.steps.kv_class_bytes["vision_used_bytes"])
                   <= np.asarray(run.steps.kv_class_bytes["vision_reserved_bytes"]))
+    # Every figure of the run is declared in the metric table, the page classes' included.
+    from kvbench.results.curves import build_curves
+    from kvbench.results.metric_table import CURVE_BY_NAME, METRIC_BY_NAME
+    from kvbench.results.metrics import summarize
+
+    summary, curves = summarize(run), build_curves(run.steps)
+    assert set(summary) <= set(METRIC_BY_NAME) and set(curves) <= set(CURVE_BY_NAME)
+    modal = {n for n, m in METRIC_BY_NAME.items() if m.needs == ("modal",)}
+    assert modal <= {k for k, v in summary.items() if v is not None}
+    assert {n for n, c in CURVE_BY_NAME.items() if c.needs == ("modal",)} <= set(curves)
+    assert summary["kv_vision_element_bytes"] == 1 and summary["kv_vision_page_tokens"] == 512
 
 
 def _image(key: str, size: int = 224) -> Segment:

@@ -215,7 +215,7 @@ def modal_metrics(run: EngineRun) -> dict[str, Any]:
     s = run.steps
     out: dict[str, Any] = {}
     enc = [v for v in s.kv_encoder_cache_bytes if v is not None]
-    if enc and max(enc) > 0:
+    if enc:
         out["peak_encoder_cache_bytes"] = int(max(enc))
         out["mean_encoder_cache_bytes"] = float(np.mean(enc))
     kv = run.last_kv
