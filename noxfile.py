@@ -162,6 +162,17 @@ def alerts(session: nox.Session) -> None:
 
 
 @nox.session
+def claims(session: nox.Session) -> None:
+    """A verdict on every policy and claim of the field reports, the quick size
+    (`kvbench claims --quick`, a few minutes on 2 CPU cores) into reports/claims/; `-- --full`
+    runs the full size, which results/tables/seed-claims.md publishes."""
+    session.install("-e", ".[cpu]")
+    full = "--full" in session.posargs
+    session.run("kvbench", "claims", *([] if full else ["--quick"]), "-o", f"{REPORTS}/claims",
+                env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
 def asv(session: nox.Session) -> None:
     """asv benchmarks (benchmarks/asv_bench.py) of this checkout in this session's
     environment, recorded under HEAD, then the dashboard in .asv/html/ (history accumulates

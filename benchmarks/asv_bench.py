@@ -6,6 +6,10 @@
 - ``EngineStep.time_*``: one engine step on a steady batch: the simulated engine (scheduler,
   KV manager and cost model: the host-side overhead) and real compute with the tiny model on
   the CPU.
+- ``SimSpeed.track_*``: the simulator's own speed replaying the ``quick-sim`` suite, with
+  decode fast-forward and step by step: simulated steps per wall second and simulated
+  seconds per wall second, each the median of three replays (higher is better: their units
+  say so).
 - ``Attention.time_*``: the torch reference attention kernels on small shapes.
 - ``peakmem_*``: peak process memory of a short real-compute run.
 - ``TraceImport.time_import``: importing the full public traces.
@@ -18,6 +22,8 @@ asv treats smaller as better. Every metric here is lower-is-better except
 
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Any
 
 from kvbench.engines.costmodel import CostModel
@@ -139,6 +145,43 @@ class EngineStep:
 
     def time_cpu_decode_step(self, engine, block_size):
         self.cpu.step()
+
+
+class SimSpeed:
+    params = (ENGINES, [True, False])
+    param_names = ("engine", "fast_forward")
+    timeout = 600
+    REPEATS = 3
+
+    def setup_cache(self) -> dict[str, tuple[float, float]]:
+        """(steps/s, simulated s per wall s), medians of ``REPEATS`` replays, per case."""
+        plan = _plan("quick-sim", BLOCK_SIZES[0])
+        out = {}
+        for engine in ENGINES:
+            for fast_forward in (True, False):
+                steps, speed = [], []
+                for _ in range(self.REPEATS):
+                    clock = VirtualClock(CostModel(plan.preset, plan.device.hardware,
+                                                   plan.device.tp))
+                    eng = _engine(plan, engine)
+                    t0 = time.perf_counter()
+                    run = run_engine(eng, plan.workload, clock, fast_forward=fast_forward)
+                    wall = time.perf_counter() - t0
+                    steps.append(len(run.steps) / wall)
+                    speed.append(run.duration_s / wall)
+                out[f"{engine}/{fast_forward}"] = (statistics.median(steps),
+                                                   statistics.median(speed))
+        return out
+
+    def track_steps_per_s(self, cache, engine, fast_forward):
+        return cache[f"{engine}/{fast_forward}"][0]
+
+    track_steps_per_s.unit = "simulated steps/s (higher is better)"  # type: ignore[attr-defined]
+
+    def track_realtime_factor(self, cache, engine, fast_forward):
+        return cache[f"{engine}/{fast_forward}"][1]
+
+    track_realtime_factor.unit = "x real time (higher is better)"  # type: ignore[attr-defined]
 
 
 class Attention:

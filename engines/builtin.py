@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from kvbench.engines.base import (
     BatchShape,
@@ -21,6 +24,38 @@ from kvbench.engines.presets import ModelPreset
 from kvbench.engines.scheduler import Scheduler, SchedulerConfig
 from kvbench.workloads.model import Request
 
+# The most decode steps one fast-forward advances (bounds its per-step arrays).
+MAX_DECODE_RUN = 4096
+
+
+@dataclass(slots=True)
+class DecodeRun:
+    """The next steps, each decoding one token of the same ``num_seqs`` sequences, that the
+    engine can take in one go: at most ``max_steps``, step ``j`` reading ``context[j]`` KV
+    positions in ``pairs[j]`` query x key pairs (the cost model's inputs)."""
+
+    num_seqs: int
+    max_steps: int
+    context: np.ndarray
+    pairs: np.ndarray
+
+
+@dataclass(slots=True)
+class DecodeSteps:
+    """What ``steps`` decode steps taken in one go report, as one step after another would:
+    every step emits ``tokens`` (by request) with the same queue sizes; ``kv`` and
+    ``device`` hold each step's values of the KVStats fields and device-memory
+    components; ``last_kv`` is the last step's snapshot."""
+
+    steps: int
+    tokens: dict[str, int]
+    num_running: int
+    num_waiting: int
+    kv: dict[str, list[int]]
+    device: dict[str, list[int]]
+    device_ranks: int
+    last_kv: KVStats
+
 
 class BuiltinEngine:
     def __init__(
@@ -38,6 +73,7 @@ class BuiltinEngine:
         self.executor = executor
         executor.bind(kv)
         self._rejected: list[Finished] = []
+        self._decode: tuple[list, int | None, set[int] | None, int] | None = None
         self._bytes_per_token = kv.bytes_per_token
 
     @classmethod
@@ -103,6 +139,105 @@ class BuiltinEngine:
             device=device,
         )
 
+    # --- decode fast-forward -----------------------------------------------------------------
+
+    def fast_forward_blocker(self) -> str | None:
+        """Why this engine cannot take decode steps in bulk (None: it can)."""
+        from kvbench.engines.sim_executor import SimExecutor
+
+        executor = self.executor
+        if not isinstance(executor, SimExecutor):
+            return "real compute runs every step"
+        if executor.memory.on_demand:
+            return "on-demand KV tensors grow every step"
+        if type(self.kv).background is not KVManager.background:
+            return f"the {type(self.kv).__name__} policy works between steps"
+        return self.kv.fast_forward_blocker()
+
+    def plan_decode(self, max_steps: int = MAX_DECODE_RUN) -> DecodeRun | None:
+        """The run of decode-only steps the engine could take next (see :class:`DecodeRun`),
+        or None when the next step must run on its own (an admission, a prefill chunk, a
+        finishing sequence, a block that may not be there, ...). Call only when
+        :meth:`fast_forward_blocker` is None."""
+        if self._rejected:
+            return None
+        found = self.scheduler.decode_only()
+        if found is None:
+            return None
+        seqs, need, avoid = found
+        # The step that samples a sequence's last token finishes it: an event.
+        left = min(s.request.output_tokens - len(s.output_ids) for s in seqs) - 1
+        k = self.kv.decode_room(seqs, min(max_steps, left), keep_cached=need is not None)
+        if k < 1:
+            return None
+        n = len(seqs)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+        steps = np.arange(k, dtype=np.int64)
+        window = self.preset.sliding_window
+        if window is None:
+            context = int(starts.sum()) + n + n * steps
+        else:
+            # A decode at position p reads min(p + 1, window) keys.
+            context = np.minimum(starts[None, :] + 1 + steps[:, None], window).sum(axis=1)
+        self._decode = (seqs, need, avoid, int(starts.max()) + 1)
+        return DecodeRun(n, k, context, context)
+
+    def advance_decode(self, steps: int) -> DecodeSteps | None:
+        """Take ``steps`` (at most the planned run) decode steps in one go, exactly as that
+        many :meth:`step` calls would; fewer when a step must run on its own after all
+        (device memory, or a prefix-cache key the waiting request could hit); None when
+        none could be taken."""
+        seqs, need, avoid, longest = self._decode
+        self._decode = None
+        from kvbench.engines.sim_executor import SimExecutor
+
+        executor = self.executor
+        assert isinstance(executor, SimExecutor)
+        kv, memory = self.kv, executor.memory
+        lengths = [len(s.output_ids) for s in seqs]
+        executor.decode_tokens(seqs, steps)
+        if avoid:
+            steps = kv.decode_stop(seqs, steps, avoid)
+        device: dict[str, list[int]] = {}
+        reserved = 0
+        if steps:
+            memory.begin_decode()
+            steps, device, reserved = memory.decode_steps(len(seqs), longest, steps)
+        for seq, length in zip(seqs, lengths, strict=True):
+            del seq.output_ids[length + steps :]
+        if not steps:
+            return None
+        columns = kv.advance_decode(seqs, steps)
+        memory.end_decode(reserved)
+        self.scheduler.advance_decode(seqs, steps)
+        last = self.kv.stats()
+        kv_cols: dict[str, list[int]] = {}
+        for name in _KV_COLUMNS:
+            col = columns.get(name)
+            kv_cols[name] = col.tolist() if col is not None else [getattr(last, name)] * steps
+        if need is None:
+            zeros = [0] * steps
+            kv_cols["refused_bytes"] = zeros
+            kv_cols["refused_free_bytes"] = zeros
+            kv_cols["refused_largest_free_bytes"] = zeros
+            last.refused_bytes = last.refused_free_bytes = last.refused_largest_free_bytes = 0
+        else:
+            kv_cols["refused_bytes"] = [need] * steps
+            kv_cols["refused_free_bytes"] = kv_cols["free_bytes"]
+            kv_cols["refused_largest_free_bytes"] = kv_cols["largest_free_bytes"]
+            last.refused_bytes = need
+            last.refused_free_bytes = last.free_bytes
+            last.refused_largest_free_bytes = last.largest_free_bytes
+        tokens: dict[str, int] = {}
+        for seq in seqs:
+            rid = seq.request.id
+            tokens[rid] = tokens.get(rid, 0) + 1
+        sched = self.scheduler
+        return DecodeSteps(
+            steps, tokens, sched.num_running_requests, len(sched.waiting), kv_cols, device,
+            memory.tp, last,
+        )
+
     def _stats(self) -> KVStats:
         stats = self.kv.stats()
         refusal = self.scheduler.refusal
@@ -122,6 +257,14 @@ class BuiltinEngine:
             "scheduler": self.scheduler.config.to_json(),
             "executor": self.executor.describe(),
         }
+
+
+# The KVStats fields a step log keeps, refusals aside.
+_KV_COLUMNS = (
+    "capacity_bytes", "reserved_bytes", "used_bytes", "reserved_ahead_bytes", "free_bytes",
+    "largest_free_bytes", "shared_bytes", "prefix_hit_tokens", "block_allocs", "block_frees",
+    "copied_bytes", "page_table_entries",
+)
 
 
 def batch_shape(

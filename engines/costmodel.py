@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvbench.engines.base import BatchShape
 from kvbench.engines.hardware import CostCoefficients, Hardware
 from kvbench.engines.presets import ModelPreset
@@ -134,6 +136,51 @@ class CostModel:
         if batch.map_ops:
             step += c.map_op_s * batch.map_ops / self.tp
         return step
+
+    def decode_step_times(self, num_seqs: int, context: np.ndarray,
+                          pairs: np.ndarray) -> np.ndarray | None:
+        """``step_time_s`` of consecutive steps that each decode one token of the same
+        ``num_seqs`` sequences, reading ``context[j]`` KV positions in ``pairs[j]`` query x
+        key pairs at step ``j``: the same floating-point operations in the same order, on
+        arrays, so every time equals the one-step figure bit for bit. None when an integer
+        term would exceed 2**53 (it would round differently as a float)."""
+        c, hw = self.coef, self.hardware
+        assert c is not None
+        tp, n = self.tp, num_seqs
+        context = np.asarray(context, dtype=np.int64)
+        pairs = np.asarray(pairs, dtype=np.int64)
+        limit = 1 << 53
+        attention_i = self._flops_per_pair * pairs
+        flops_i = self._flops_per_token * n + self._flops_per_seq * n + attention_i
+        kv_i = (context + n) * self._kv_bytes_per_token
+        if max(int(flops_i.max(initial=0)), int(kv_i.max(initial=0))) >= limit:
+            return None
+        flops = flops_i.astype(np.float64) / tp
+        attention = attention_i.astype(np.float64) / tp
+        masked = self._flops_per_pair * 0.0 / tp  # every sequence decodes: no prefill chunk
+        kv_bytes = kv_i.astype(np.float64)
+        nbytes = self._weight_bytes + kv_bytes + 0 / tp
+        allreduce = 0.0
+        if tp > 1:
+            msg = n * self._allreduce_bytes_per_token
+            ring = 2 * (tp - 1) / tp * msg / self.hardware.link_bytes_per_s
+            allreduce = 2 * self.preset.num_layers * (ring + _ALLREDUCE_LATENCY_S)
+        peak_flops, peak_bw = hw.flops_per_s, hw.hbm_bytes_per_s
+        if c.split_attention:
+            assert c.attention_flops_efficiency and c.attention_bandwidth_efficiency
+            roofline = np.maximum(
+                (flops - attention) / (peak_flops * c.flops_efficiency),
+                (nbytes - kv_bytes) / (peak_bw * c.bandwidth_efficiency),
+            ) + np.maximum(
+                (attention + masked) / (peak_flops * c.attention_flops_efficiency),
+                kv_bytes / (peak_bw * c.attention_bandwidth_efficiency),
+            )
+        else:
+            roofline = np.maximum(
+                flops / (peak_flops * c.flops_efficiency),
+                nbytes / (peak_bw * c.bandwidth_efficiency),
+            )
+        return c.overhead_s + c.per_seq_s * n + roofline + allreduce
 
     def describe(self) -> dict[str, Any]:
         assert self.coef is not None

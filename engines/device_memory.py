@@ -152,6 +152,9 @@ class DeviceMemoryModel:
         self._allocator: CachingAllocator | None = None
         self._seqs: dict[int, _SeqKV] = {}
         self._releases_finished = True
+        # The reading before departed sequences were freed, when that was done ahead of the
+        # step (decode fast-forward).
+        self._in_use_before: int | None = None
 
     @property
     def on_demand(self) -> bool:
@@ -181,7 +184,10 @@ class DeviceMemoryModel:
         """The device memory at the peak of ``batch``; raises :class:`DeviceOutOfMemory` when
         it does not fit even after the allocator released its free segments."""
         assert self._activations is not None, "start() first"
-        in_use = self._snapshot(0, 0, 0).used_bytes // self.tp
+        in_use = self._in_use_before
+        if in_use is None:
+            in_use = self._snapshot(0, 0, 0).used_bytes // self.tp
+        self._in_use_before = None
         self._release_departed()
         if self.on_demand:
             self._grow_kv(batch)
@@ -207,6 +213,62 @@ class DeviceMemoryModel:
         """The device memory of a step that computed nothing."""
         self._release_departed()
         return self._snapshot(0, 0, self._encoder.nbytes)
+
+    def begin_decode(self) -> None:
+        """What :meth:`step` does first, ahead of :meth:`decode_steps`: free what departed
+        sequences held (keeping the reading from before, which an out-of-memory step
+        reports)."""
+        if self._in_use_before is None:
+            self._in_use_before = self._snapshot(0, 0, 0).used_bytes // self.tp
+        self._release_departed()
+
+    def decode_steps(self, num_seqs: int, longest: int, steps: int
+                     ) -> tuple[int, dict[str, list[int]], int]:
+        """The device memory of up to ``steps`` consecutive steps that each decode one token
+        of ``num_seqs`` sequences, the longest reading ``longest + j`` keys at step ``j``, as
+        :meth:`step` would report them one at a time, changing nothing; fewer steps when one
+        would not fit (that step runs on its own). Returns the steps, each component's
+        per-step values, and the workspace the allocator keeps after the last of them (for
+        :meth:`end_decode`)."""
+        assert self._activations is not None, "start() first"
+        encoder = self._encoder.nbytes
+        acts = self._activations
+        columns: dict[str, list[int]] = {name: [] for name in DeviceMemory.COMPONENTS}
+        fixed = acts.attention == "fused"  # its workspace does not depend on the context
+        reserved = self._workspace_reserved
+        values: dict[str, int] | None = None
+        taken = 0
+        for j in range(1 if fixed else steps):
+            peak = acts.peak(ForwardShape(num_seqs, num_seqs, (), num_seqs, longest + j))
+            activation, attention = peak.total - peak.attention, peak.attention
+            kept = max(reserved, _segments_up(activation + attention + encoder))
+            snapshot = self._snapshot_with(kept, activation, attention, encoder)
+            if snapshot.used_bytes // self.tp > self.memory_bytes:
+                break
+            reserved, values = kept, snapshot.components()
+            for name, value in values.items():
+                columns[name].append(value)
+            taken += 1
+        if fixed and taken:
+            # Every step alike: the first step's reading holds for all of them.
+            assert values is not None
+            taken = steps
+            columns = {name: [value] * steps for name, value in values.items()}
+        return taken, columns, reserved
+
+    def end_decode(self, workspace_reserved: int) -> None:
+        """Take the state :meth:`decode_steps` computed for the steps taken."""
+        self._workspace_reserved = workspace_reserved
+        self._in_use_before = None
+
+    def _snapshot_with(self, reserved: int, activation: int, attention: int,
+                       encoder: int) -> DeviceMemory:
+        """``_snapshot`` as it would read with ``reserved`` workspace bytes kept."""
+        kept, self._workspace_reserved = self._workspace_reserved, reserved
+        try:
+            return self._snapshot(activation, attention, encoder)
+        finally:
+            self._workspace_reserved = kept
 
     def _fit(self, activation: int, attention: int, encoder: int, in_use: int) -> DeviceMemory:
         workspace = activation + attention + encoder

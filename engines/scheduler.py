@@ -186,6 +186,46 @@ class Scheduler:
         kv.background()
         return ScheduledBatch(items, kv.take_copies(), kv.take_map_ops()), preempted, first
 
+    def decode_only(self) -> tuple[list[Sequence], int | None, set[int] | None] | None:
+        """Whether the next steps are all alike until some event: every running sequence
+        decodes one token (all fit the token budget) and the request at the head of the
+        waiting queue, if any, stays unadmitted for a reason decoding cannot change (the
+        sequence limit, the budget, or a KV refusal while memory only shrinks). Returns the
+        running sequences, the footprint in bytes the KV manager refuses each step (None:
+        no refusal) and the prefix-cache keys whose appearance could let the head in; None
+        when the next step must run on its own."""
+        running, config = self.running, self.config
+        n = len(running)
+        if not n or n > config.max_num_batched_tokens:
+            return None
+        for seq in running:
+            if not seq.output_ids or seq.num_computed_tokens != seq.num_tokens - 1:
+                return None
+        if not self.waiting:
+            return running, None, None
+        budget = config.max_num_batched_tokens - n
+        if budget <= 0:
+            return running, None, None
+        seq, kv = self.waiting[0], self.kv
+        n_samples = seq.request.n if not self._requests[seq.request.id].forked else 1
+        if n + n_samples > config.max_num_seqs:
+            return running, None, None
+        cached = kv.lookup_prefix(seq)
+        num_new = seq.num_tokens - cached
+        if num_new > budget:
+            if not config.chunked_prefill:
+                return running, None, None
+            num_new = budget
+        if kv.would_admit(seq, cached, num_new) is not False:
+            return None
+        need = kv.footprint(seq.request).tokens * kv.bytes_per_token
+        return running, need, kv.waiting_hashes(seq)
+
+    def advance_decode(self, seqs: list[Sequence], steps: int) -> None:
+        """Account ``steps`` decode steps of ``seqs`` (their tokens already appended)."""
+        for seq in seqs:
+            seq.num_computed_tokens += steps
+
     def _refusal(self, seq: Sequence) -> Refusal:
         # Free memory as the refusal saw it: the step's end frees finished requests' KV.
         kv = self.kv

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from kvbench.engines.base import DeviceMemory
 from kvbench.engines.device_memory import DeviceMemoryModel
 from kvbench.engines.executor import Executor, ScheduledBatch
 from kvbench.engines.kv.base import KVManager
+from kvbench.engines.sequence import Sequence
 from kvbench.workloads.model import key_hash
 
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -44,6 +47,21 @@ class SimExecutor(Executor):
                 h = (key_hash(seq.request.id) + position * _GOLDEN) & _MASK
                 out.append((h ^ (h >> 29)) % vocab)
         return out
+
+    def decode_tokens(self, seqs: list[Sequence], steps: int) -> None:
+        """Append to each of ``seqs`` the tokens ``steps`` decode steps sample, the ids
+        :meth:`execute` gives them one step at a time (uint64 arithmetic wraps as the
+        masked integer one does)."""
+        first = np.fromiter((s.num_prompt_tokens + len(s.output_ids) for s in seqs),
+                            np.uint64, len(seqs))
+        keys = np.fromiter((key_hash(s.request.id) for s in seqs), np.uint64, len(seqs))
+        with np.errstate(over="ignore"):
+            h = (first[:, None] + np.arange(1, steps + 1, dtype=np.uint64)) * np.uint64(_GOLDEN)
+            h += keys[:, None]
+            h ^= h >> np.uint64(29)
+            h %= np.uint64(self.vocab_size)
+        for seq, ids in zip(seqs, h.tolist(), strict=True):
+            seq.output_ids.extend(ids)
 
     def step_memory(self) -> DeviceMemory:
         stepped, self._stepped = self._stepped, None

@@ -155,14 +155,28 @@ class Workload:
     spec: dict[str, Any] = field(default_factory=dict)
     source: str = ""
     warnings: list[str] = field(default_factory=list)
+    # (the request list, its length, its digest) as last computed; requests are frozen, so
+    # the digest holds while the same list keeps the same length.
+    _digest: tuple[list[Request], int, str] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def digest(self) -> str:
-        """Content digest over the requests (order, arrivals, segments, lengths).
+        """Content digest over the requests (order, arrivals, segments, lengths), computed
+        once for a request list (a million requests take seconds to hash).
 
         It hashes, per request, ``json.dumps(r.to_json(), sort_keys=True, separators=(",",
         ":"))`` and a newline, written out by ``_request_json`` without building the dicts.
         """
+        cached = self._digest
+        if cached is not None and cached[0] is self.requests and cached[1] == len(self.requests):
+            return cached[2]
+        digest = self._compute_digest()
+        self._digest = (self.requests, len(self.requests), digest)
+        return digest
+
+    def _compute_digest(self) -> str:
         h = hashlib.sha256()
         segment_json = _SegmentJson()
         for r in self.requests:

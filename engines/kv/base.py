@@ -119,6 +119,53 @@ class KVManager(ABC):
         call (the step waits for them); 0 for policies that map nothing."""
         return 0
 
+    # --- decode fast-forward (optional) ---------------------------------------------------
+    #
+    # Between events, every step of a batch whose sequences all decode one token is alike:
+    # the engine can advance many such steps at once when the manager says how far that is
+    # safe and applies them exactly as one step after another would. A policy opts in by
+    # defining these methods in its own class; a subclass that inherits them does not
+    # (its other hooks may act between steps), and runs step by step.
+
+    def fast_forward_blocker(self) -> str | None:
+        """Why this manager cannot advance decode steps in bulk, or None when it can."""
+        if "decode_room" not in type(self).__dict__:
+            return f"the {type(self).__name__} policy advances step by step"
+        return None
+
+    def decode_room(self, seqs: list[Sequence], max_steps: int, keep_cached: bool = False) -> int:
+        """How many consecutive steps, up to ``max_steps``, in which each of ``seqs`` (the
+        running sequences, in order, each one token short of its computed tokens) decodes
+        one token, this manager can take with nothing but the bookkeeping of those tokens:
+        no allocation that could fail, no copy, no page released or moved; with
+        ``keep_cached``, no cached prefix evicted either."""
+        return 0
+
+    def decode_stop(self, seqs: list[Sequence], steps: int, avoid: set[int]) -> int:
+        """The first of the next ``steps`` decode steps of ``seqs`` (their ``output_ids``
+        already hold the tokens those steps sample) that would make a block findable whose
+        prefix-cache key is in ``avoid`` (one the request waiting at the head of the queue
+        could hit), or ``steps`` when none would."""
+        return steps
+
+    def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
+        """Apply ``steps`` (at most :meth:`decode_room`) decode steps of ``seqs``, whose
+        ``output_ids`` already hold the tokens those steps sample and whose
+        ``num_computed_tokens`` the caller advances afterwards, exactly as that many
+        grow/commit rounds would. Returns the per-step values, after each step, of the
+        :class:`KVStats` fields that change, keyed by field."""
+        raise NotImplementedError
+
+    def would_admit(self, seq: Sequence, num_cached: int, num_new: int) -> bool | None:
+        """Whether :meth:`allocate` would admit ``seq`` now, without changing anything;
+        None where the policy cannot tell."""
+        return None
+
+    def waiting_hashes(self, seq: Sequence) -> set[int] | None:
+        """Prefix-cache keys whose appearance could let ``seq`` hit more cached KV (None:
+        the policy has no prefix cache)."""
+        return None
+
     @abstractmethod
     def stats(self) -> KVStats:
         """Current memory snapshot."""

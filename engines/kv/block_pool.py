@@ -85,6 +85,11 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free_plain) + len(self._free_cached)
 
+    @property
+    def num_plain_free(self) -> int:
+        """Free blocks holding no cached content (taking them evicts nothing)."""
+        return len(self._free_plain)
+
     def take(self, n: int) -> list[int]:
         """Hand out ``n`` blocks (caller checked ``num_free``), each with one reference."""
         plain = self._free_plain

@@ -317,6 +317,46 @@ class ContiguousKVManager(KVManager):
             "align_slots": self.align_slots,
         }
 
+    # --- decode fast-forward ---------------------------------------------------------------
+
+    def decode_room(self, seqs: list[Sequence], max_steps: int, keep_cached: bool = False) -> int:
+        """Extents are reserved at admission, so decodes only write into them: any number of
+        steps up to the end of the shortest room left."""
+        if self._copies:
+            return 0
+        room = max_steps
+        for seq in seqs:
+            ext = self._extents[seq.seq_id]
+            if ext.num_committed != seq.num_computed_tokens:
+                return 0
+            room = min(room, ext.length - ext.num_committed)
+        return max(room, 0)
+
+    def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
+        n, bpt = len(seqs), self.bytes_per_token
+        used = self._used_tokens + n * np.arange(1, steps + 1, dtype=np.int64)
+        columns = {
+            "used_bytes": used * bpt,
+            "reserved_ahead_bytes": (self._limit_tokens - used) * bpt,
+        }
+        extents = self._extents
+        for seq in seqs:
+            extents[seq.seq_id].num_committed += steps
+        self._used_tokens += n * steps
+        return columns
+
+    def would_admit(self, seq: Sequence, num_cached: int, num_new: int) -> bool | None:
+        if seq.seq_id in self._extents or num_cached:
+            return None
+        length = self.reserve_len(seq.max_tokens)
+        if num_new > length:
+            return None
+        count = seq.request.n if seq.sample_index == 0 and not seq.output_ids else 1
+        trial = self.arena.copy()
+        if all(trial.take(length) is not None for _ in range(count)):
+            return True
+        return self.compaction and self.arena.total_free >= count * length
+
     def _place(self, length: int, count: int) -> list[int] | None:
         """Starts of ``count`` new extents of ``length``, all or none (compacting if allowed)."""
         trial = self.arena.copy()

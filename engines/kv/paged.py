@@ -375,6 +375,162 @@ class PagedKVManager(KVManager):
             self._table_entries -= len(blocks)
             state.released = outside
 
+    # --- decode fast-forward ---------------------------------------------------------------
+
+    def fast_forward_blocker(self) -> str | None:
+        if self.sliding_window is not None:
+            return "blocks outside the sliding window are released as sequences advance"
+        return super().fast_forward_blocker()
+
+    def decode_room(self, seqs: list[Sequence], max_steps: int, keep_cached: bool = False) -> int:
+        """Steps before a grow could fail or copy: every block the sequences reach at a block
+        boundary comes from the free queues, so at most ``num_free`` of them; a shared block
+        being written (copy-on-write) or a window release is an event of its own. While a
+        request waits refused at the head of the queue (``keep_cached``), only plain blocks
+        count: evicting a cached one could change what that request hits."""
+        if self.sliding_window is not None or self._copies:
+            return 0
+        bs, ref, caching = self.block_size, self.pool.ref, self.enable_prefix_caching
+        firsts = []
+        for seq in seqs:
+            state = self._seqs[seq.seq_id]
+            p, table = seq.num_computed_tokens, state.table
+            last = p // bs
+            if state.num_committed != p or p > len(table) * bs:
+                return 0
+            if last < len(table) and ref[table[last]] > 1:
+                return 0
+            if caching and state.num_indexed != last:
+                return 0
+            firsts.append(len(table) * bs - p)
+        room = self.pool.num_plain_free if keep_cached else self.pool.num_free
+        first = np.asarray(firsts, dtype=np.int64)
+
+        def taken(j: int) -> int:
+            """Blocks the grows of steps 0 .. j take together."""
+            return int(np.maximum(0, (j - first) // bs + 1).sum())
+
+        if taken(max_steps - 1) <= room:
+            return max_steps
+        lo, hi = 0, max_steps - 1  # taken(hi) > room; find the first such step
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if taken(mid) > room:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _decode_events(self, seqs: list[Sequence], steps: int
+                       ) -> tuple[dict[int, list[int]], dict[int, list[int]], np.ndarray]:
+        """Per step of the next ``steps`` decode steps: the sequences (by index) that reach a
+        block boundary and take a block, those that fill a block (made findable by its hash
+        with prefix caching), and the growth of the running sum of slots to be written."""
+        bs, caching = self.block_size, self.enable_prefix_caching
+        takes: dict[int, list[int]] = {}
+        fills: dict[int, list[int]] = {}
+        limit_delta = np.zeros(steps, dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            state = self._seqs[seq.seq_id]
+            p, f = seq.num_computed_tokens, state.final_len
+            m = len(state.table)
+            j = m * bs - p
+            while j < steps:
+                takes.setdefault(j, []).append(i)
+                limit_delta[j] += min((m + 1) * bs, f) - min(m * bs, f)
+                m += 1
+                j += bs
+            if caching:
+                j = (-(p + 1)) % bs
+                while j < steps:
+                    fills.setdefault(j, []).append(i)
+                    j += bs
+        return takes, fills, limit_delta
+
+    def decode_stop(self, seqs: list[Sequence], steps: int, avoid: set[int]) -> int:
+        if not self.enable_prefix_caching or not avoid:
+            return steps
+        bs = self.block_size
+        _, fills, _ = self._decode_events(seqs, steps)
+        hashes: dict[int, list[int]] = {}
+        for j in sorted(fills):
+            for i in fills[j]:
+                seq = seqs[i]
+                full = (seq.num_computed_tokens + j + 1) // bs
+                chain = hashes.get(i)
+                if chain is None:
+                    chain = hashes[i] = self._hashes_upto(
+                        seq, (seq.num_computed_tokens + steps) // bs)
+                if chain[full - 1] in avoid:
+                    return j
+        return steps
+
+    def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
+        bs, pool = self.block_size, self.pool
+        n = len(seqs)
+        states = [self._seqs[s.seq_id] for s in seqs]
+        starts = [s.num_computed_tokens for s in seqs]
+        takes, fills, limit_delta = self._decode_events(seqs, steps)
+        # In step order: a step's grows (in running order), then its commits.
+        for j in sorted(takes.keys() | fills.keys()):
+            idx = takes.get(j)
+            if idx:
+                for i, block in zip(idx, pool.take(len(idx)), strict=True):
+                    states[i].table.append(block)
+            idx = fills.get(j)
+            if idx:
+                for i in idx:
+                    state, full = states[i], (starts[i] + j + 1) // bs
+                    if full > state.num_indexed:
+                        hashes = self._hashes_upto(seqs[i], full)
+                        pool.cache(state.table, hashes, state.num_indexed, full)
+                        state.num_indexed = full
+        count = np.zeros(steps, dtype=np.int64)
+        for j, idx in takes.items():
+            count[j] = len(idx)
+        taken = np.cumsum(count)
+        grown = int(taken[-1])
+        written = n * np.arange(1, steps + 1, dtype=np.int64)
+        bpt, block_bytes = self.bytes_per_token, self.block_size * self.bytes_per_token
+        free = (pool.num_free + grown - taken) * block_bytes
+        limits = self._sum_limit + np.cumsum(limit_delta)
+        columns = {
+            "used_bytes": (self._used_tokens + written) * bpt,
+            "reserved_bytes": self.num_blocks * block_bytes - free,
+            "reserved_ahead_bytes": (limits - (self._sum_committed + written)) * bpt,
+            "free_bytes": free,
+            "largest_free_bytes": free,
+            "block_allocs": pool.num_allocs - grown + taken,
+            "page_table_entries": self._table_entries + taken,
+        }
+        self._used_tokens += n * steps
+        self._sum_committed += n * steps
+        self._sum_limit = int(limits[-1])
+        self._table_entries += grown
+        for i, state in enumerate(states):
+            state.num_committed = starts[i] + steps
+        return columns
+
+    def would_admit(self, seq: Sequence, num_cached: int, num_new: int) -> bool | None:
+        if seq.seq_id in self._seqs:
+            return None
+        bs, pool = self.block_size, self.pool
+        hits: list[int] = []
+        if num_cached:
+            if not self.enable_prefix_caching or num_cached % bs:
+                return None
+            hashes = self._hashes_upto(seq, num_cached // bs)
+            hits = pool.lookup(islice(hashes, num_cached // bs))
+            if len(hits) * bs != num_cached:
+                return None
+        num_fresh = _cdiv(num_cached + num_new, bs) - len(hits)
+        return num_fresh + pool.count_free(hits) <= pool.num_free
+
+    def waiting_hashes(self, seq: Sequence) -> set[int] | None:
+        if not self.enable_prefix_caching:
+            return None
+        return set(self._hashes_upto(seq, seq.num_tokens // self.block_size))
+
     def _limit(self, state: _SeqBlocks) -> int:
         """Slots of ``state``'s blocks its sequence writes by its end."""
         return min(len(state.table) * self.block_size, state.final_len)

@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from kvbench.cli import alert_flags, regress, scale, telemetry, workload
+from kvbench.cli import alert_flags, claims, regress, scale, telemetry, workload
 from kvbench.cli.options import (
     command_line,
     console,
@@ -32,6 +32,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Benchmark KV-cache memory management: paged vs contiguous vs vLLM.",
 )
+claims.register(app)
 regress.register(app)
 scale.register(app)
 telemetry.register(app)

@@ -36,7 +36,7 @@ def _bucket_edges(n: int, max_points: int) -> np.ndarray:
 
 
 def _column(values: list) -> np.ndarray | None:
-    if not values or any(v is None for v in values):
+    if not values or None in values:
         return None
     return np.asarray(values, dtype=np.float64)
 

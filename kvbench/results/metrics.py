@@ -244,7 +244,7 @@ PAGE_TABLE_ENTRY_BYTES = 8
 
 def _full(values: list) -> np.ndarray | None:
     """A KVStats column as floats, or None when the engine left any step's value absent."""
-    if not values or any(v is None for v in values):
+    if not values or None in values:
         return None
     return np.asarray(values, dtype=np.float64)
 

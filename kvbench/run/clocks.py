@@ -82,6 +82,11 @@ class VirtualClock(Clock):
     def after_step(self, report: StepReport) -> None:
         self._t += self.cost.step_time_s(report.batch)
 
+    def advance_to(self, t: float) -> None:
+        """Set the time to ``t``: the end of steps taken in one go, each step's time added
+        one after another as :meth:`after_step` adds them."""
+        self._t = t
+
     def at_perf(self, perf_s: float) -> float:
         raise RuntimeError(
             "an engine stamped its events in real time, which the virtual clock does not "

@@ -88,8 +88,10 @@ def start_and_run(
     run = run_engine(
         engine, plan.workload, make_clock(plan), progress,
         telemetry=make_telemetry(plan, config), waves=waves,
-        max_concurrency=plan.max_concurrency,
+        max_concurrency=plan.max_concurrency, fast_forward=plan.suite.run.fast_forward,
     )
+    # How the steps ran: the same records either way, so this is where it shows.
+    described["fast_forward"] = {"mode": run.fast_forward, "steps": run.fast_forward_steps}
     # Facts learned while running (vLLM's kv-equivalent multimodal inputs) complete it.
     described.update((k, v) for k, v in engine.describe().items() if k not in described)
     if at_start is not None:

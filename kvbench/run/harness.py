@@ -16,9 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from kvbench.engines.base import Engine, KVStats, StepReport
+from kvbench.engines.builtin import BuiltinEngine
 from kvbench.engines.device_memory import DeviceOutOfMemory
-from kvbench.run.clocks import Clock
+from kvbench.run.clocks import Clock, VirtualClock
 from kvbench.run.signals import interrupt_reason
 from kvbench.run.telemetry import OK, RssProbe, Telemetry
 from kvbench.workloads.model import Request, Workload
@@ -138,6 +141,10 @@ class EngineRun:
     telemetry_wall_s: float = 0.0  # of which: step logging and probe sampling
     # The modelled device ran out of memory (the run failed there, or never started).
     out_of_memory: DeviceOutOfMemory | None = None
+    # Decode fast-forward: "on" (runs of decode-only steps taken in one go), "off" (asked
+    # for step by step) or why the engine cannot; and the steps it took in bulk.
+    fast_forward: str = "off"
+    fast_forward_steps: int = 0
 
 
 def wave_requests(workload: Workload, wave: int, waves: int, start_s: float) -> list[Request]:
@@ -160,6 +167,7 @@ def run_engine(
     telemetry: Telemetry | None = None,
     waves: int = 1,
     max_concurrency: int | None = None,
+    fast_forward: bool = True,
 ) -> EngineRun:
     """Drive ``engine`` through ``workload`` (``waves`` times in a row). Never raises for
     engine failures or Ctrl-C: the returned run carries ``status`` and ``error``; the caller
@@ -168,7 +176,11 @@ def run_engine(
     With ``max_concurrency``, at most that many requests are in flight: a request arriving
     while the limit is reached waits client-side and is sent when one finishes, and its
     latencies count from sending, as ``vllm bench serve --max-concurrency`` measures them
-    (its record's ``arrival_s`` is the send time)."""
+    (its record's ``arrival_s`` is the send time).
+
+    With ``fast_forward``, a simulated engine under the virtual clock takes each run of
+    decode-only steps between events in one go (:func:`_fast_forward`): the same steps,
+    logged and timed exactly as one at a time."""
     if waves < 1:
         raise ValueError(f"waves must be at least 1, got {waves}")
     tel = telemetry if telemetry is not None else Telemetry([RssProbe()], {"rss": OK})
@@ -180,6 +192,9 @@ def run_engine(
     steps = StepLog()
     run = EngineRun(engine.name, workload, clock.name, timings, steps, telemetry=tel, waves=waves)
     warmup_done = max(1, math.ceil(WARMUP_FRACTION * len(timings)))
+    ff = _fast_forward_mode(engine, clock) if fast_forward else None
+    run.fast_forward = "off" if not fast_forward else "on" if ff is None else ff
+    bulk = fast_forward and ff is None
     done = idle = in_flight = 0
     limit = max_concurrency or len(timings) + 1
     wall0 = time.perf_counter()
@@ -203,6 +218,19 @@ def run_engine(
                 if not engine.has_unfinished():
                     clock.wait_until(requests[idx].arrival_s)
                     continue
+                if bulk:
+                    # Steps until the next arrival the harness would add (none while the
+                    # concurrency limit holds it back).
+                    due = requests[idx].arrival_s if idx < n and in_flight < limit else math.inf
+                    w0 = time.perf_counter()
+                    taken = _fast_forward(run, engine, clock, due)  # type: ignore[arg-type]
+                    if taken:
+                        idle = 0
+                        w1 = time.perf_counter()
+                        if w1 >= tel.next_due_s:
+                            tel.sample(len(steps) - 1, w1)
+                        run.step_wall_s += time.perf_counter() - w0
+                        continue
                 w0 = time.perf_counter()
                 t0 = clock.now()
                 report = engine.step()
@@ -262,6 +290,78 @@ def run_engine(
                 run.status, run.error = "failed", f"close() failed: {exc}"
         tel.close()
     return run
+
+
+def _fast_forward_mode(engine: Engine, clock: Clock) -> str | None:
+    """None when ``engine`` can take decode steps in bulk under ``clock``; else why not."""
+    if not isinstance(clock, VirtualClock):
+        return "unsupported: the wall clock times every step"
+    blocker = getattr(engine, "fast_forward_blocker", None)
+    if blocker is None:
+        return "unsupported: the engine steps one at a time"
+    reason = blocker()
+    return None if reason is None else f"unsupported: {reason}"
+
+
+# StepLog columns of the KVStats fields a step reports.
+_KV_LOG = {
+    "kv_capacity_bytes": "capacity_bytes", "kv_reserved_bytes": "reserved_bytes",
+    "kv_used_bytes": "used_bytes", "kv_reserved_ahead_bytes": "reserved_ahead_bytes",
+    "kv_free_bytes": "free_bytes", "kv_largest_free_bytes": "largest_free_bytes",
+    "kv_shared_bytes": "shared_bytes", "prefix_hit_tokens": "prefix_hit_tokens",
+    "block_allocs": "block_allocs", "block_frees": "block_frees",
+    "kv_copied_bytes": "copied_bytes", "page_table_entries": "page_table_entries",
+    "kv_refused_bytes": "refused_bytes", "kv_refused_free_bytes": "refused_free_bytes",
+    "kv_refused_largest_free_bytes": "refused_largest_free_bytes",
+}
+
+
+def _fast_forward(run: EngineRun, engine: BuiltinEngine, clock: VirtualClock,
+                  due_s: float) -> int:
+    """Take the engine's next run of decode-only steps in one go, ending at the step after
+    which ``due_s`` (the next arrival) has come; returns the steps taken (0: the next step
+    runs on its own). Each step's time is the cost model's for its batch, accumulated one
+    step after another, so clock times, step logs and token times equal step-by-step
+    replay's bit for bit."""
+    plan = engine.plan_decode()
+    if plan is None:
+        return 0
+    dts = clock.cost.decode_step_times(plan.num_seqs, plan.context, plan.pairs)
+    if dts is None:
+        return 0
+    t_start = clock.now()
+    ends = np.cumsum(np.concatenate(([t_start], dts)))
+    k = plan.max_steps
+    if due_s != math.inf:
+        # The first step ending at or after the arrival is the last one before it is added.
+        k = min(k, int(np.searchsorted(ends[1:], due_s, side="left")) + 1)
+    out = engine.advance_decode(k)
+    if out is None:
+        return 0
+    k = out.steps
+    t1 = ends[1 : k + 1]
+    t_end = t1.tolist()
+    s = run.steps
+    s.t_s.extend(t_end)
+    s.dt_s.extend((t1 - ends[:k]).tolist())
+    s.num_tokens.extend([plan.num_seqs] * k)
+    s.running.extend([out.num_running] * k)
+    s.waiting.extend([out.num_waiting] * k)
+    s.preempted.extend([0] * k)
+    for column, name in _KV_LOG.items():
+        getattr(s, column).extend(out.kv[name])
+    if out.device:
+        s.device_ranks = out.device_ranks
+        for name, values in out.device.items():
+            s.device.setdefault(name, []).extend(values)
+    run.last_kv = out.last_kv
+    timings = run.timings
+    for rid, count in out.tokens.items():
+        times = timings[rid].token_times_s
+        times.extend(t_end if count == 1 else np.repeat(t1, count).tolist())
+    clock.advance_to(t_end[-1])
+    run.fast_forward_steps += k
+    return k
 
 
 def _record_requests(

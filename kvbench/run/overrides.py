@@ -96,6 +96,11 @@ class RunFlags:
         "run.kv_allocation", "Simulated device: preallocated (vLLM's pool) | on-demand "
         "(a dynamic cache growing through the caching allocator)."
     )
+    fast_forward: bool | None = _flag(
+        "run.fast_forward", "Simulated engines (virtual clock): take the decode-only steps "
+        "between events in one go; --no-fast-forward steps one at a time (same records).",
+        ("--fast-forward/--no-fast-forward",),
+    )
     extra_kv_window_tokens: int | None = _flag(
         "run.extra_kv_window_tokens", "Simulated device: extra keys/values per layer kept "
         "for each running sequence (an undisabled sliding window)."

@@ -96,6 +96,9 @@ class RunSection(_Strict):
     attention_impl: AttentionImpl = "fused"
     kv_allocation: KVAllocation = "preallocated"
     extra_kv_window_tokens: int = Field(default=0, ge=0)
+    # Simulated engines under the virtual clock take runs of decode-only steps between
+    # events in one go; records are identical either way (false: step by step, to check).
+    fast_forward: bool = True
 
 
 class Suite(_Strict):

@@ -1,0 +1,163 @@
+"""The machinery of ``kvbench claims``: a row per policy or claim of the field reports, the
+runs the studies share, and the verdict vocabulary.
+
+A study is a function of a :class:`Context` returning a :class:`Row`. Its verdict comes from
+its measurements through the rule the row states (``rule``); only ``misdescribed`` and
+``not measurable here`` may rest on reasoning, which the row then gives.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kvbench.errors import KvbenchError
+from kvbench.results.schema import RunRecord
+from kvbench.workloads.model import Workload
+
+Verdict = Literal["reproduced", "partly", "refuted", "misdescribed", "not measurable here"]
+VERDICTS: tuple[str, ...] = ("reproduced", "partly", "refuted", "misdescribed",
+                             "not measurable here")
+
+
+@dataclass(slots=True)
+class Row:
+    id: str
+    claim: str  # the claim in a few words
+    interpretation: str  # what is tested, units stated
+    measured: str  # the figures, in words
+    verdict: Verdict
+    rule: str  # how the verdict follows from the figures
+    commands: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)  # the figures, machine-readable
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"{self.id}: unknown verdict {self.verdict!r}")
+
+
+def pick(conditions: list[tuple[bool, Verdict]], otherwise: Verdict) -> Verdict:
+    """The verdict of the first condition that holds."""
+    return next((v for ok, v in conditions if ok), otherwise)
+
+
+def pct(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def num(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}g}"
+
+
+def gb(x: float | None) -> str:
+    return "-" if x is None else f"{x / 1e9:.2f} GB"
+
+
+@dataclass(slots=True)
+class SuiteRun:
+    """The records of one ``kvbench run`` a study made, by engine, and its command."""
+
+    records: dict[str, RunRecord]
+    command: str
+    workload: Workload
+
+    def __getitem__(self, engine: str) -> dict[str, Any]:
+        return self.records[engine].summary
+
+    def record(self, engine: str) -> RunRecord:
+        return self.records[engine]
+
+
+class Context:
+    """What studies share: the output folder, quick or full, and runs already made (two
+    studies asking for the same run get the same records)."""
+
+    def __init__(self, out_dir: Path, quick: bool) -> None:
+        self.out_dir = out_dir
+        self.quick = quick
+        self._runs: dict[tuple, SuiteRun] = {}
+        self.cache: dict[str, Any] = {}
+
+    def size(self, quick: int, full: int) -> int:
+        return quick if self.quick else full
+
+    def run(self, suite: str, name: str, **flags: Any) -> SuiteRun:
+        """``kvbench run SUITE --flag value ... --out DIR/runs/NAME`` in-process (records
+        only, no figures); ``flags`` are :class:`~kvbench.run.overrides.RunFlags` fields."""
+        from kvbench.run.execute import record_of, start_and_run
+        from kvbench.run.overrides import RunFlags, flag_name, resolve_suite
+        from kvbench.run.plan import plan_run
+
+        key = (suite, tuple(sorted((k, str(v)) for k, v in flags.items())))
+        if key in self._runs:
+            return self._runs[key]
+        out = self.out_dir / "runs" / name
+        words = ["kvbench", "run", suite]
+        for k, v in flags.items():
+            if isinstance(v, bool):
+                words.append(flag_name(k) if v else "--no-" + flag_name(k)[2:])
+            else:
+                words += [flag_name(k), str(v)]
+        command = shlex.join([*words, "--out", f"runs/{name}"])
+        the_suite, base = resolve_suite(suite, RunFlags(**flags))
+        plan = plan_run(the_suite, base, out, command, force=True)
+        records: dict[str, RunRecord] = {}
+        for engine_name, engine in plan.engines:
+            run, config = start_and_run(plan, engine, None)
+            rec = record_of(plan, run, config)
+            rec.write(out / f"{engine_name}.json")
+            records[engine_name] = rec
+        result = SuiteRun(records, command, plan.workload)
+        self._runs[key] = result
+        return result
+
+
+Study = Callable[[Context], Row]
+STUDIES: dict[str, Study] = {}
+
+
+def study(ident: str) -> Callable[[Study], Study]:
+    def register(fn: Study) -> Study:
+        if ident in STUDIES:
+            raise RuntimeError(f"study {ident} registered twice")
+        STUDIES[ident] = fn
+        return fn
+    return register
+
+
+def order_key(ident: str) -> tuple[int, int]:
+    return (0 if ident[0] == "P" else 1, int(ident[1:]))
+
+
+def parse_only(text: str | None) -> list[str]:
+    """``C1,C21,P5`` -> the study ids, checked; None -> all, in the table's order."""
+    every = sorted(STUDIES, key=order_key)
+    if text is None:
+        return every
+    wanted = [x.strip().upper() for x in text.split(",") if x.strip()]
+    unknown = [x for x in wanted if x not in STUDIES]
+    if unknown or not wanted:
+        raise KvbenchError(f"--only {text}: unknown ids {', '.join(unknown) or '(none)'}; "
+                           f"valid: {', '.join(every)}")
+    return sorted(set(wanted), key=order_key)
+
+
+def run_one(ctx: Context, ident: str) -> Row:
+    start = time.perf_counter()
+    try:
+        row = STUDIES[ident](ctx)
+    except KvbenchError as exc:
+        raise KvbenchError(f"study {ident}: {exc}") from None
+    row.seconds = time.perf_counter() - start
+    row.commands.append(f"kvbench claims --only {ident} -o DIR"
+                        + (" --quick" if ctx.quick else ""))
+    return row

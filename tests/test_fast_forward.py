@@ -1,0 +1,141 @@
+"""Decode fast-forward: a simulated engine taking runs of decode-only steps in one go writes
+the same records, bit for bit, as stepping one at a time (host metrics aside), for every
+named built-in engine and on workloads that exercise preemption, prefix caching, forks,
+sliding windows, tensor parallelism and the device-memory models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvbench.engines.base import BatchShape
+from kvbench.engines.costmodel import CostModel
+from kvbench.engines.hardware import get_gpu
+from kvbench.engines.kv.paged import PagedPolicy
+from kvbench.engines.presets import get_preset
+from kvbench.engines.registry import KINDS, NAMED_ENGINES
+from kvbench.run.execute import record_of, start_and_run
+from kvbench.run.plan import plan_run
+from kvbench.run.suite import ModelSection, RunSection, Suite, WorkloadSection
+
+FIXTURES = Path(__file__).parent / "fixtures"
+MOONCAKE = FIXTURES / "mooncake_synthetic_trace_head300.jsonl"
+HOST_SUMMARY = {"wall_time_s", "peak_rss_bytes", "rss_growth_pct", "telemetry_overhead_pct"}
+BUILTIN = sorted(n for n, s in NAMED_ENGINES.items() if KINDS[s.kind].is_policy)
+
+
+def _records(tmp: Path, fast_forward: bool, workload: WorkloadSection, model: str,
+             engines: list[str], **run: Any) -> dict[str, dict]:
+    suite = Suite(
+        name="ff", workload=workload, model=ModelSection(preset=model),
+        engines=run.pop("sections", {}),
+        run=RunSection(device=run.pop("device", "sim:a100-80gb"), engines=engines,
+                       fast_forward=fast_forward, **run),
+    )
+    plan = plan_run(suite, None, tmp / ("ff" if fast_forward else "steps"), "test")
+    out = {}
+    for name, config in plan.engines:
+        r, described = start_and_run(plan, config, None)
+        record = record_of(plan, r, described).model_dump()
+        out[name] = record
+    return out
+
+
+def _strip(record: dict) -> dict:
+    record = dict(record)
+    record.pop("created_utc")
+    record["summary"] = {k: v for k, v in record["summary"].items() if k not in HOST_SUMMARY}
+    record["curves"] = {k: v for k, v in record["curves"].items() if k != "rss_bytes"}
+    record["engine_config"] = {k: v for k, v in record["engine_config"].items()
+                               if k != "fast_forward"}
+    return record
+
+
+def _check(tmp: Path, workload: WorkloadSection, model: str, engines: list[str],
+           expect_bulk: bool = True, **run: Any) -> dict[str, dict]:
+    fast = _records(tmp, True, workload, model, engines, **dict(run))
+    slow = _records(tmp, False, workload, model, engines, **dict(run))
+    for name in engines:
+        a, b = fast[name], slow[name]
+        assert b["engine_config"]["fast_forward"] == {"mode": "off", "steps": 0}
+        mode = a["engine_config"]["fast_forward"]
+        assert a["status"] == b["status"]
+        assert _strip(a) == _strip(b), name
+        if expect_bulk and mode["mode"] == "on":
+            assert mode["steps"] > 0, name
+    return fast
+
+
+MIXED = WorkloadSection(preset="mixed-text", num_requests=16, seed=1)
+
+
+@pytest.mark.parametrize("engine", BUILTIN)
+def test_every_builtin_engine_preemption_heavy(tmp_path: Path, engine: str) -> None:
+    """A KV budget small enough that paged preempts and contiguous waits for extents."""
+    fast = _check(tmp_path, MIXED, "llama-2-7b", [engine], kv_memory="3GiB")
+    mode = fast[engine]["engine_config"]["fast_forward"]["mode"]
+    if engine in ("paged", "paged-lfu", "paged-leaky", "contiguous", "contiguous-request",
+                  "contiguous-pow2", "contiguous-compact", "contiguous-defrag"):
+        assert mode == "on"
+    else:
+        assert mode.startswith("unsupported")
+
+
+@pytest.mark.parametrize("engine", BUILTIN)
+def test_every_builtin_engine_mooncake_slice(tmp_path: Path, engine: str) -> None:
+    """The Mooncake trace's first requests: long prompts, shared prefix blocks, chunked
+    prefill, prefix caching with eviction in a tight pool."""
+    workload = WorkloadSection(trace="mooncake", path=str(MOONCAKE), num_requests=24)
+    _check(tmp_path, workload, "qwen2.5-7b", [engine], kv_memory="6GiB",
+           max_model_len=32768)
+
+
+@pytest.mark.parametrize("preset", ["multi-turn", "shared-prefix", "parallel-sampling"])
+def test_prefix_caching_sessions_and_forks(tmp_path: Path, preset: str) -> None:
+    workload = WorkloadSection(preset=preset, num_requests=20, seed=2)
+    fast = _check(tmp_path, workload, "llama-2-7b", ["paged", "contiguous"], kv_memory="6GiB")
+    assert fast["paged"]["summary"]["completed"] > 0
+
+
+def test_sliding_window_model_and_release(tmp_path: Path) -> None:
+    """Windowed attention changes each decode's keys read; releasing blocks outside the
+    window is an event the paged policy takes step by step."""
+    workload = WorkloadSection(preset="long-context", num_requests=12, seed=3)
+    fast = _check(tmp_path, workload, "mistral-7b-v0.1", ["paged", "contiguous", "swa"],
+                  kv_memory="8GiB", expect_bulk=False,
+                  sections={"swa": PagedPolicy(sliding_window_release=True)})
+    assert fast["paged"]["engine_config"]["fast_forward"]["mode"] == "on"
+    assert fast["swa"]["engine_config"]["fast_forward"]["mode"].startswith("unsupported")
+
+
+@pytest.mark.parametrize("impl", ["sdpa-dense-mask", "cpu-reference", "eager"])
+def test_tensor_parallel_and_unfused_attention(tmp_path: Path, impl: str) -> None:
+    """Unfused kernels' workspace grows with the longest decode's context, step by step."""
+    _check(tmp_path, MIXED, "llama-2-7b", ["paged", "contiguous"],
+           device="sim:a100-80gbx2", kv_memory="6GiB", attention_impl=impl)
+
+
+def test_on_demand_kv_steps_one_at_a_time(tmp_path: Path) -> None:
+    fast = _check(tmp_path / "od", MIXED, "llama-2-7b", ["paged"], kv_memory="4GiB",
+                  kv_allocation="on-demand", expect_bulk=False)
+    assert fast["paged"]["engine_config"]["fast_forward"]["mode"].startswith("unsupported")
+
+
+def test_decode_step_times_equal_one_step_times() -> None:
+    rng = np.random.default_rng(0)
+    for preset, hw, tp in (("llama-2-7b", "a100-80gb", 1), ("qwen2.5-7b", "h200", 2),
+                           ("llama-3-8b", "h100-sxm", 4)):
+        cost = CostModel(get_preset(preset), get_gpu(hw), tp)
+        for _ in range(20):
+            n = int(rng.integers(1, 300))
+            context = np.cumsum(rng.integers(n, 40 * n, size=50))
+            pairs = context - rng.integers(0, n, size=50)
+            times = cost.decode_step_times(n, context, pairs)
+            assert times is not None
+            one = [cost.step_time_s(BatchShape(num_seqs=n, decode_tokens=n,
+                                               context_tokens=int(c), attn_pairs=int(p)))
+                   for c, p in zip(context, pairs, strict=True)]
+            assert times.tolist() == one
