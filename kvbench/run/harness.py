@@ -350,6 +350,10 @@ def _fast_forward(run: EngineRun, engine: BuiltinEngine, clock: VirtualClock,
     s.preempted.extend([0] * k)
     for column, name in _KV_LOG.items():
         getattr(s, column).extend(out.kv[name])
+    # Decode steps encode nothing: the encoder outputs held are the modelled device's.
+    encoder = out.device.get("encoder") if out.device else None
+    s.kv_encoder_cache_bytes.extend(
+        encoder if encoder is not None else [out.last_kv.encoder_cache_bytes] * k)
     if out.device:
         s.device_ranks = out.device_ranks
         for name, values in out.device.items():
