@@ -63,6 +63,11 @@ class KVStats:
     refused_bytes: int | None = None
     refused_free_bytes: int | None = None
     refused_largest_free_bytes: int | None = None
+    # Per page class of a modality-aware pool (its dtype, page size, capacity, reserved and
+    # used bytes); None for a single-class pool.
+    classes: dict[str, dict[str, Any]] | None = None
+    # Bytes of encoder outputs (image / audio embeddings) kept for reuse, beside the KV.
+    encoder_cache_bytes: int | None = None
 
 
 @dataclass(slots=True)

@@ -211,6 +211,9 @@ class BuiltinEngine:
         memory.end_decode(reserved)
         self.scheduler.advance_decode(seqs, steps)
         last = self.kv.stats()
+        encoder = device.get("encoder")
+        last.encoder_cache_bytes = (encoder[-1] if encoder else
+                                    executor.encoder_cache_bytes())
         kv_cols: dict[str, list[int]] = {}
         for name in _KV_COLUMNS:
             col = columns.get(name)
@@ -244,6 +247,7 @@ class BuiltinEngine:
         stats.refused_bytes = refusal.need_bytes
         stats.refused_free_bytes = refusal.free_bytes
         stats.refused_largest_free_bytes = refusal.largest_free_bytes
+        stats.encoder_cache_bytes = self.executor.encoder_cache_bytes()
         return stats
 
     def close(self) -> None:

@@ -55,6 +55,10 @@ class Executor(ABC):
         (the simulator); None where it is measured instead (telemetry probes)."""
         return None
 
+    def encoder_cache_bytes(self) -> int | None:
+        """Bytes of encoder outputs kept for reuse now (None where not known)."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release device memory."""

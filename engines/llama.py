@@ -139,6 +139,9 @@ class Attention(nn.Module):
         q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self._split, dim=-1)
         q = apply_rope(q.view(t, self.num_heads, d), cos, sin)
         k = apply_rope(k.view(t, self.num_kv_heads, d), cos, sin)
+        if not isinstance(kv, Tensor):  # a pool of several page classes (ClassPools)
+            o = kv.store_attend(self.kernels, q, k, v.view(t, self.num_kv_heads, d), self.scale)
+            return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
         k_cache, v_cache = kv[0], kv[1]
         self.kernels.store_kv(k_cache, v_cache, k, v.view(t, self.num_kv_heads, d),
                               batch.slot_mapping)

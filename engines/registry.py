@@ -14,6 +14,7 @@ from kvbench.engines.base import Engine
 from kvbench.engines.config import EngineConfig, EngineSection
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.contiguous import ContiguousKVManager, ContiguousPolicy
+from kvbench.engines.kv.modal import ModalKVManager, ModalPolicy
 from kvbench.engines.kv.paged import PagedKVManager, PagedPolicy
 from kvbench.engines.kv.paged_mixed import PagedMixedKVManager, PagedMixedPolicy
 from kvbench.engines.kv.segmented import SegmentedKVManager, SegmentedPolicy
@@ -51,6 +52,7 @@ KINDS: dict[str, Kind] = {
         Kind(PagedMixedPolicy, PagedMixedKVManager, BlockTables),
         Kind(SegmentedPolicy, SegmentedKVManager, BlockTables),
         Kind(VAttentionPolicy, VAttentionKVManager, BlockTables),
+        Kind(ModalPolicy, ModalKVManager, BlockTables),
         Kind(VllmSection),
         Kind(OpenAISection),
     )
@@ -59,7 +61,7 @@ KINDS: dict[str, Kind] = {
 # A suite's [engines.NAME] table: validated by its kind's model.
 AnyEngineSection = Annotated[
     PagedPolicy | ContiguousPolicy | PagedMixedPolicy | SegmentedPolicy | VAttentionPolicy
-    | VllmSection | OpenAISection,
+    | ModalPolicy | VllmSection | OpenAISection,
     Field(discriminator="kind"),
 ]
 _SECTION = TypeAdapter(AnyEngineSection)
@@ -84,6 +86,14 @@ NAMED_ENGINES: dict[str, EngineSection] = {
     # vAttention's latency hiding: pages mapped ahead in the background, finished ranges
     # kept mapped for the next sequences.
     "vattention-prewarm": VAttentionPolicy(prewarm_pages=64),
+    # Modality-aware KV (P7, P8): vision KV in int8 at the text block size; vision in its
+    # own 512-token pages sharing one pool with text, or in a pool of its own.
+    "modal-int8": ModalPolicy(kv_dtype={"image": "int8", "audio": "int8"}),
+    "modal-fp8": ModalPolicy(kv_dtype={"image": "fp8_e4m3", "audio": "fp8_e4m3"}),
+    "modal-pages": ModalPolicy(vision_page_tokens=512),
+    "modal-pages-split": ModalPolicy(vision_page_tokens=512, pools="split"),
+    "modal-pages-int8": ModalPolicy(vision_page_tokens=512,
+                                    kv_dtype={"image": "int8", "audio": "int8"}),
     "vllm": VllmSection(),
     # A server on this machine at vLLM's default port; suites name others.
     "openai": OpenAISection(),

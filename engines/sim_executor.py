@@ -36,6 +36,7 @@ class SimExecutor(Executor):
         self.target = target
         self.memory = memory
         self._stepped: DeviceMemory | None = None
+        self._encoder_bytes = 0
 
     def bind(self, kv: KVManager) -> None:
         """Nothing to allocate: the pool exists only as the manager's bookkeeping and in the
@@ -70,7 +71,14 @@ class SimExecutor(Executor):
 
     def step_memory(self) -> DeviceMemory:
         stepped, self._stepped = self._stepped, None
-        return stepped if stepped is not None else self.memory.idle()
+        out = stepped if stepped is not None else self.memory.idle()
+        self._encoder_bytes = out.encoder_bytes
+        return out
+
+    def encoder_cache_bytes(self) -> int:
+        """Encoder outputs held at the last step's peak (the model frees those no running
+        sequence still needs at the step's end)."""
+        return self._encoder_bytes
 
     def close(self) -> None:
         """Nothing to release."""

@@ -50,12 +50,17 @@ class TorchExecutor(Executor):
         self.model = build_model(self.preset, self.kernels, self._device, weights, seed)
         self.encoders = Encoders(self.preset.hidden_size, self._device, self.dtype, seed)
         self._pool: Tensor | None = None
+        self._classes: Any = None  # ClassPools of a modality-aware pool
+        # With keep_logits, the last step's logits [sampled items, vocab] (quality probes).
+        self.keep_logits = False
+        self.last_logits: Tensor | None = None
 
     @property
     def kv_pool_bytes(self) -> int:
+        if self._classes is not None:
+            return self._classes.nbytes
         return 0 if self._pool is None else self._pool.nbytes
 
-    @property
     def encoder_cache_bytes(self) -> int:
         return self.encoders.cache_bytes
 
@@ -68,6 +73,14 @@ class TorchExecutor(Executor):
                 "and dtype"
             )
         self._pool = None  # a rebind must not hold two pools at once
+        self._classes = None
+        pool_classes = getattr(kv, "pool_classes", None)  # managers of one flat pool may lack it
+        classes = pool_classes() if pool_classes is not None else None
+        if classes is not None:
+            from kvbench.engines.class_pools import ClassPools
+
+            self._classes = ClassPools(p, classes, self._device)
+            return
         # One tensor for all layers: the KV budget is exactly one allocation of
         # capacity_tokens x bytes_per_token (no per-layer allocator slack), and a slot copy
         # moves every layer's K and V in one indexing op.
@@ -77,6 +90,8 @@ class TorchExecutor(Executor):
         )
 
     def execute(self, batch: ScheduledBatch, kv: KVManager) -> list[int]:
+        if self._classes is not None:
+            return self._execute_classes(batch, kv)
         if self._pool is None:
             raise KvbenchError("execute() before bind(): the KV pool is not allocated")
         pool = self._pool
@@ -109,6 +124,34 @@ class TorchExecutor(Executor):
             logits = self.model(
                 hidden, dev(positions, torch.int64), attn, pool, dev(sample_rows, torch.int64)
             )
+            self.last_logits = logits if self.keep_logits else None
+            return greedy(logits).tolist()
+
+    def _execute_classes(self, batch: ScheduledBatch, kv: KVManager) -> list[int]:
+        """``execute`` over a pool of several page classes (no copies: such pools make none)."""
+        if not batch.items:
+            return []
+        items = batch.items
+        spans = [(it.seq, it.start, it.start + it.num_tokens) for it in items]
+        cu = np.cumsum([0] + [it.num_tokens for it in items])
+        ctx = np.array([end for _, _, end in spans], dtype=np.int64)
+        token_ids = np.concatenate([seq.token_ids(start, end) for seq, start, end in spans])
+        positions = np.concatenate([np.arange(start, end) for _, start, end in spans])
+        slots = np.concatenate([kv.slots(seq, start, end) for seq, start, end in spans])
+        sample_rows = np.array([cu[i + 1] - 1 for i, it in enumerate(items) if it.sample], np.int64)
+
+        def dev(a: np.ndarray, dtype: torch.dtype) -> Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self._device, dtype)
+
+        layout = kv.attention_layout([it.seq for it in items], ctx).on(self._device)
+        pos_t, cu_t = dev(positions, torch.int64), dev(cu, torch.int32)
+        self._classes.begin(self.kernels, layout, slots, pos_t, cu_t, self.preset.num_heads)
+        attn = AttentionBatch(dev(slots, torch.int64), cu_t, dev(ctx, torch.int32), layout)
+        with torch.inference_mode():
+            hidden = self.model.embed(dev(token_ids, torch.int64))
+            self._insert_encoder_outputs(hidden, batch, cu)
+            logits = self.model(hidden, pos_t, attn, self._classes, dev(sample_rows, torch.int64))
+            self.last_logits = logits if self.keep_logits else None
             return greedy(logits).tolist()
 
     def _insert_encoder_outputs(
@@ -152,6 +195,7 @@ class TorchExecutor(Executor):
 
     def close(self) -> None:
         self._pool = None
+        self._classes = None
         self.encoders.clear()
         if self._device.type == "cuda":
             torch.cuda.empty_cache()

@@ -545,3 +545,53 @@ def test_reference_path_never_imports_triton():
         "sys.exit('triton' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@kernel_test
+def test_modal_class_pools_match_the_reference():
+    """The executor's pool of page classes (float32 text, int8 vision, separate caches,
+    attention merged over the classes) gives the same step with Triton as with the
+    reference: prefill then a decode over text, image and text positions."""
+    from kvbench.engines.class_pools import ClassPools
+    from kvbench.engines.config import EngineSettings, engine_config
+    from kvbench.engines.kv.modal import ModalPolicy
+    from kvbench.engines.presets import ModelPreset
+    from kvbench.engines.scheduler import SchedulerConfig
+    from kvbench.engines.sequence import Sequence
+    from kvbench.run.devices import parse_device
+    from kvbench.workloads.model import Request, Segment
+
+    preset = ModelPreset(name="m", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=8, intermediate_size=64, max_position=256,
+                         dtype="float32")
+    policy = ModalPolicy(vision_page_tokens=16, kv_dtype={"image": "int8"})
+    settings = EngineSettings(preset=preset, device=parse_device("cpu"),
+                              kv_bytes=512 * preset.kv_bytes_per_token, block_size=8,
+                              prefix_caching=False, scheduler=SchedulerConfig(256, 4, 256, True))
+    cfg = engine_config("m", policy, settings)
+    kv = cfg.section.manager(cfg)
+    req = Request("r", 0.0, (Segment("text", 5, "t"), Segment("image", 20, "i"),
+                             Segment("text", 6, "q")), 2)
+    seq = Sequence(0, req, req.prompt_token_ids(64))
+    n = seq.num_prompt_tokens
+    assert kv.allocate(seq, 0, n + 1)
+    gen = torch.Generator().manual_seed(9)
+    dev = torch.device(DEVICE)
+    outs = {}
+    for name, backend in (("reference", get_backend("reference")), ("triton", triton_backend())):
+        pools = ClassPools(preset, kv.classes, dev)
+        results = []
+        gen.manual_seed(9)
+        for start, end in ((0, n), (n, n + 1)):
+            t = end - start
+            q = torch.randn(t, 4, 8, generator=gen).to(dev)
+            k = torch.randn(t, 2, 8, generator=gen).to(dev)
+            v = torch.randn(t, 2, 8, generator=gen).to(dev)
+            layout = kv.attention_layout([seq], np.array([end])).on(dev)
+            positions = torch.arange(start, end, device=dev)
+            cu = torch.tensor([0, t], dtype=torch.int32, device=dev)
+            pools.begin(backend, layout, kv.slots(seq, start, end), positions, cu, 4)
+            results.append(pools[0].store_attend(backend, q, k, v, 8 ** -0.5))
+        outs[name] = results
+    for want, got in zip(outs["reference"], outs["triton"], strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

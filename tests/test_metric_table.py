@@ -72,6 +72,9 @@ def test_every_table_entry_is_produced_or_says_what_it_needs(records) -> None:
         elif spec.needs == ("oom",):
             # Only a run that ran out of device memory has these.
             assert spec.name not in keys, spec.name
+        elif spec.needs == ("modal",):
+            # Only a modality-aware pool has page classes (tests/test_kv_modal.py runs one).
+            assert spec.name not in keys, spec.name
         elif spec.needs in (("policy",), ("fragmentation",)):
             # Counters some KV policies keep, facts of a fragmentation wait: recorded by every
             # run, None where there are none.
@@ -89,7 +92,8 @@ def test_every_curve_is_produced_or_comes_from_a_cuda_probe(records) -> None:
                      None, per_process=True, pids=set)
     cuda = set(CudaProbe.columns) | set(nvml.columns)
     for spec in CURVES:
-        if spec.needs == ("disaggregated",):
+        if spec.needs in (("disaggregated",), ("modal",)):
+            # Produced by their own runs: tests/test_cluster.py, tests/test_kv_modal.py.
             assert spec.name not in produced, spec.name
             continue
         assert (spec.name in produced) != ("cuda" in spec.needs), spec.name

@@ -134,7 +134,7 @@ def test_multimodal_rows_use_encoder_outputs(executor):
     kv = PagedStub(64)
     a = generate(bound(executor, kv), kv, [make_seq(0, (seg,), 8), make_seq(1, (other,), 8)])
     assert a[0] != a[1]
-    assert executor.encoder_cache_bytes >= 2 * 64 * SMALL.hidden_size * 4
+    assert executor.encoder_cache_bytes() >= 2 * 64 * SMALL.hidden_size * 4
 
 
 def test_copies_move_kv_before_compute(executor):

@@ -114,6 +114,11 @@ class KVManager(ABC):
         """Work that overlaps the step whose batch was just chosen (pre-mapping pages,
         pre-splitting them): it costs the step no time."""
 
+    def pool_classes(self) -> tuple[Any, ...] | None:
+        """The page classes of a pool that stores modalities apart (each its own slots and
+        dtype: :class:`~kvbench.engines.kv.modal.PoolClass`), or None for one flat pool."""
+        return None
+
     def take_map_ops(self) -> int:
         """Virtual-memory map and unmap operations done on the critical path since the last
         call (the step waits for them); 0 for policies that map nothing."""

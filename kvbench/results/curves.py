@@ -24,7 +24,7 @@ _MAX_COLS = (
     "kv_capacity_bytes", "kv_reserved_bytes", "kv_used_bytes", "kv_reserved_ahead_bytes",
     "kv_shared_bytes", "running",
     "waiting", "prefix_hit_tokens", "block_allocs", "block_frees", "num_tokens",
-    "kv_copied_bytes", "page_table_entries",
+    "kv_copied_bytes", "page_table_entries", "kv_encoder_cache_bytes",
 )
 _MIN_COLS = ("kv_free_bytes", "kv_largest_free_bytes")
 _SUM_COLS = ("preempted",)
@@ -100,6 +100,9 @@ def build_curves(
         if col is not None:
             cols[name] = col
     cols.update(device_columns(steps))
+    # Per page class of a modality-aware pool: kv_<class>_<reserved|used|capacity>_bytes.
+    cols.update({f"kv_{name}": np.asarray(v, dtype=np.float64)
+                 for name, v in steps.kv_class_bytes.items()})
     free, largest = cols.get("kv_free_bytes"), cols.get("kv_largest_free_bytes")
     if free is not None and largest is not None:
         cols["frag_index"] = frag_index(free, largest)

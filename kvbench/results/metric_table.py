@@ -49,8 +49,11 @@ Kind = Literal["deterministic", "clock", "timing", "device"]
 # a device whose memory is measured (CUDA) or modelled (simulated), a run that ran out of
 # the modelled device's memory, a request refused admission although enough KV memory was
 # free in total, a cluster of replicas, disaggregated prefill/decode replicas.
+# ``modal``: a modality-aware KV pool (its page classes' figures).
 Need = Literal["slo", "soak", "cuda", "policy", "device", "oom", "fragmentation", "cluster",
-               "disaggregated"]
+               "disaggregated", "modal"]
+# The page classes of a modality-aware pool (kvbench.engines.kv.modal).
+MODAL_CLASSES = ("text", "vision")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +109,30 @@ _LATENCIES = tuple(
 
 # Summary metrics by topic: requests and throughput, latency, concurrency and KV, process and
 # device memory, soak. The run tables show the ``report`` ones in this order.
+_MODAL_METRICS = tuple(
+    spec
+    for c in MODAL_CLASSES
+    for spec in (
+        _m(f"kv_{c}_element_bytes", "bytes", "none", "deterministic",
+           f"{c} KV bytes per element", "bytes", needs=("modal",)),
+        _m(f"kv_{c}_page_tokens", "tokens", "none", "deterministic", f"{c} page tokens", "d",
+           needs=("modal",)),
+        _m(f"peak_kv_{c}_reserved_bytes", "bytes", "lower", "clock", f"peak {c} KV reserved",
+           "bytes", needs=("modal",)),
+        _m(f"peak_kv_{c}_used_bytes", "bytes", "lower", "clock", f"peak {c} KV used", "bytes",
+           needs=("modal",)),
+        _m(f"mean_kv_{c}_utilization", "fraction", "none", "clock",
+           f"{c} pool utilization (reserved/capacity)", "fraction", needs=("modal",)),
+        _m(f"kv_{c}_waste_pct", "%", "lower", "clock", f"{c} KV waste %", ".1f",
+           needs=("modal",)),
+    )
+)
+_MODAL_CURVES = tuple(
+    _m(f"kv_{c}_{what}_bytes", "bytes", "none" if what == "capacity" else "lower", "clock",
+       f"{c} KV {what}", "bytes", needs=("modal",))
+    for c in MODAL_CLASSES for what in ("reserved", "used", "capacity")
+)
+
 METRICS: tuple[MetricSpec, ...] = (
     _m("num_requests", "requests", "none", "deterministic", "requests", "d"),
     _m("completed", "requests", "higher", "clock", "completed requests", "d", report=True),
@@ -147,6 +174,9 @@ METRICS: tuple[MetricSpec, ...] = (
        report=True),
     _m("fragmentation_wait_s", "s", "lower", "clock", "of which with enough KV free (s)", ".2f",
        report=True),
+    _m("peak_encoder_cache_bytes", "bytes", "lower", "clock", "peak encoder cache", "bytes"),
+    _m("mean_encoder_cache_bytes", "bytes", "lower", "clock", "mean encoder cache", "bytes"),
+    *_MODAL_METRICS,
     _m("fragmentation_wait_steps", "steps", "lower", "clock", "steps waiting with enough KV free",
        "d"),
     # The worst of those refusals (the most memory free): facts of one moment.
@@ -299,6 +329,8 @@ CURVES: tuple[MetricSpec, ...] = (
     _m("block_frees", "frees", "none", "clock", "page frees", "d"),
     _m("kv_copied_bytes", "bytes", "none", "clock", "KV copied between slots", "bytes"),
     _m("page_table_entries", "entries", "lower", "clock", "page-table entries", "d"),
+    _m("kv_encoder_cache_bytes", "bytes", "lower", "clock", "encoder cache", "bytes"),
+    *_MODAL_CURVES,
     _m("rss_bytes", "bytes", "lower", "timing", "process RSS", "bytes"),
     # Disaggregated prefill/decode: KV reserved summed over each role's replicas.
     _m("prefill_kv_reserved_bytes", "bytes", "none", "clock", "KV reserved, prefill replicas",

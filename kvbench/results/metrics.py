@@ -203,7 +203,37 @@ def summarize(run: EngineRun, slo: SLO | None = None) -> dict[str, Any]:
     summary.update(kv_metrics(run))
     summary.update(fragmentation_metrics(run))
     summary.update(memory_metrics(run))
+    summary.update(modal_metrics(run))
     return summary
+
+
+def modal_metrics(run: EngineRun) -> dict[str, Any]:
+    """Encoder-cache memory and, for a pool of page classes (modality-aware KV), per class:
+    bytes per stored element (its dtype's), peak reserved and used bytes, mean utilisation
+    of its capacity (reserved / capacity: usage per pool, not the max of pools) and waste
+    (1 - used / reserved over the steps, reserved-weighted). Only keys the run has."""
+    s = run.steps
+    out: dict[str, Any] = {}
+    enc = [v for v in s.kv_encoder_cache_bytes if v is not None]
+    if enc:
+        out["peak_encoder_cache_bytes"] = int(max(enc))
+        out["mean_encoder_cache_bytes"] = float(np.mean(enc))
+    kv = run.last_kv
+    if not s.kv_class_bytes or kv is None or kv.classes is None:
+        return out
+    for name, last in kv.classes.items():
+        reserved = np.asarray(s.kv_class_bytes[f"{name}_reserved_bytes"], dtype=np.float64)
+        used = np.asarray(s.kv_class_bytes[f"{name}_used_bytes"], dtype=np.float64)
+        cap = np.asarray(s.kv_class_bytes[f"{name}_capacity_bytes"], dtype=np.float64)
+        out[f"kv_{name}_element_bytes"] = last["element_bytes"]
+        out[f"kv_{name}_page_tokens"] = last["page_tokens"]
+        out[f"peak_kv_{name}_reserved_bytes"] = int(reserved.max(initial=0))
+        out[f"peak_kv_{name}_used_bytes"] = int(used.max(initial=0))
+        out[f"mean_kv_{name}_utilization"] = float(np.mean(reserved / np.maximum(cap, 1)))
+        total = reserved.sum()
+        out[f"kv_{name}_waste_pct"] = (
+            100.0 * (1.0 - used.sum() / total) if total > 0 else None)
+    return out
 
 
 # KVStats counters that only some KV policies keep (None elsewhere), as summary kv_<name>.

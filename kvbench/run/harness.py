@@ -98,6 +98,10 @@ class StepLog:
     kv_refused_bytes: list[int | None] = field(default_factory=list)
     kv_refused_free_bytes: list[int | None] = field(default_factory=list)
     kv_refused_largest_free_bytes: list[int | None] = field(default_factory=list)
+    # Encoder outputs kept for reuse (KVStats.encoder_cache_bytes), and per page class of a
+    # modality-aware pool ``<class>_<reserved|used|capacity>_bytes``.
+    kv_encoder_cache_bytes: list[int | None] = field(default_factory=list)
+    kv_class_bytes: dict[str, list[int]] = field(default_factory=dict)
     # Modelled device memory at each step's peak (engines that model it: the simulator),
     # one column per DeviceMemory component, summed over the tensor-parallel ranks.
     device: dict[str, list[int]] = field(default_factory=dict)
@@ -348,6 +352,10 @@ def _fast_forward(run: EngineRun, engine: BuiltinEngine, clock: VirtualClock,
     s.preempted.extend([0] * k)
     for column, name in _KV_LOG.items():
         getattr(s, column).extend(out.kv[name])
+    # Decode steps encode nothing: the encoder outputs held are the modelled device's.
+    encoder = out.device.get("encoder") if out.device else None
+    s.kv_encoder_cache_bytes.extend(
+        encoder if encoder is not None else [out.last_kv.encoder_cache_bytes] * k)
     if out.device:
         s.device_ranks = out.device_ranks
         for name, values in out.device.items():
@@ -428,6 +436,11 @@ def _log_step(run: EngineRun, report: StepReport, t0: float, t1: float) -> None:
         s.kv_refused_bytes.append(kv.refused_bytes)
         s.kv_refused_free_bytes.append(kv.refused_free_bytes)
         s.kv_refused_largest_free_bytes.append(kv.refused_largest_free_bytes)
+        s.kv_encoder_cache_bytes.append(kv.encoder_cache_bytes)
+        if kv.classes is not None:
+            for name, c in kv.classes.items():
+                for key in ("reserved_bytes", "used_bytes", "capacity_bytes"):
+                    s.kv_class_bytes.setdefault(f"{name}_{key}", []).append(c[key])
     device = report.device
     if device is not None:
         s.device_ranks = device.tp
