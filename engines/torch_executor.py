@@ -7,6 +7,7 @@ manager describes for each batch (block tables, extents, ...) picks the attentio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,21 @@ from kvbench.engines.torch_device import TORCH_DTYPES, resolve_device, zeros
 from kvbench.engines.weights import build_model
 from kvbench.errors import KvbenchError
 from kvbench.kernels.backend import get_backend
+
+
+@dataclass(frozen=True, slots=True)
+class _StepInputs:
+    """One step's flat batch on the device (``*_host``: the host arrays some callers need)."""
+
+    token_ids: Tensor
+    positions: Tensor
+    slots: Tensor
+    slots_host: np.ndarray
+    cu: Tensor
+    cu_host: np.ndarray
+    ctx: Tensor
+    sample_rows: Tensor
+    layout: Any
 
 
 class TorchExecutor(Executor):
@@ -99,31 +115,16 @@ class TorchExecutor(Executor):
             self.kernels.copy_slots(pool.view(-1, *pool.shape[2:]), batch.copies)
         if not batch.items:
             return []
-        items = batch.items
-        spans = [(it.seq, it.start, it.start + it.num_tokens) for it in items]
-        cu = np.cumsum([0] + [it.num_tokens for it in items])
-        ctx = np.array([end for _, _, end in spans], dtype=np.int64)
-        token_ids = np.concatenate([seq.token_ids(start, end) for seq, start, end in spans])
-        positions = np.concatenate([np.arange(start, end) for _, start, end in spans])
-        slots = np.concatenate([kv.slots(seq, start, end) for seq, start, end in spans])
-        sample_rows = np.array([cu[i + 1] - 1 for i, it in enumerate(items) if it.sample], np.int64)
-
-        def dev(a: np.ndarray, dtype: torch.dtype) -> Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(self._device, dtype)
-
-        layout = kv.attention_layout([it.seq for it in items], ctx).on(self._device)
-        cu_t, ctx_t = dev(cu, torch.int32), dev(ctx, torch.int32)
+        step = self._step_inputs(batch, kv)
         # Every layer reads the same layout: the kernels plan it once for the step.
-        plan = layout.plan(self.kernels, ctx_t, cu_t, pool[0, 0], pool[0, 1],
-                           self.preset.num_heads, window=self.preset.sliding_window)
-        attn = AttentionBatch(dev(slots, torch.int64), cu_t, ctx_t, layout, plan)
+        plan = step.layout.plan(self.kernels, step.ctx, step.cu, pool[0, 0], pool[0, 1],
+                                self.preset.num_heads, window=self.preset.sliding_window)
+        attn = AttentionBatch(step.slots, step.cu, step.ctx, step.layout, plan)
 
         with torch.inference_mode():
-            hidden = self.model.embed(dev(token_ids, torch.int64))
-            self._insert_encoder_outputs(hidden, batch, cu)
-            logits = self.model(
-                hidden, dev(positions, torch.int64), attn, pool, dev(sample_rows, torch.int64)
-            )
+            hidden = self.model.embed(step.token_ids)
+            self._insert_encoder_outputs(hidden, batch, step.cu_host)
+            logits = self.model(hidden, step.positions, attn, pool, step.sample_rows)
             self.last_logits = logits if self.keep_logits else None
             return greedy(logits).tolist()
 
@@ -131,6 +132,20 @@ class TorchExecutor(Executor):
         """``execute`` over a pool of several page classes (no copies: such pools make none)."""
         if not batch.items:
             return []
+        step = self._step_inputs(batch, kv)
+        self._classes.begin(self.kernels, step.layout, step.slots_host, step.positions,
+                            step.cu, self.preset.num_heads)
+        attn = AttentionBatch(step.slots, step.cu, step.ctx, step.layout)
+        with torch.inference_mode():
+            hidden = self.model.embed(step.token_ids)
+            self._insert_encoder_outputs(hidden, batch, step.cu_host)
+            logits = self.model(hidden, step.positions, attn, self._classes, step.sample_rows)
+            self.last_logits = logits if self.keep_logits else None
+            return greedy(logits).tolist()
+
+    def _step_inputs(self, batch: ScheduledBatch, kv: KVManager) -> _StepInputs:
+        """The flat batch of a step: token ids, positions, slots, query and context lengths,
+        sampled rows and the KV layout, on the executor's device."""
         items = batch.items
         spans = [(it.seq, it.start, it.start + it.num_tokens) for it in items]
         cu = np.cumsum([0] + [it.num_tokens for it in items])
@@ -144,15 +159,11 @@ class TorchExecutor(Executor):
             return torch.from_numpy(np.ascontiguousarray(a)).to(self._device, dtype)
 
         layout = kv.attention_layout([it.seq for it in items], ctx).on(self._device)
-        pos_t, cu_t = dev(positions, torch.int64), dev(cu, torch.int32)
-        self._classes.begin(self.kernels, layout, slots, pos_t, cu_t, self.preset.num_heads)
-        attn = AttentionBatch(dev(slots, torch.int64), cu_t, dev(ctx, torch.int32), layout)
-        with torch.inference_mode():
-            hidden = self.model.embed(dev(token_ids, torch.int64))
-            self._insert_encoder_outputs(hidden, batch, cu)
-            logits = self.model(hidden, pos_t, attn, self._classes, dev(sample_rows, torch.int64))
-            self.last_logits = logits if self.keep_logits else None
-            return greedy(logits).tolist()
+        return _StepInputs(
+            dev(token_ids, torch.int64), dev(positions, torch.int64), dev(slots, torch.int64),
+            slots, dev(cu, torch.int32), cu, dev(ctx, torch.int32),
+            dev(sample_rows, torch.int64), layout,
+        )
 
     def _insert_encoder_outputs(
         self, hidden: Tensor, batch: ScheduledBatch, cu: np.ndarray
