@@ -94,7 +94,7 @@ BAD_RULES = {
                        "metrics.peak_kv_reservd_bytes: unknown metric 'peak_kv_reservd_bytes'; "
                        "did you mean 'peak_kv_reserved_bytes'?"),
     "unknown metric, nothing close": ("[metrics.zzz]\ntolerance = 0.1\n",
-                                      "unknown metric 'zzz'; gateable metrics: completed"),
+                                      "unknown metric 'zzz'; gateable metrics: "),
     "unknown curve": ("[curves.kv_reserved]\ntolerance = 0.1\n",
                       "did you mean 'kv_reserved_bytes'?"),
     "metric with no better way": ("[metrics.num_requests]\ntolerance = 0\n",
