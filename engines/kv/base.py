@@ -158,8 +158,12 @@ class KVManager(ABC):
         ``output_ids`` already hold the tokens those steps sample and whose
         ``num_computed_tokens`` the caller advances afterwards, exactly as that many
         grow/commit rounds would. Returns the per-step values, after each step, of the
-        :class:`KVStats` fields that change, keyed by field."""
-        raise NotImplementedError
+        :class:`KVStats` fields that change, keyed by field. Only policies that define their
+        own :meth:`decode_room` fast-forward; the harness calls this for no other."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not fast-forward decode steps (it defines no "
+            "decode_room of its own): run it step by step"
+        )
 
     def would_admit(self, seq: Sequence, num_cached: int, num_new: int) -> bool | None:
         """Whether :meth:`allocate` would admit ``seq`` now, without changing anything;
