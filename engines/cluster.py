@@ -33,6 +33,20 @@ into one replica one at a time. On receipt the decode replica allocates the KV a
 request's decode; the client sees the first token then (as vLLM's disaggregated proxy
 streams from the decode instance), so TTFT includes the transfer. While the decode replica
 has no room, the request waits and the prefill replica keeps holding its KV.
+
+Decode fast-forward (the harness turns it on with :meth:`ClusterEngine.fast_forward_inside`):
+a replica about to start a step whose run of decode-only steps the engine can take in one
+go (:meth:`BuiltinEngine.plan_decode`) takes them at once, up to the first step ending at or
+after the next event that may concern it: the next arrival the router may send it (for
+round-robin, the next one it will; for the other routers every arrival, since they read
+replicas' state or may pick it), and for a decode replica the next KV transfer's end and the
+end of every prefill replica's step in flight (which may send it KV). The cluster still
+takes one step per event: the run's steps start and end on the clock one after another,
+each reporting the queue sizes, KV and device memory the engine computed for it, so records
+equal stepping one at a time bit for bit; what goes is each replica step's scheduling and
+KV bookkeeping. A prefill replica holding KV for transfers, and decode replicas while any
+of them has received KV waiting for room, step one at a time (a transfer's admission frees
+and allocates KV at times no run can know).
 """
 
 from __future__ import annotations
@@ -40,6 +54,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -227,13 +242,39 @@ class _Totals:
     def column_max(self, name: str) -> int | None:
         j = self._names.index(name)
         vals = [v[j] for v in self._vals]
-        return None if any(v is None for v in vals) else max(vals)  # type: ignore[type-var]
+        if None in vals:
+            return None
+        return max(vals)  # type: ignore[type-var]
+
+
+@dataclass(slots=True)
+class _Run:
+    """A replica's decode steps taken in one go: step ``j`` starts at ``ends[j]`` and ends at
+    ``ends[j + 1]``; ``next`` is the step to start next."""
+
+    ends: list[float]
+    steps: int
+    num_seqs: int
+    context: list[int]
+    pairs: list[int]
+    tokens: dict[str, int]
+    running: int
+    waiting: int
+    kv: dict[str, list[int]]
+    last_kv: KVStats
+    device: dict[str, list[int]]
+    device_ranks: int
+    next: int = 0
+
+
+# What a replica in flight holds while its step is one of a run's (the run has the rest).
+_RUN_STEP = StepReport(elapsed_s=0.0)
 
 
 class _Replica:
-    __slots__ = ("busy_until", "device", "engine", "in_free_s", "index", "inflight", "kv",
-                 "out_free_s", "outstanding", "own_hits", "own_queries", "pending", "received",
-                 "role", "running", "waiting")
+    __slots__ = ("busy_until", "device", "engine", "holds", "in_free_s", "index", "inflight",
+                 "kv", "out_free_s", "outstanding", "own_hits", "own_queries", "pending",
+                 "received", "role", "run", "running", "waiting")
 
     def __init__(self, index: int, engine: BuiltinEngine, role: Role) -> None:
         self.index, self.engine, self.role = index, engine, role
@@ -247,6 +288,8 @@ class _Replica:
         self.pending: dict[str, int] = {}
         self.received: deque[Transfer] = deque()  # transfers done, waiting for room
         self.in_free_s = self.out_free_s = 0.0
+        self.run: _Run | None = None  # decode steps taken in one go (fast-forward)
+        self.holds = 0  # KV held for transfers out of this replica
         # Prefix-cache lookups the cluster made itself (holding KV for a transfer, receiving
         # it): not the scheduler's, so left out of the hit rate.
         self.own_hits = self.own_queries = 0
@@ -361,6 +404,9 @@ class ClusterEngine:
         self._originals: dict[str, Request] = {}
         self._holder_ids = 0
         self._t = 0.0
+        self._added = 0  # requests added so far (the next arrival is _arrivals[_added])
+        self._bulk = False  # decode fast-forward (fast_forward_inside turns it on)
+        self.fast_forward_steps = 0  # replica steps taken as parts of runs
         self._open = 0  # requests added and not yet reported finished
         self._ready: set[int] = set()  # replicas that may have work to start
         self._busy: list[tuple[float, int]] = []  # (step end, replica): a heap
@@ -378,7 +424,22 @@ class ClusterEngine:
 
     # -- the Engine protocol ---------------------------------------------------------------
 
+    def fast_forward_inside(self, arrivals_known: bool) -> str | None:
+        """Take replicas' decode runs in one go (see the module docstring), given that
+        requests are added at the arrival times the cluster was built with
+        (``arrivals_known``); returns why not instead (None: on)."""
+        if not arrivals_known or not self._arrivals:
+            return ("the cluster steps one at a time when it does not know the arrivals "
+                    "ahead (several waves or a concurrency limit)")
+        for rep in self._reps:
+            reason = rep.engine.fast_forward_blocker()
+            if reason is not None:
+                return reason
+        self._bulk = True
+        return None
+
     def add(self, request: Request) -> None:
+        self._added += 1
         self._t = max(self._t, request.arrival_s)
         ids = request.prompt_token_ids(self._vocab)
         front = self._front
@@ -425,7 +486,10 @@ class ClusterEngine:
             rep = reps[i]
             report, rep.inflight = rep.inflight, None
             assert report is not None
-            self._finish(rep, report, t1, out)
+            if report is _RUN_STEP:
+                self._end_run_step(rep, out)
+            else:
+                self._finish(rep, report, t1, out)
             self._ready.add(i)
         while self._transfers and self._transfers[0].end_s <= t1:
             tr = self._transfers.pop(0)
@@ -480,6 +544,11 @@ class ClusterEngine:
 
     def _start(self, rep: _Replica, t0: float, out: StepReport) -> None:
         """Run ``rep``'s next step from ``t0``; its results show at its end."""
+        if rep.run is None and self._bulk and self._may_run(rep):
+            self._plan_run(rep, t0)
+        if rep.run is not None:
+            self._run_step(rep, out)
+            return
         report = rep.engine.step()
         out.scheduled_first |= report.scheduled_first
         for rid in report.scheduled_first:
@@ -500,6 +569,92 @@ class ClusterEngine:
             # Nothing computed (rejections only, or nothing fits): no time passes for it,
             # and it waits for something to change (an arrival, KV freed by a transfer).
             self._finish(rep, report, t0, out)
+
+    # -- decode fast-forward ---------------------------------------------------------------
+
+    def _may_run(self, rep: _Replica) -> bool:
+        if rep.role == "prefill":
+            return rep.holds == 0
+        if rep.role == "decode":
+            return not any(r.received for r in self._back)
+        return True
+
+    def _horizon(self, rep: _Replica) -> float:
+        """The next time something outside ``rep`` may change what it does."""
+        arrivals, k = self._arrivals, self._added
+        if rep.role != "decode" and self._router.kind == "round-robin":
+            # The j-th request from now goes to front replica (next + j) mod n.
+            k += (rep.index - self._router._next) % len(self._front)
+        h = arrivals[k] if k < len(arrivals) else math.inf
+        if rep.role == "decode":
+            if self._transfers:
+                h = min(h, self._transfers[0].end_s)
+            for r in self._front:
+                if r.inflight is not None:
+                    h = min(h, r.busy_until)
+        return h
+
+    def _plan_run(self, rep: _Replica, t0: float) -> None:
+        engine = rep.engine
+        plan = engine.plan_decode()
+        if plan is None:
+            return
+        dts = self._cost.decode_step_times(plan.num_seqs, plan.context, plan.pairs)
+        if dts is None:
+            return
+        ends = np.cumsum(np.concatenate(([t0], dts)))
+        k = plan.max_steps
+        h = self._horizon(rep)
+        if h != math.inf:
+            # The first step ending at or after h is the last one that starts before it.
+            k = min(k, int(np.searchsorted(ends[1:], h, side="left")) + 1)
+        done = engine.advance_decode(k)
+        if done is None:
+            return
+        k = done.steps
+        rep.run = _Run(ends[: k + 1].tolist(), k, plan.num_seqs, plan.context[:k].tolist(),
+                       plan.pairs[:k].tolist(), done.tokens, done.num_running,
+                       done.num_waiting, done.kv, done.last_kv, done.device,
+                       done.device_ranks)
+
+    def _run_step(self, rep: _Replica, out: StepReport) -> None:
+        """Start the next step of ``rep``'s run, as :meth:`_start` would have."""
+        run = rep.run
+        assert run is not None
+        j = run.next
+        run.next = j + 1
+        kv = dataclasses.replace(run.last_kv, **{k: v[j] for k, v in run.kv.items()})
+        device = run.device
+        encoder = device.get("encoder")
+        if encoder is not None:
+            kv.encoder_cache_bytes = encoder[j]
+        rep.observe(kv)
+        if device:
+            rep.device = DeviceMemory(run.device_ranks, *(device[name][j] for name in
+                                                          DeviceMemory.COMPONENTS))
+        if rep.running != run.running or rep.waiting != run.waiting:
+            self._set_queues(rep, run.running, run.waiting)
+        else:
+            self._changed.add(rep.index)
+        b, n = out.batch, run.num_seqs
+        b.num_seqs += n
+        b.decode_tokens += n
+        b.context_tokens += run.context[j]
+        b.attn_pairs += run.pairs[j]
+        rep.inflight, rep.busy_until = _RUN_STEP, run.ends[j + 1]
+        heapq.heappush(self._busy, (rep.busy_until, rep.index))
+        self.fast_forward_steps += 1
+
+    def _end_run_step(self, rep: _Replica, out: StepReport) -> None:
+        run = rep.run
+        assert run is not None
+        tokens = out.tokens
+        holding = self._holding if rep.role == "prefill" else None
+        for rid, n in run.tokens.items():
+            if holding is None or rid not in holding:
+                tokens[rid] = tokens.get(rid, 0) + n
+        if run.next == run.steps:
+            rep.run = None
 
     def _finish(self, rep: _Replica, report: StepReport, t1: float, out: StepReport) -> None:
         """Fold ``rep``'s step that ended at ``t1`` into the cluster's report."""
@@ -539,6 +694,7 @@ class ClusterEngine:
             raise RuntimeError(f"prefill replica {rep.index} could not hold the KV of "
                                f"{request.id} it has just computed")
         rep.own_lookup(before)
+        rep.holds += 1
         self._changed.add(rep.index)
         target = self._back[_least_kv(self._back)]
         target.outstanding += 1
@@ -569,6 +725,7 @@ class ClusterEngine:
             rep.pending.pop(tr.request.id, None)
             source = self._reps[tr.source]
             source.engine.kv.free(tr.holder)
+            source.holds -= 1
             source.observe(source.engine.kv.stats())
             self._changed.add(source.index)
             self._ready.add(source.index)

@@ -194,9 +194,13 @@ def run_engine(
     steps = StepLog()
     run = EngineRun(engine.name, workload, clock.name, timings, steps, telemetry=tel, waves=waves)
     warmup_done = max(1, math.ceil(WARMUP_FRACTION * len(timings)))
-    ff = _fast_forward_mode(engine, clock) if fast_forward else None
+    # An engine of many engines (a cluster) fast-forwards inside its own steps.
+    inside = getattr(engine, "fast_forward_inside", None)
+    # It must know when requests come: one wave, sent as they arrive.
+    ff = (_fast_forward_mode(engine, clock, waves == 1 and max_concurrency is None)
+          if fast_forward else None)
     run.fast_forward = "off" if not fast_forward else "on" if ff is None else ff
-    bulk = fast_forward and ff is None
+    bulk = fast_forward and ff is None and inside is None
     done = idle = in_flight = 0
     limit = max_concurrency or len(timings) + 1
     wall0 = time.perf_counter()
@@ -280,6 +284,8 @@ def run_engine(
         run.status = "failed"
         run.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
     finally:
+        if inside is not None:
+            run.fast_forward_steps = getattr(engine, "fast_forward_steps", 0)
         run.duration_s = clock.now()
         run.wall_time_s = time.perf_counter() - wall0
         if steps.t_s and run.status != "ok":
@@ -294,10 +300,15 @@ def run_engine(
     return run
 
 
-def _fast_forward_mode(engine: Engine, clock: Clock) -> str | None:
-    """None when ``engine`` can take decode steps in bulk under ``clock``; else why not."""
+def _fast_forward_mode(engine: Engine, clock: Clock, arrivals_known: bool) -> str | None:
+    """None when ``engine`` can take decode steps in bulk under ``clock``; else why not.
+    An engine that fast-forwards inside its own steps (a cluster) is turned on here."""
     if not isinstance(clock, VirtualClock):
         return "unsupported: the wall clock times every step"
+    inside = getattr(engine, "fast_forward_inside", None)
+    if inside is not None:
+        reason = inside(arrivals_known)
+        return None if reason is None else f"unsupported: {reason}"
     blocker = getattr(engine, "fast_forward_blocker", None)
     if blocker is None:
         return "unsupported: the engine steps one at a time"
