@@ -55,6 +55,7 @@ import bisect
 import dataclasses
 import heapq
 import math
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -204,6 +205,7 @@ class ClusterLog:
 
 _KV_FIELDS = tuple(f.name for f in dataclasses.fields(KVStats))
 _MAX_FIELDS = frozenset({"largest_free_bytes", "refused_largest_free_bytes"})
+_MAX_INDEX = tuple((name, _KV_FIELDS.index(name)) for name in sorted(_MAX_FIELDS))
 _SUM_FIELDS = tuple(n for n in _KV_FIELDS if n not in _MAX_FIELDS)
 _DEVICE_FIELDS = tuple(f"{name}_bytes" for name in DeviceMemory.COMPONENTS)
 
@@ -212,18 +214,25 @@ class _Totals:
     """Sums over replicas kept up to date one replica at a time: a cluster step changes
     one or two replicas of many. A field any replica leaves None is None in the sum."""
 
-    __slots__ = ("_names", "_nones", "_sums", "_vals")
+    __slots__ = ("_get", "_names", "_nones", "_sums", "_vals")
 
     def __init__(self, names: tuple[str, ...], count: int) -> None:
         self._names = names
+        self._get = operator.attrgetter(*names)
         self._sums = [0] * len(names)
         self._nones = [count] * len(names)
-        self._vals: list[list[int | None]] = [[None] * len(names) for _ in range(count)]
+        self._vals: list[tuple[Any, ...]] = [(None,) * len(names)] * count
 
     def set(self, replica: int, obj: Any) -> None:
         old = self._vals[replica]
+        new = self._get(obj)
+        if new == old:
+            return
+        self._vals[replica] = new
+        if None not in old and None not in new:
+            self._sums = [s - a + b for s, a, b in zip(self._sums, old, new, strict=True)]
+            return
         sums, nones = self._sums, self._nones
-        new = [getattr(obj, name) for name in self._names]
         for j, (a, b) in enumerate(zip(old, new, strict=True)):
             if a is None:
                 nones[j] -= 1
@@ -233,14 +242,12 @@ class _Totals:
                 nones[j] += 1
             else:
                 sums[j] += b
-        self._vals[replica] = new
 
-    def values(self) -> dict[str, int | None]:
-        return {name: (None if k else v)
-                for name, v, k in zip(self._names, self._sums, self._nones, strict=True)}
+    def values(self) -> list[Any]:
+        """The sums in field order (None where any replica has None)."""
+        return [None if k else v for v, k in zip(self._sums, self._nones, strict=True)]
 
-    def column_max(self, name: str) -> int | None:
-        j = self._names.index(name)
+    def column_max(self, j: int) -> int | None:
         vals = [v[j] for v in self._vals]
         if None in vals:
             return None
@@ -264,6 +271,7 @@ class _Run:
     last_kv: KVStats
     device: dict[str, list[int]]
     device_ranks: int
+    stats: KVStats
     next: int = 0
 
 
@@ -512,11 +520,11 @@ class ClusterEngine:
         log.num_steps = step + 1
         log.moved_by_load_cap = self._router.moved
         out.num_running, out.num_waiting = self._running, self._waiting
-        kv = KVStats(**self._kv.values())  # type: ignore[arg-type]
-        for name in _MAX_FIELDS:
-            setattr(kv, name, self._kv.column_max(name))
+        kv = KVStats(*self._kv.values())
+        for name, j in _MAX_INDEX:
+            setattr(kv, name, self._kv.column_max(j))
         out.kv = kv
-        out.device = DeviceMemory(tp=self._tp * len(reps), **self._device.values())  # type: ignore[arg-type]
+        out.device = DeviceMemory(self._tp * len(reps), *self._device.values())
         return out
 
     def close(self) -> None:
@@ -615,7 +623,7 @@ class ClusterEngine:
         rep.run = _Run(ends[: k + 1].tolist(), k, plan.num_seqs, plan.context[:k].tolist(),
                        plan.pairs[:k].tolist(), done.tokens, done.num_running,
                        done.num_waiting, done.kv, done.last_kv, done.device,
-                       done.device_ranks)
+                       done.device_ranks, dataclasses.replace(done.last_kv))
 
     def _run_step(self, rep: _Replica, out: StepReport) -> None:
         """Start the next step of ``rep``'s run, as :meth:`_start` would have."""
@@ -623,7 +631,10 @@ class ClusterEngine:
         assert run is not None
         j = run.next
         run.next = j + 1
-        kv = dataclasses.replace(run.last_kv, **{k: v[j] for k, v in run.kv.items()})
+        # One snapshot per run, set to each step's values in turn (nothing keeps it).
+        kv = run.stats
+        for name, column in run.kv.items():
+            setattr(kv, name, column[j])
         device = run.device
         encoder = device.get("encoder")
         if encoder is not None:
