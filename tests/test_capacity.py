@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 from typer.testing import CliRunner
 
-from helpers import text_request
+from helpers import run_cli, text_request
 from kvbench.cli.app import app
 from kvbench.engines.hardware import MiB, get_gpu
 from kvbench.engines.presets import get_preset
@@ -113,3 +114,58 @@ def test_cli_prints_writes_csv_and_plot(tmp_path) -> None:
     assert png.stat().st_size > 10_000
     bad = runner.invoke(app, ["capacity", "--model", "tiny", "--gpu", "h200"])
     assert bad.exit_code != 0
+
+
+def test_cli_grid_one_row_per_point_and_layout(tmp_path) -> None:
+    out, js = tmp_path / "grid.csv", tmp_path / "grid.json"
+    runner = CliRunner(env={"COLUMNS": "250"})
+    result = runner.invoke(app, [
+        "capacity", "--model", "llama-2-7b", "--gpu", "a100-80gb", "--seq-len", "2048",
+        "--max-model-len", "4096", "--grid", "engine=paged,contiguous/max_model_len",
+        "--grid", "replicas=1,8", "--grid", "block_size=16,32", "--grid", "gpu=a100-80gb,h200",
+        "--csv", str(out), "--json", str(js),
+    ])
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 2 * 2 * 2 * 2
+    by = {(r["policy"], r["replicas"], r["block_size"], r["gpu"]): r for r in rows}
+    # The field report's figures: 8 x A100-80G hold 232 contiguous, 464 paged 2048-token
+    # requests (29 and 58 per replica).
+    assert by[("paged/bs16", "8", "16", "a100-80gb")]["max_concurrent_total"] == "464"
+    assert by[("paged/bs32", "8", "32", "a100-80gb")]["max_concurrent_per_replica"] == "58"
+    assert by[("contiguous/max_model_len", "8", "16", "a100-80gb")][
+        "max_concurrent_total"] == "232"
+    assert int(by[("paged/bs16", "1", "16", "h200")]["max_concurrent_per_replica"]) > 58
+    body = json.loads(js.read_text())
+    assert body["axes"]["replicas"] == ["1", "8"] and len(body["rows"]) == 16
+    assert body["command"].startswith("kvbench ")
+    # Every grid field alone, and a fixed KV budget.
+    result = runner.invoke(app, [
+        "capacity", "--model", "llama-2-7b", "--gpu", "a100-80gb", "--grid", "seq_len=1024,4096",
+        "--grid", "kv_memory=8GiB,16GiB", "--grid", "tp=1,2", "--grid", "policy=paged/bs16",
+        "--grid", "max_num_seqs=64", "--grid", "gpu_memory_utilization=0.9",
+        "--grid", "max_model_len=4096", "--grid", "max_num_batched_tokens=4096",
+        "--grid", "model=llama-2-7b,qwen2.5-7b", "--csv", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 16
+    small = [r for r in rows if r["kv_memory"] == "8GiB" and r["seq_len"] == "1024"
+             and r["tp"] == "1" and r["model"] == "llama-2-7b"]
+    assert small[0]["max_concurrent_per_replica"] == str(8 * 2**30 // (512 * 1024) // 1024)
+
+
+@pytest.mark.parametrize(("grid", "message"), [
+    ("colour=red", "capacity has no such field"),
+    ("tp=0,2", "not a valid tp"),
+    ("gpu=h200,b999", "not a valid gpu"),
+    ("policy=paged/bs16,zigzag", "unknown KV layout"),
+    ("kv_memory=lots", "not a valid kv_memory"),
+    ("gpu_memory_utilization=1.5", "not a valid gpu_memory_utilization"),
+    ("block_size", "use FIELD=V1,V2"),
+])
+def test_cli_grid_bad_field_or_value_exits_2(grid: str, message: str, capsys) -> None:
+    code, out = run_cli(["capacity", "--model", "llama-2-7b", "--gpu", "a100-80gb",
+                         "--seq-len", "2048", "--grid", grid], capsys)
+    assert code == 2
+    assert message in " ".join(out.split())

@@ -95,6 +95,8 @@ def capacity(
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget per step (activation reserve, prefill chunk).")] = 8192,
     plot: Annotated[Path | None, typer.Option(help="Draw concurrency vs sequence length per policy to this PNG.")] = None,
     csv_out: Annotated[Path | None, typer.Option("--csv", help="Write the rows as CSV here.")] = None,
+    grid: Annotated[list[str] | None, typer.Option(help="FIELD=V1,V2,...: plan every point of these axes (repeatable): model, gpu, tp, num_gpus, replicas, policy (or engine), block_size, max_model_len, gpu_memory_utilization, kv_memory, max_num_seqs, max_num_batched_tokens, seq_len; one row per point and KV layout.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="With --grid: write the rows as JSON here.")] = None,
 ) -> None:
     """Max concurrent requests per KV layout (contiguous reservation policies, paged block
     sizes), KV bytes per token, KV budget, and the cost model's latency at that load."""
@@ -103,6 +105,13 @@ def capacity(
     from kvbench.fileio import write_text_atomic
     from kvbench.tools.capacity import plan, policies, write_concurrency_plot
 
+    if grid:
+        _capacity_grid(grid, model, gpu, tp, num_gpus, seq_len, workload, block_size,
+                       max_model_len, gpu_memory_utilization, max_num_seqs,
+                       max_num_batched_tokens, csv_out, json_out)
+        return
+    if json_out is not None:
+        raise KvbenchError("--json writes grid rows: give --grid too (or --csv)")
     if (seq_len is None) == (workload is None):
         raise KvbenchError("give one of --seq-len or --workload")
     hw = get_gpu(gpu)
@@ -161,6 +170,107 @@ def capacity(
         writer.writerows([command, *row] for row in rows)
         write_text_atomic(csv_out, buf.getvalue())
         console.print(f"rows written to {csv_out}")
+
+
+GRID_COLUMNS = ("policy", "max_concurrent_per_replica", "max_concurrent_total", "replicas",
+                "reserved_tokens", "held_tokens", "kv_budget_bytes_per_rank", "running",
+                "decode_step_ms", "prefill_ms")
+
+
+def _capacity_grid(
+    axes_text: list[str], model: str, gpu: str, tp: str, num_gpus: int | None,
+    seq_len: int | None, workload: str | None, block_size: str, max_model_len: str | None,
+    gpu_memory_utilization: float, max_num_seqs: int, max_num_batched_tokens: int,
+    csv_out: Path | None, json_out: Path | None,
+) -> None:
+    """``kvbench capacity --grid``: one row per grid point and KV layout."""
+    import json
+
+    from kvbench.fileio import write_text_atomic
+    from kvbench.tools.capacity import grid_deployment, parse_grid_axis, plan
+
+    axes = [parse_grid_axis(text) for text in axes_text]
+    if len({a.field for a in axes}) != len(axes):
+        raise KvbenchError("--grid names the same field twice")
+    named = {a.field for a in axes}
+    for field, text, flag in (("model", model, "--model"), ("tp", tp, "--tp"),
+                              ("max_model_len", max_model_len, "--max-model-len")):
+        if text is not None and "," in text and field not in named:
+            raise KvbenchError(f"{flag} {text}: with --grid give several values as --grid "
+                               f"{field}={text}")
+    base: dict[str, object] = {
+        "model": _csv(model)[0], "gpu": gpu, "tp": _ints(tp, "--tp")[0], "num_gpus": num_gpus,
+        "replicas": None, "policy": None, "block_size": _ints(block_size, "--block-size"),
+        "max_model_len": _ints(max_model_len, "--max-model-len")[0] if max_model_len else None,
+        "gpu_memory_utilization": gpu_memory_utilization, "kv_memory": None,
+        "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+        "seq_len": seq_len,
+    }
+    for field in ("model", "gpu"):
+        if field not in named:
+            base[field] = parse_grid_axis(f"{field}={base[field]}").values[0]
+    if "seq_len" not in named and (seq_len is None) == (workload is None):
+        raise KvbenchError("give one of --seq-len, --workload or --grid seq_len=...")
+    if "seq_len" in named and workload is not None:
+        raise KvbenchError("--grid seq_len plans fixed lengths: leave out --workload")
+    rows: list[dict[str, object]] = []
+    notes: list[str] = []
+    for combo in itertools.product(*[list(zip(a.texts, a.values, strict=True)) for a in axes]):
+        values = dict(base)
+        point = {}
+        for axis, (text, value) in zip(axes, combo, strict=True):
+            values[axis.field] = value
+            point[axis.field] = text
+        label = ",".join(f"{k}={v}" for k, v in point.items())
+        try:
+            dep, sections = grid_deployment(values)
+            demands, demand, dropped = _demands(values["seq_len"], workload, dep.max_model_len)  # type: ignore[arg-type]
+            if dropped:
+                notes.append(f"{label}: {dropped} requests of {workload} exceed max_model_len "
+                             f"{dep.max_model_len} and are left out")
+            result = plan(dep, sections, demands)
+        except KvbenchError as exc:
+            notes.append(f"{label}: {exc}")
+            continue
+        for r in result:
+            rows.append({
+                **point, "model": dep.preset.name, "gpu": dep.gpu.name, "tp": dep.tp,
+                "num_gpus": dep.gpus, "max_model_len": dep.max_model_len, "demand": demand,
+                "policy": r.policy, "max_concurrent_per_replica": r.max_concurrent,
+                "max_concurrent_total": r.total_concurrent, "replicas": r.replicas,
+                "reserved_tokens": round(r.reserved_tokens, 1),
+                "held_tokens": round(r.held_tokens, 1),
+                "kv_budget_bytes_per_rank": r.kv_budget_bytes_per_rank, "running": r.running,
+                "decode_step_ms": round(r.decode_step_s * 1e3, 3),
+                "prefill_ms": round(r.prefill_s * 1e3, 3),
+            })
+    keys = [a.field for a in axes if a.field not in GRID_COLUMNS]
+    table = Table(title=f"capacity over {' x '.join(a.name for a in axes)}: "
+                        f"{len(rows)} rows")
+    for col in (*keys, *GRID_COLUMNS):
+        table.add_column(col, justify="left" if col in (*keys, "policy") else "right")
+    for row in rows:
+        table.add_row(*(str(row[k]) for k in (*keys, *GRID_COLUMNS)))
+    print_table(console, table)
+    for note in notes:
+        err_console.print(note)
+    header = list(dict.fromkeys([*keys, "model", "gpu", "tp", "num_gpus", "max_model_len",
+                                 "demand", *GRID_COLUMNS]))
+    command = command_line()
+    if csv_out is not None:
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(["command", *header])
+        writer.writerows([command, *(row[k] for k in header)] for row in rows)
+        write_text_atomic(csv_out, buf.getvalue())
+        console.print(f"rows written to {csv_out}")
+    if json_out is not None:
+        body = {"command": command, "axes": {a.name: list(a.texts) for a in axes},
+                "rows": [{k: row[k] for k in header} for row in rows], "notes": notes}
+        write_text_atomic(json_out, json.dumps(body, indent=1) + "\n")
+        console.print(f"rows written to {json_out}")
+    if not rows:
+        raise KvbenchError("no grid point could be planned (see the notes above)")
 
 
 def _print_deployment(dep: Deployment, demand: str, result: list[CapacityRow]) -> None:

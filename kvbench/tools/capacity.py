@@ -47,6 +47,7 @@ class Deployment:
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    kv_memory: int | None = None  # a fixed KV budget per replica (default: what memory leaves)
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.gpus % self.tp:
@@ -74,7 +75,7 @@ class Deployment:
     def kv_budget_bytes(self) -> int:
         """KV bytes of one replica, over its ranks."""
         return kv_budget_bytes(
-            self.device, self.preset, kv_memory=None,
+            self.device, self.preset, kv_memory=self.kv_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
         )
@@ -246,3 +247,118 @@ def write_concurrency_plot(dep: Deployment, sections: Sequence[KVPolicy], path: 
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(title="KV layout / reservation", fontsize=9)
     return save_png(fig, path)
+
+
+# --- grids (``kvbench capacity --grid FIELD=V1,V2 ...``) ---------------------------------
+
+# The fields a capacity grid takes, and the flag each one stands for.
+GRID_FIELDS: dict[str, str] = {
+    "model": "--model", "gpu": "--gpu", "tp": "--tp", "num_gpus": "--num-gpus",
+    "replicas": "TP groups (num_gpus = replicas x tp)", "policy": "one KV layout per point",
+    "block_size": "--block-size", "max_model_len": "--max-model-len",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "kv_memory": "a fixed KV budget per replica instead of the one device memory leaves",
+    "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
+    "seq_len": "--seq-len",
+}
+_GRID_ALIASES = {"engine": "policy", "device": "gpu", "preset": "model"}
+
+
+@dataclass(frozen=True, slots=True)
+class GridAxis:
+    field: str  # a GRID_FIELDS key
+    name: str  # as the user wrote it
+    texts: tuple[str, ...]
+    values: tuple[object, ...]
+
+
+def parse_grid_axis(text: str) -> GridAxis:
+    """``FIELD=V1,V2,...`` over a capacity field, each value checked."""
+    from kvbench.tools.grid import split_axis
+
+    name, texts = split_axis(text)
+    key = name.replace("-", "_")
+    field = _GRID_ALIASES.get(key, key)
+    if field not in GRID_FIELDS:
+        raise KvbenchError(f"--grid {name}: capacity has no such field; fields: "
+                           f"{', '.join(GRID_FIELDS)} (engine = policy, device = gpu)")
+    return GridAxis(field, name, texts, tuple(_grid_value(field, name, v) for v in texts))
+
+
+def _grid_value(field: str, name: str, text: str) -> object:
+    from kvbench.engines.hardware import get_gpu
+    from kvbench.engines.presets import get_preset
+    from kvbench.units import parse_bytes
+
+    try:
+        if field == "model":
+            return get_preset(text)
+        if field == "gpu":
+            return get_gpu(text)
+        if field == "policy":
+            return grid_policy(text)
+        if field == "gpu_memory_utilization":
+            value = float(text)
+            if not 0 < value <= 1:
+                raise ValueError("a fraction in (0, 1]")
+            return value
+        value = parse_bytes(text) if field == "kv_memory" else int(text)
+        if value < 1:
+            raise ValueError("a positive number")
+        return value
+    except (KvbenchError, ValueError, KeyError) as exc:
+        raise KvbenchError(f"--grid {name}={text}: not a valid {field} ({exc})") from None
+
+
+def grid_policy(text: str) -> KVPolicy:
+    """A KV layout by the name ``kvbench capacity`` prints (``paged/bs16``,
+    ``contiguous/request``) or a built-in engine's (``paged``, ``contiguous-pow2``)."""
+    from kvbench.engines.registry import NAMED_ENGINES
+
+    kind, _, rest = text.partition("/")
+    if kind == "paged" and rest.startswith("bs") and rest[2:].isdigit():
+        return PagedPolicy(block_size=int(rest[2:]))
+    if kind == "contiguous" and rest in RESERVATIONS:
+        return ContiguousPolicy(reservation=rest)
+    named = NAMED_ENGINES.get(text)
+    if isinstance(named, KVPolicy):
+        return named
+    names = [n for n, s in NAMED_ENGINES.items() if isinstance(s, KVPolicy)]
+    raise KvbenchError(f"unknown KV layout {text!r}: use paged/bs<N>, contiguous/"
+                       f"{{{','.join(RESERVATIONS)}}} or a built-in engine ({', '.join(names)})")
+
+
+def grid_deployment(values: dict[str, object]) -> tuple[Deployment, list[KVPolicy]]:
+    """The deployment and KV layouts of one grid point: ``values`` holds a value for every
+    field (``None`` where unset: max_model_len, num_gpus, replicas, kv_memory, policy),
+    ``block_size`` a list of block sizes where no policy is set."""
+    preset = values["model"]
+    assert isinstance(preset, ModelPreset)
+    tp = int(values["tp"])  # type: ignore[call-overload]
+    limit = values["max_model_len"] or preset.max_position
+    if int(limit) > preset.max_position:  # type: ignore[call-overload]
+        raise KvbenchError(f"max_model_len {limit} exceeds {preset.name}'s context of "
+                           f"{preset.max_position}")
+    gpus = values["num_gpus"]
+    if values["replicas"] is not None:
+        if gpus is not None:
+            raise KvbenchError("give num_gpus or replicas, not both")
+        gpus = int(values["replicas"]) * tp  # type: ignore[call-overload]
+    dep = Deployment(
+        preset, values["gpu"], int(limit), tp=tp,  # type: ignore[arg-type,call-overload]
+        num_gpus=gpus,  # type: ignore[arg-type]
+        gpu_memory_utilization=float(values["gpu_memory_utilization"]),  # type: ignore[arg-type]
+        max_num_batched_tokens=int(values["max_num_batched_tokens"]),  # type: ignore[call-overload]
+        max_num_seqs=int(values["max_num_seqs"]),  # type: ignore[call-overload]
+        kv_memory=values["kv_memory"],  # type: ignore[arg-type]
+    )
+    sizes = values["block_size"]
+    policy = values["policy"]
+    if policy is None:
+        return dep, policies(sizes if isinstance(sizes, list) else [int(sizes)])  # type: ignore[call-overload]
+    assert isinstance(policy, KVPolicy)
+    if isinstance(policy, PagedPolicy) and policy.block_size is None:
+        # A built-in engine's paged layout, at the point's (or the first) block size.
+        size = sizes[0] if isinstance(sizes, list) else sizes
+        policy = policy.model_copy(update={"block_size": int(size)})  # type: ignore[call-overload]
+    return dep, [policy]

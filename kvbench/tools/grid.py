@@ -51,8 +51,8 @@ class Axis:
     values: tuple[str, ...]
 
 
-def parse_axis(text: str) -> Axis:
-    """``field=v1,v2,...`` (``--grid``)."""
+def split_axis(text: str) -> tuple[str, tuple[str, ...]]:
+    """``field=v1,v2,...`` as the field's name and its values (``--grid`` syntax)."""
     name, sep, rest = text.partition("=")
     name = name.strip()
     values = tuple(v.strip() for v in rest.split(",") if v.strip())
@@ -60,6 +60,12 @@ def parse_axis(text: str) -> Axis:
         raise KvbenchError(f"--grid {text!r}: use FIELD=V1,V2,... e.g. block_size=8,16,32")
     if len(set(values)) != len(values):
         raise KvbenchError(f"--grid {text!r} lists a value twice")
+    return name, values
+
+
+def parse_axis(text: str) -> Axis:
+    """``field=v1,v2,...`` (``--grid``)."""
+    name, values = split_axis(text)
     path = _ALIASES.get(name.replace("-", "_"), name)
     if path == "workload":
         raise KvbenchError(f"--grid {name}: workloads are not a grid field; give a suite per "
