@@ -3,11 +3,14 @@ clock (figures exact on any machine), points run in parallel on local processes.
 
     python benchmarks/cluster_tables.py disaggregated [--num-requests 1000] [--workers 2]
     python benchmarks/cluster_tables.py field [--num-requests 4000] [--workers 2]
+    python benchmarks/cluster_tables.py field-saturated [--num-requests 2000] [--rates inf,100]
 
 ``disaggregated`` writes results/tables/disaggregated-mooncake.md: prefill/decode splits of
 8 simulated A100-80GB against 8 colocated replicas on the Mooncake trace. ``field`` writes
 the cluster section of results/tables/field-scenario.md (between its markers): 8 replicas
 of Llama-2-7B on the Azure conversation trace, every router, paged vs contiguous.
+``field-saturated`` writes the section after it: the same cluster with the trace's arrivals
+re-timed (``--request-rate``) so that the queues fill.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ TRACES = REPO.parent / "shared" / "traces"
 TABLES = REPO / "results" / "tables"
 MARK_START = "<!-- cluster: benchmarks/cluster_tables.py field -->"
 MARK_END = "<!-- /cluster -->"
+MARK_SAT_START = "<!-- cluster-saturated: benchmarks/cluster_tables.py field-saturated -->"
+MARK_SAT_END = "<!-- /cluster-saturated -->"
 
 
 def _run_all(suites: list[dict[str, Any]], workers: int) -> list[RunRecord]:
@@ -124,17 +129,28 @@ def disaggregated(num_requests: int, workers: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def field(num_requests: int, workers: int) -> str:
-    routers = ["round-robin", "least-outstanding", "least-kv", "prefix-aware",
-               "session-affinity"]
-    configs = [(engine, router) for engine in ("paged", "contiguous") for router in routers]
+ROUTERS = ["round-robin", "least-outstanding", "least-kv", "prefix-aware", "session-affinity"]
+FIELD_HEADER = ["layout", "router", "done", "max conc. (cluster)", "mean conc.",
+                "busiest replica max", "least busy replica max", "load imbalance",
+                "prefix hit %", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "preemptions",
+                "KV waste %"]
+
+
+def _field_rows(num_requests: int, workers: int,
+                rate: float | None = None) -> tuple[list[list[str]], RunRecord]:
+    """Every layout x router on 8 replicas; ``rate`` re-times the arrivals (requests/s,
+    inf: all at once)."""
+    configs = [(engine, router) for engine in ("paged", "contiguous") for router in ROUTERS]
+    run: dict[str, Any] = {"device": "sim:a100-80gb", "clock": "virtual",
+                           "max_model_len": 4096}
+    if rate is not None:
+        run["request_rate"] = rate
     suites = [{
         "name": f"field-cluster-{engine}-{router}",
         "workload": {"trace": "azure", "num_requests": num_requests,
                      "path": str(TRACES / "azure_llm_2023_conv.csv")},
         "model": {"preset": "llama-2-7b"},
-        "run": {"device": "sim:a100-80gb", "clock": "virtual", "max_model_len": 4096,
-                "engines": [engine]},
+        "run": {**run, "engines": [engine]},
         "cluster": {"replicas": 8, "router": router},
     } for engine, router in configs]
     records = _run_all(suites, workers)
@@ -151,11 +167,17 @@ def field(num_requests: int, workers: int) -> str:
             _f(s["median_tpot_ms"], ".1f"), str(s["preemptions"]),
             _f(s["kv_waste_pct"]),
         ])
-    rec = records[0]
-    header = ["layout", "router", "done", "max conc. (cluster)", "mean conc.",
-              "busiest replica max", "least busy replica max", "load imbalance",
-              "prefix hit %", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "preemptions",
-              "KV waste %"]
+    return rows, records[0]
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(FIELD_HEADER) + " |",
+            "|---|---|" + "---:|" * (len(FIELD_HEADER) - 2),
+            *["| " + " | ".join(r) + " |" for r in rows]]
+
+
+def field(num_requests: int, workers: int) -> str:
+    rows, rec = _field_rows(num_requests, workers)
     lines = [
         MARK_START,
         "## 8 replicas behind a router (`kvbench run --replicas 8`, simulated A100-80GB)",
@@ -169,9 +191,7 @@ def field(num_requests: int, workers: int) -> str:
         "extents reserving max_model_len. Concurrency is requests holding KV; load imbalance "
         "is the time-weighted mean of max/mean running requests over replicas.",
         "",
-        "| " + " | ".join(header) + " |",
-        "|---|---|" + "---:|" * (len(header) - 2),
-        *["| " + " | ".join(r) + " |" for r in rows],
+        *_table(rows),
         "",
         "This trace has no session ids and no shared prompt content (its rows are lengths "
         "only), so session-affinity routes as least-outstanding does and no router can raise "
@@ -186,27 +206,75 @@ def field(num_requests: int, workers: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def field_saturated(num_requests: int, workers: int, rates: list[float]) -> str:
+    parts = []
+    for rate in rates:
+        rows, rec = _field_rows(num_requests, workers, rate)
+        load = ("all at once (`--request-rate inf`, an offline load)" if rate == float("inf")
+                else f"re-timed to {rate:g} requests/s, Poisson (`--request-rate {rate:g}`)")
+        parts += [f"### Arrivals {load}", "", *_table(rows), ""]
+    rates_arg = ",".join(f"{r:g}" for r in rates)
+    lines = [
+        MARK_SAT_START,
+        "## 8 replicas, saturated: the same trace arriving faster than the cluster serves it",
+        "",
+        f"The first {num_requests} requests of the Azure conversation trace "
+        f"({rec.workload.prompt_tokens} prompt and {rec.workload.output_tokens} output "
+        "tokens), their lengths kept and their arrivals re-timed, on the cluster of the "
+        "section above (8 x Llama-2-7B, simulated A100-80GB, max_model_len 4096, "
+        "gpu_memory_utilization 0.9, max_num_seqs 256). At the trace's own rate no replica "
+        "runs more than a few requests at once; here the queues fill, so the KV layout sets "
+        "how many requests each replica holds (paged: what the tokens need; contiguous: "
+        "max_model_len each) and the router sets how evenly the queues and KV fill. Virtual "
+        "clock: every figure is exact and the same on any machine, loaded or not.",
+        "",
+        *parts,
+        "Every prompt is distinct (the trace carries lengths only): the paged rows' prefix "
+        "hits are preempted requests finding their own prompt blocks still cached when they "
+        "are scheduled again. With every request arriving at once, least-outstanding, "
+        "prefix-aware and session-affinity place requests as round-robin does (nothing has "
+        "finished yet when they are routed).",
+        "",
+        "```sh",
+        f"python benchmarks/cluster_tables.py field-saturated --num-requests {num_requests} "
+        f"--rates {rates_arg}",
+        "```",
+        MARK_SAT_END,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _splice(path: Path, start: str, end: str, section: str) -> None:
+    old = path.read_text()
+    if start in old:
+        head, _, rest = old.partition(start)
+        _, _, tail = rest.partition(end + "\n")
+        new = head + section + tail
+    else:
+        new = old.rstrip("\n") + "\n\n" + section
+    write_text_atomic(path, new)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("table", choices=["disaggregated", "field"])
+    ap.add_argument("table", choices=["disaggregated", "field", "field-saturated"])
     ap.add_argument("--num-requests", type=int)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--rates", default="inf,100",
+                    help="field-saturated: arrival rates (requests/s, inf: all at once)")
     args = ap.parse_args()
+    path = TABLES / "field-scenario.md"
     if args.table == "disaggregated":
         text = disaggregated(args.num_requests or 1000, args.workers)
         path = TABLES / "disaggregated-mooncake.md"
         write_text_atomic(path, text)
-    else:
+    elif args.table == "field":
         section = field(args.num_requests or 4000, args.workers)
-        path = TABLES / "field-scenario.md"
-        old = path.read_text()
-        if MARK_START in old:
-            head, _, rest = old.partition(MARK_START)
-            _, _, tail = rest.partition(MARK_END + "\n")
-            new = head + section + tail
-        else:
-            new = old.rstrip("\n") + "\n\n" + section
-        write_text_atomic(path, new)
+        _splice(path, MARK_START, MARK_END, section)
+    else:
+        rates = [float(x) for x in args.rates.split(",")]
+        section = field_saturated(args.num_requests or 2000, args.workers, rates)
+        _splice(path, MARK_SAT_START, MARK_SAT_END, section)
     print(f"written {path}")
 
 

@@ -275,6 +275,23 @@ class _Run:
     next: int = 0
 
 
+@dataclass(slots=True)
+class QuietSteps:
+    """Cluster steps taken in one call (:meth:`ClusterEngine.quiet_steps`), one entry per
+    step: what each step's report would say. ``kv`` rows hold the KVStats fields in order,
+    ``device`` rows the DeviceMemory components; ``tokens`` the tokens each step emitted, by
+    request; no request started, finished or was preempted in them."""
+
+    elapsed_s: list[float] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    kv: list[list[Any]] = field(default_factory=list)
+    device: list[list[Any]] = field(default_factory=list)
+    tokens: list[dict[str, int]] = field(default_factory=list)
+    device_ranks: int = 1
+
+
 # What a replica in flight holds while its step is one of a run's (the run has the rest).
 _RUN_STEP = StepReport(elapsed_s=0.0)
 
@@ -495,7 +512,7 @@ class ClusterEngine:
             report, rep.inflight = rep.inflight, None
             assert report is not None
             if report is _RUN_STEP:
-                self._end_run_step(rep, out)
+                self._end_run_step(rep, out.tokens)
             else:
                 self._finish(rep, report, t1, out)
             self._ready.add(i)
@@ -542,6 +559,87 @@ class ClusterEngine:
             out["cluster"]["link_source"] = self._link.source
         return out
 
+    def quiet_steps(self, due_s: float, limit: int = 4096) -> QuietSteps | None:
+        """Take the next cluster steps, at most ``limit``, while nothing happens in them but
+        replicas' decode runs starting and ending steps (no request added, finished or
+        admitted, no transfer ending: nothing the harness must see one step at a time,
+        ``due_s`` being the next arrival it would add), as :meth:`step` would take them;
+        None when the next step is not such a one. Only with fast-forward on."""
+        if not self._bulk:
+            return None
+        out: QuietSteps | None = None
+        reps, busy, arrivals = self._reps, self._busy, self._arrivals
+        log = self.log
+        while out is None or len(out.elapsed_s) < limit:
+            if not self._ready or (self._back and any(r.received for r in self._back)):
+                break
+            t0 = self._t
+            starts = []
+            t1 = busy[0][0] if busy else math.inf
+            quiet = True
+            for i in self._ready:
+                rep = reps[i]
+                if rep.inflight is not None:
+                    continue
+                run = rep.run
+                if run is None:
+                    if rep.engine.has_unfinished():
+                        quiet = False
+                        break
+                    continue
+                starts.append(i)
+                t1 = min(t1, run.ends[run.next + 1])
+            if not quiet or not starts or due_s <= t1:
+                break
+            if self._transfers and self._transfers[0].end_s <= t1:
+                break
+            k = bisect.bisect_right(arrivals, t0)
+            if k < len(arrivals) and arrivals[k] <= t1:
+                break
+            ending = []
+            while busy and busy[0][0] <= t1:
+                ending.append(heapq.heappop(busy))
+            for entry in ending:
+                heapq.heappush(busy, entry)
+            if any(reps[i].inflight is not _RUN_STEP for _, i in ending):
+                break
+            if out is None:
+                out = QuietSteps()
+            self._ready = set()
+            batch = BatchShape()
+            for i in sorted(starts):
+                self._run_step(reps[i], batch)
+            tokens: dict[str, int] = {}
+            while busy and busy[0][0] <= t1:
+                _, i = heapq.heappop(busy)
+                rep = reps[i]
+                rep.inflight = None
+                self._end_run_step(rep, tokens)
+                self._ready.add(i)
+            self._t = t1
+            step = log.num_steps
+            for i in sorted(self._changed):
+                rep = reps[i]
+                self._kv.set(i, rep.kv)
+                self._device.set(i, rep.device)
+                log.changes.append((step, i, rep.running, rep.waiting,
+                                    rep.kv.reserved_bytes or 0))
+            self._changed.clear()
+            log.num_steps = step + 1
+            kv = self._kv.values()
+            for _, j in _MAX_INDEX:
+                kv[j] = self._kv.column_max(j)
+            out.elapsed_s.append(t1 - t0)
+            out.num_tokens.append(batch.num_tokens)
+            out.running.append(self._running)
+            out.waiting.append(self._waiting)
+            out.kv.append(kv)
+            out.device.append(self._device.values())
+            out.tokens.append(tokens)
+        if out is not None:
+            out.device_ranks = self._tp * len(reps)
+        return out
+
     # -- events ----------------------------------------------------------------------------
 
     def _set_queues(self, rep: _Replica, running: int, waiting: int) -> None:
@@ -555,7 +653,7 @@ class ClusterEngine:
         if rep.run is None and self._bulk and self._may_run(rep):
             self._plan_run(rep, t0)
         if rep.run is not None:
-            self._run_step(rep, out)
+            self._run_step(rep, out.batch)
             return
         report = rep.engine.step()
         out.scheduled_first |= report.scheduled_first
@@ -625,7 +723,7 @@ class ClusterEngine:
                        done.num_waiting, done.kv, done.last_kv, done.device,
                        done.device_ranks, dataclasses.replace(done.last_kv))
 
-    def _run_step(self, rep: _Replica, out: StepReport) -> None:
+    def _run_step(self, rep: _Replica, b: BatchShape) -> None:
         """Start the next step of ``rep``'s run, as :meth:`_start` would have."""
         run = rep.run
         assert run is not None
@@ -647,7 +745,7 @@ class ClusterEngine:
             self._set_queues(rep, run.running, run.waiting)
         else:
             self._changed.add(rep.index)
-        b, n = out.batch, run.num_seqs
+        n = run.num_seqs
         b.num_seqs += n
         b.decode_tokens += n
         b.context_tokens += run.context[j]
@@ -656,10 +754,9 @@ class ClusterEngine:
         heapq.heappush(self._busy, (rep.busy_until, rep.index))
         self.fast_forward_steps += 1
 
-    def _end_run_step(self, rep: _Replica, out: StepReport) -> None:
+    def _end_run_step(self, rep: _Replica, tokens: dict[str, int]) -> None:
         run = rep.run
         assert run is not None
-        tokens = out.tokens
         holding = self._holding if rep.role == "prefill" else None
         for rid, n in run.tokens.items():
             if holding is None or rid not in holding:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvbench.engines.base import Engine, KVStats, StepReport
+from kvbench.engines.base import DeviceMemory, Engine, KVStats, StepReport
 from kvbench.engines.builtin import BuiltinEngine
 from kvbench.engines.device_memory import DeviceOutOfMemory
 from kvbench.run.clocks import Clock, VirtualClock
@@ -201,6 +201,8 @@ def run_engine(
           if fast_forward else None)
     run.fast_forward = "off" if not fast_forward else "on" if ff is None else ff
     bulk = fast_forward and ff is None and inside is None
+    # A cluster's steps in which only replicas' decode runs go on, taken in one call.
+    quiet = getattr(engine, "quiet_steps", None) if fast_forward and ff is None else None
     done = idle = in_flight = 0
     limit = max_concurrency or len(timings) + 1
     wall0 = time.perf_counter()
@@ -231,6 +233,18 @@ def run_engine(
                     w0 = time.perf_counter()
                     taken = _fast_forward(run, engine, clock, due)  # type: ignore[arg-type]
                     if taken:
+                        idle = 0
+                        w1 = time.perf_counter()
+                        if w1 >= tel.next_due_s:
+                            tel.sample(len(steps) - 1, w1)
+                        run.step_wall_s += time.perf_counter() - w0
+                        continue
+                if quiet is not None:
+                    due = requests[idx].arrival_s if idx < n and in_flight < limit else math.inf
+                    w0 = time.perf_counter()
+                    block = quiet(due)
+                    if block is not None:
+                        _log_quiet(run, block, clock)
                         idle = 0
                         w1 = time.perf_counter()
                         if w1 >= tel.next_due_s:
@@ -379,6 +393,47 @@ def _fast_forward(run: EngineRun, engine: BuiltinEngine, clock: VirtualClock,
     clock.advance_to(t_end[-1])
     run.fast_forward_steps += k
     return k
+
+
+_KV_FIELD_INDEX = {f.name: k for k, f in enumerate(dataclasses.fields(KVStats))}
+
+
+def _log_quiet(run: EngineRun, block: Any, clock: Clock) -> None:
+    """Log a cluster's quiet steps (:meth:`ClusterEngine.quiet_steps`) as :func:`_log_step`
+    and :func:`_record_requests` log them one at a time, the clock advanced by each step's
+    elapsed time in turn."""
+    s = run.steps
+    t = clock.now()
+    ends: list[float] = []
+    for elapsed in block.elapsed_s:
+        t1 = t + elapsed
+        s.dt_s.append(t1 - t)
+        ends.append(t1)
+        t = t1
+    k = len(ends)
+    s.t_s.extend(ends)
+    s.num_tokens.extend(block.num_tokens)
+    s.running.extend(block.running)
+    s.waiting.extend(block.waiting)
+    s.preempted.extend([0] * k)
+    columns = list(zip(*block.kv, strict=True))
+    for column, name in _KV_LOG.items():
+        getattr(s, column).extend(columns[_KV_FIELD_INDEX[name]])
+    s.kv_encoder_cache_bytes.extend(columns[_KV_FIELD_INDEX["encoder_cache_bytes"]])
+    run.last_kv = KVStats(*block.kv[-1])
+    s.device_ranks = block.device_ranks
+    for name, values in zip(DeviceMemory.COMPONENTS, zip(*block.device, strict=True),
+                            strict=True):
+        s.device.setdefault(name, []).extend(values)
+    timings = run.timings
+    for tokens, t1 in zip(block.tokens, ends, strict=True):
+        for rid, count in tokens.items():
+            times = timings[rid].token_times_s
+            if count == 1:
+                times.append(t1)
+            else:
+                times.extend([t1] * count)
+    clock.advance_to(t)
 
 
 def _record_requests(
