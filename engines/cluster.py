@@ -267,10 +267,8 @@ class _Run:
     tokens: dict[str, int]
     running: int
     waiting: int
-    kv: dict[str, list[int]]
-    last_kv: KVStats
-    device: dict[str, list[int]]
-    device_ranks: int
+    kv: dict[str, list[int]]  # the KVStats fields that change in the run, by step
+    device: list[DeviceMemory] | None  # by step, or one for every step
     stats: KVStats
     next: int = 0
 
@@ -596,19 +594,16 @@ class ClusterEngine:
             k = bisect.bisect_right(arrivals, t0)
             if k < len(arrivals) and arrivals[k] <= t1:
                 break
-            ending = []
-            while busy and busy[0][0] <= t1:
-                ending.append(heapq.heappop(busy))
-            for entry in ending:
-                heapq.heappush(busy, entry)
-            if any(reps[i].inflight is not _RUN_STEP for _, i in ending):
+            if any(t <= t1 and reps[i].inflight is not _RUN_STEP for t, i in busy):
                 break
             if out is None:
                 out = QuietSteps()
             self._ready = set()
-            batch = BatchShape()
+            num_tokens = 0
             for i in sorted(starts):
-                self._run_step(reps[i], batch)
+                rep = reps[i]
+                num_tokens += rep.run.num_seqs  # type: ignore[union-attr]
+                self._run_step(rep, None)
             tokens: dict[str, int] = {}
             while busy and busy[0][0] <= t1:
                 _, i = heapq.heappop(busy)
@@ -630,7 +625,7 @@ class ClusterEngine:
             for _, j in _MAX_INDEX:
                 kv[j] = self._kv.column_max(j)
             out.elapsed_s.append(t1 - t0)
-            out.num_tokens.append(batch.num_tokens)
+            out.num_tokens.append(num_tokens)
             out.running.append(self._running)
             out.waiting.append(self._waiting)
             out.kv.append(kv)
@@ -718,13 +713,33 @@ class ClusterEngine:
         if done is None:
             return
         k = done.steps
+        # One KV snapshot for the run: the columns that stay put set once, the others at
+        # each step; device memory read once when every step's is alike.
+        stats = dataclasses.replace(done.last_kv)
+        columns = dict(done.kv)
+        encoder = done.device.get("encoder")
+        if encoder is not None:
+            columns["encoder_cache_bytes"] = encoder
+        varying = {}
+        for name, column in columns.items():
+            if column.count(column[0]) == k:
+                setattr(stats, name, column[0])
+            else:
+                varying[name] = column
+        rows: list[DeviceMemory] | None = None
+        if done.device:
+            values = list(zip(*(done.device[name] for name in DeviceMemory.COMPONENTS),
+                              strict=True))
+            rows = ([DeviceMemory(done.device_ranks, *values[0])]
+                    if values.count(values[0]) == k else
+                    [DeviceMemory(done.device_ranks, *v) for v in values])
         rep.run = _Run(ends[: k + 1].tolist(), k, plan.num_seqs, plan.context[:k].tolist(),
                        plan.pairs[:k].tolist(), done.tokens, done.num_running,
-                       done.num_waiting, done.kv, done.last_kv, done.device,
-                       done.device_ranks, dataclasses.replace(done.last_kv))
+                       done.num_waiting, varying, rows, stats)
 
-    def _run_step(self, rep: _Replica, b: BatchShape) -> None:
-        """Start the next step of ``rep``'s run, as :meth:`_start` would have."""
+    def _run_step(self, rep: _Replica, b: BatchShape | None) -> None:
+        """Start the next step of ``rep``'s run, as :meth:`_start` would have (its batch
+        added to ``b``, when given)."""
         run = rep.run
         assert run is not None
         j = run.next
@@ -733,23 +748,20 @@ class ClusterEngine:
         kv = run.stats
         for name, column in run.kv.items():
             setattr(kv, name, column[j])
-        device = run.device
-        encoder = device.get("encoder")
-        if encoder is not None:
-            kv.encoder_cache_bytes = encoder[j]
         rep.observe(kv)
-        if device:
-            rep.device = DeviceMemory(run.device_ranks, *(device[name][j] for name in
-                                                          DeviceMemory.COMPONENTS))
+        device = run.device
+        if device is not None:
+            rep.device = device[j] if len(device) > 1 else device[0]
         if rep.running != run.running or rep.waiting != run.waiting:
             self._set_queues(rep, run.running, run.waiting)
         else:
             self._changed.add(rep.index)
-        n = run.num_seqs
-        b.num_seqs += n
-        b.decode_tokens += n
-        b.context_tokens += run.context[j]
-        b.attn_pairs += run.pairs[j]
+        if b is not None:
+            n = run.num_seqs
+            b.num_seqs += n
+            b.decode_tokens += n
+            b.context_tokens += run.context[j]
+            b.attn_pairs += run.pairs[j]
         rep.inflight, rep.busy_until = _RUN_STEP, run.ends[j + 1]
         heapq.heappush(self._busy, (rep.busy_until, rep.index))
         self.fast_forward_steps += 1
