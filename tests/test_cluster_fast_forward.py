@@ -63,8 +63,9 @@ MIXED = WorkloadSection(preset="mixed-text", num_requests=40, seed=4)
 FAST = {"request_rate": 40.0}
 
 
-@pytest.mark.parametrize("router", ROUTERS)
-@pytest.mark.parametrize("engine", ["paged", "contiguous"])
+@pytest.mark.parametrize(("engine", "router"), [
+    *[("paged", r) for r in ROUTERS], ("contiguous", "least-kv"), ("contiguous", "prefix-aware"),
+])
 def test_every_router_matches_step_by_step(tmp_path: Path, router: str, engine: str) -> None:
     _check(tmp_path, MIXED, ClusterSection(replicas=3, router=router), engine=engine,
            kv_memory="2GiB", **FAST)
