@@ -20,6 +20,7 @@ from kvbench.engines.config import EngineConfig
 from kvbench.engines.device_memory import DeviceMemoryModel
 from kvbench.engines.executor import Executor, ScheduledBatch
 from kvbench.engines.kv.base import KVManager
+from kvbench.engines.kv.modality import MODALITIES, ModalityAccount
 from kvbench.engines.presets import ModelPreset
 from kvbench.engines.scheduler import Scheduler, SchedulerConfig
 from kvbench.workloads.model import Request
@@ -44,14 +45,15 @@ class DecodeRun:
 class DecodeSteps:
     """What ``steps`` decode steps taken in one go report, as one step after another would:
     every step emits ``tokens`` (by request) with the same queue sizes; ``kv`` and
-    ``device`` hold each step's values of the KVStats fields and device-memory
-    components; ``last_kv`` is the last step's snapshot."""
+    ``device`` hold each step's values of the KVStats fields (``modality:<m>``: the used
+    bytes of modality ``m``) and device-memory components; ``last_kv`` is the last step's
+    snapshot."""
 
     steps: int
     tokens: dict[str, int]
     num_running: int
     num_waiting: int
-    kv: dict[str, list[int]]
+    kv: dict[str, list[int | None]]
     device: dict[str, list[int]]
     device_ranks: int
     last_kv: KVStats
@@ -75,6 +77,9 @@ class BuiltinEngine:
         self._rejected: list[Finished] = []
         self._decode: tuple[list, int | None, set[int] | None, int] | None = None
         self._bytes_per_token = kv.bytes_per_token
+        pool_classes = getattr(kv, "pool_classes", None)
+        self._modalities = ModalityAccount(pool_classes() if pool_classes else None, kv.spec,
+                                           preset.dtype)
 
     @classmethod
     def from_config(cls, config: EngineConfig, kv: KVManager) -> BuiltinEngine:
@@ -211,10 +216,10 @@ class BuiltinEngine:
         memory.end_decode(reserved)
         self.scheduler.advance_decode(seqs, steps)
         last = self.kv.stats()
+        kv_cols = self._modality_columns(last, len(seqs), steps, columns.get("used_bytes"))
         encoder = device.get("encoder")
         last.encoder_cache_bytes = (encoder[-1] if encoder else
                                     executor.encoder_cache_bytes())
-        kv_cols: dict[str, list[int]] = {}
         for name in _KV_COLUMNS:
             col = columns.get(name)
             kv_cols[name] = col.tolist() if col is not None else [getattr(last, name)] * steps
@@ -241,8 +246,32 @@ class BuiltinEngine:
             memory.tp, last,
         )
 
+    def _modality_columns(self, last: KVStats, num_seqs: int, steps: int,
+                          used: np.ndarray | None) -> dict[str, list[int | None]]:
+        """Per-step used bytes of each modality over ``steps`` decode steps of ``num_seqs``
+        sequences ending at ``last`` (whose ``modalities`` this fills): each step adds one
+        text token per sequence; a step whose tokens do not account for its used bytes gets
+        None."""
+        account = self._modalities
+        text, image, audio = account.tokens(self.scheduler.running)
+        last.modalities = account.figures((text, image, audio), last)
+        bpt = {m: account.storage[m]["bytes_per_token"] for m in MODALITIES}
+        out: dict[str, list[int | None]] = {f"modality:{m}": [] for m in MODALITIES}
+        for j in range(steps):
+            t = text - num_seqs * (steps - 1 - j)
+            if used is None:
+                known = j == steps - 1
+            else:
+                known = (t + image + audio) * bpt["text"] == int(used[j])
+            known = known and last.modalities is not None
+            for m, n in zip(MODALITIES, (t, image, audio), strict=True):
+                out[f"modality:{m}"].append(n * bpt[m] if known else None)
+        return out
+
     def _stats(self) -> KVStats:
         stats = self.kv.stats()
+        account = self._modalities
+        stats.modalities = account.figures(account.tokens(self.scheduler.running), stats)
         refusal = self.scheduler.refusal
         stats.refused_bytes = refusal.need_bytes
         stats.refused_free_bytes = refusal.free_bytes

@@ -128,7 +128,8 @@ def test_run_table_rows_keep_their_labels_and_order() -> None:
         "TPOT p99 (ms)", "E2EL p50 (ms)", "max concurrent requests", "mean concurrent requests",
         "KV capacity", "peak KV reserved", "peak KV used", "KV utilization (used/reserved)",
         "KV waste %", "min fragmentation index", "time a request waited for KV (s)",
-        "of which with enough KV free (s)", "preemptions", "prefix cache hit rate",
+        "of which with enough KV free (s)", "peak text KV", "peak image KV", "peak audio KV",
+        "preemptions", "prefix cache hit rate",
         "peak process RSS", "peak device memory",
     ]
 

@@ -95,6 +95,9 @@ def start_and_run(
     run.cluster = cluster_log(engine)
     # How the steps ran: the same records either way, so this is where it shows.
     described["fast_forward"] = {"mode": run.fast_forward, "steps": run.fast_forward_steps}
+    if run.steps.kv_modalities:
+        # Where each modality's KV was stored (page class, dtype, bytes per token).
+        described["kv_modalities"] = run.steps.kv_modalities
     # Facts learned while running (vLLM's kv-equivalent multimodal inputs) complete it.
     described.update((k, v) for k, v in engine.describe().items() if k not in described)
     if at_start is not None:

@@ -1,0 +1,109 @@
+"""KV bytes by the modality of the tokens held (text, image, audio), for any KV policy.
+
+Each KV position belongs to the modality of its prompt segment; generated tokens are text.
+A live sequence holds its written positions ``[0, num_computed_tokens)``, so the tokens of
+each modality held are counted from the live sequences, and each modality's bytes are
+
+    used_bytes[m] = tokens[m] x bytes_per_token[m]
+
+where ``bytes_per_token[m]`` is that of the page class storing ``m`` (one flat pool: the
+pool's; a modality-aware pool: its class's codes at the class dtype). A quantised class's
+float32 scales are a fixed side table sized for every slot the class can address, held from
+the start, so they do not grow with the tokens held: they are stated, per class, in
+``KVStats.classes`` (``scale_bytes``) and per modality as ``scale_bytes_per_token`` (the
+table's share per slot), not added to ``used_bytes``.
+
+The count is exact only where every live sequence holds its positions in slots of its own.
+It is checked against the manager's own used figures (the pool's ``used_bytes``; each page
+class's ``used_tokens``); where they differ -- KV shared between sequences (prefix-cache
+hits, forked samples), leading blocks released outside a sliding window, pages kept by
+finished sequences -- the modality of the bytes is not known and the figures are None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from kvbench.engines.base import KVStats
+from kvbench.engines.kv.modal import KV_DTYPES, SCALE_BYTES, PoolClass
+from kvbench.engines.kv.spec import KVSpec
+from kvbench.engines.sequence import Sequence
+
+MODALITIES = ("text", "image", "audio")
+
+
+def held_counts(seq: Sequence, end: int) -> tuple[int, int, int]:
+    """Text, image and audio positions among ``seq``'s first ``end`` positions."""
+    image = audio = pos = 0
+    for s in seq.request.segments:
+        if pos >= end:
+            break
+        n = min(s.tokens, end - pos)
+        if s.kind == "image":
+            image += n
+        elif s.kind == "audio":
+            audio += n
+        pos += s.tokens
+    return end - image - audio, image, audio
+
+
+def _storage(classes: tuple[PoolClass, ...] | None, spec: KVSpec, model_dtype: str
+             ) -> dict[str, dict[str, Any]]:
+    """Where each modality is stored: its class, dtype, bytes per element and per token."""
+    out = {}
+    for m in MODALITIES:
+        if classes is None:
+            dtype = spec.dtype or model_dtype
+            out[m] = {"page_class": None, "dtype": dtype,
+                      "element_bytes": KV_DTYPES.get(dtype),
+                      "bytes_per_token": spec.bytes_per_token, "scale_bytes_per_token": 0.0}
+            continue
+        c = next(c for c in classes if m in c.holds)
+        out[m] = {"page_class": c.name, "dtype": c.dtype, "element_bytes": KV_DTYPES[c.dtype],
+                  "bytes_per_token": c.bytes_per_token,
+                  "scale_bytes_per_token": (c.scale_units * SCALE_BYTES / c.scale_group
+                                            if c.quantised else 0.0)}
+    return out
+
+
+class ModalityAccount:
+    """Per-modality KV of one KV manager's pool (see the module docstring)."""
+
+    def __init__(self, classes: tuple[PoolClass, ...] | None, spec: KVSpec,
+                 model_dtype: str) -> None:
+        self.classes = classes
+        self.storage = _storage(classes, spec, model_dtype)
+
+    def tokens(self, seqs: Iterable[Sequence]) -> tuple[int, int, int]:
+        """Tokens of each modality the live ``seqs`` have written, summed."""
+        text = image = audio = 0
+        for seq in seqs:
+            t, i, a = held_counts(seq, seq.num_computed_tokens)
+            text += t
+            image += i
+            audio += a
+        return text, image, audio
+
+    def exact(self, tokens: tuple[int, int, int], stats: KVStats) -> bool:
+        """Whether ``tokens`` account for the manager's used KV exactly."""
+        by = dict(zip(MODALITIES, tokens, strict=True))
+        if self.classes is None:
+            bpt = self.storage["text"]["bytes_per_token"]
+            return stats.used_bytes is not None and sum(tokens) * bpt == stats.used_bytes
+        if stats.classes is None:
+            return False
+        return all(sum(by[m] for m in c.holds) == stats.classes[c.name]["used_tokens"]
+                   for c in self.classes)
+
+    def figures(self, tokens: tuple[int, int, int], stats: KVStats
+                ) -> dict[str, dict[str, Any]] | None:
+        """``KVStats.modalities``: per modality its storage, tokens held and used bytes; None
+        where the tokens do not account for the manager's used KV."""
+        if not self.exact(tokens, stats):
+            return None
+        out = {}
+        for m, n in zip(MODALITIES, tokens, strict=True):
+            facts = self.storage[m]
+            out[m] = {**facts, "tokens": n, "used_bytes": n * facts["bytes_per_token"]}
+        return out
