@@ -20,7 +20,7 @@ from kvbench.engines.config import EngineConfig
 from kvbench.engines.device_memory import DeviceMemoryModel
 from kvbench.engines.executor import Executor, ScheduledBatch
 from kvbench.engines.kv.base import KVManager
-from kvbench.engines.kv.modality import MODALITIES, ModalityAccount
+from kvbench.engines.kv.modality import MODALITIES, ModalityAccount, below_precision
 from kvbench.engines.presets import ModelPreset
 from kvbench.engines.scheduler import Scheduler, SchedulerConfig
 from kvbench.workloads.model import Request
@@ -109,6 +109,11 @@ class BuiltinEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._rejected) or self.scheduler.has_unfinished()
+
+    def below_full_precision(self) -> dict[str, str]:
+        """The modalities whose KV this engine stores below the model's dtype, with their
+        dtype (empty: all at full precision)."""
+        return below_precision(self._modalities.storage, self.preset.dtype)
 
     def step(self) -> StepReport:
         sched = self.scheduler

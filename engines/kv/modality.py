@@ -67,6 +67,16 @@ def _storage(classes: tuple[PoolClass, ...] | None, spec: KVSpec, model_dtype: s
     return out
 
 
+def below_precision(storage: dict[str, dict[str, Any]], model_dtype: str) -> dict[str, str]:
+    """The modalities ``storage`` keeps below ``model_dtype``'s precision (another dtype of
+    no more bytes per element: int8, fp8, or a 16-bit float of a 16-bit model), with their
+    dtype."""
+    model_bytes = KV_DTYPES[model_dtype]
+    return {m: f["dtype"] for m, f in storage.items()
+            if f["dtype"] != model_dtype and f["element_bytes"] is not None
+            and f["element_bytes"] <= model_bytes}
+
+
 class ModalityAccount:
     """Per-modality KV of one KV manager's pool (see the module docstring)."""
 

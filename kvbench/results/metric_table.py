@@ -49,9 +49,10 @@ Kind = Literal["deterministic", "clock", "timing", "device"]
 # a device whose memory is measured (CUDA) or modelled (simulated), a run that ran out of
 # the modelled device's memory, a request refused admission although enough KV memory was
 # free in total, a cluster of replicas, disaggregated prefill/decode replicas.
-# ``modal``: a modality-aware KV pool (its page classes' figures).
+# ``modal``: a modality-aware KV pool (its page classes' figures). ``quality``: a real-compute
+# run of an engine storing KV below the model's dtype, checked against full precision.
 Need = Literal["slo", "soak", "cuda", "policy", "device", "oom", "fragmentation", "cluster",
-               "disaggregated", "modal"]
+               "disaggregated", "modal", "quality"]
 # The page classes of a modality-aware pool (kvbench.engines.kv.modal).
 MODAL_CLASSES = ("text", "vision")
 # The modalities of the tokens KV holds (kvbench.engines.kv.modality).
@@ -195,6 +196,17 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("mean_encoder_cache_bytes", "bytes", "lower", "clock", "mean encoder cache", "bytes"),
     *_MODAL_METRICS,
     *_MODALITY_METRICS,
+    # Output agreement with the full-precision reference pass (kvbench.run.quality).
+    _m("mean_output_match_rate", "fraction", "higher", "clock",
+       "output match rate vs full precision", "fraction", report=True, needs=("quality",)),
+    _m("identical_output_fraction", "fraction", "higher", "clock",
+       "requests identical to full precision", "fraction", needs=("quality",)),
+    _m("min_first_divergence", "tokens", "none", "clock", "earliest first divergence (token)",
+       "d", needs=("quality",)),
+    _m("probe_max_abs_logit_diff", "logits", "lower", "clock", "probe max abs logit diff",
+       ".3g", report=True, needs=("quality",)),
+    _m("probe_mean_abs_logit_diff", "logits", "lower", "clock", "probe mean abs logit diff",
+       ".3g", needs=("quality",)),
     _m("fragmentation_wait_steps", "steps", "lower", "clock", "steps waiting with enough KV free",
        "d"),
     # The worst of those refusals (the most memory free): facts of one moment.

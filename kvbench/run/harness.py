@@ -153,6 +153,9 @@ class EngineRun:
     # for step by step) or why the engine cannot; and the steps it took in bulk.
     fast_forward: str = "off"
     fast_forward_steps: int = 0
+    # The output-agreement check of a reduced-precision KV run (kvbench.run.quality's
+    # QualityResult), set by the caller that made it; None where none was considered.
+    quality: Any = None
 
 
 def wave_requests(workload: Workload, wave: int, waves: int, start_s: float) -> list[Request]:

@@ -33,7 +33,7 @@ from kvbench.results.metrics import summarize
 from kvbench.run.clocks import VirtualClock
 from kvbench.run.devices import parse_device
 from kvbench.run.harness import run_engine
-from kvbench.tools.kv_quality import (
+from kvbench.run.quality import (
     agreement,
     run_captured,
     summarize_agreement,
