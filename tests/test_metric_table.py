@@ -133,8 +133,8 @@ def test_run_table_rows_keep_their_labels_and_order() -> None:
         "KV capacity", "peak KV reserved", "peak KV used", "KV utilization (used/reserved)",
         "KV waste %", "min fragmentation index", "time a request waited for KV (s)",
         "of which with enough KV free (s)", "peak text KV", "peak image KV", "peak audio KV",
-        "output match rate vs full precision", "probe max abs logit diff", "preemptions", "prefix cache hit rate",
-        "peak process RSS", "peak device memory",
+        "output match rate vs full precision", "probe max abs logit diff", "preemptions",
+        "prefix cache hit rate", "peak process RSS", "peak device memory",
     ]
 
 
