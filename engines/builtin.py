@@ -257,9 +257,8 @@ class BuiltinEngine:
         sequences ending at ``last`` (whose ``modalities`` this fills): each step adds one
         text token per sequence; a step whose tokens do not account for its used bytes gets
         None."""
+        text, image, audio = self._modality_tokens(last)
         account = self._modalities
-        text, image, audio = account.tokens(self.scheduler.running)
-        last.modalities = account.figures((text, image, audio), last)
         bpt = {m: account.storage[m]["bytes_per_token"] for m in MODALITIES}
         out: dict[str, list[int | None]] = {f"modality:{m}": [] for m in MODALITIES}
         for j in range(steps):
@@ -273,10 +272,22 @@ class BuiltinEngine:
                 out[f"modality:{m}"].append(n * bpt[m] if known else None)
         return out
 
+    def _modality_tokens(self, stats: KVStats) -> tuple[int, int, int]:
+        """The tokens of each modality the live sequences hold, and ``stats.modalities``
+        from them: summed per sequence, or where that does not account for the used KV
+        (shared blocks), counted block by block from the block tables."""
+        account, running = self._modalities, self.scheduler.running
+        tokens = account.tokens(running)
+        stats.modalities = account.figures(tokens, stats)
+        block_table = getattr(self.kv, "block_table", None)
+        if stats.modalities is None and block_table is not None:
+            tokens = account.block_tokens(running, block_table, self.kv.spec.page_tokens)
+            stats.modalities = account.figures(tokens, stats)
+        return tokens
+
     def _stats(self) -> KVStats:
         stats = self.kv.stats()
-        account = self._modalities
-        stats.modalities = account.figures(account.tokens(self.scheduler.running), stats)
+        self._modality_tokens(stats)
         refusal = self.scheduler.refusal
         stats.refused_bytes = refusal.need_bytes
         stats.refused_free_bytes = refusal.free_bytes

@@ -87,8 +87,8 @@ def test_modal_pool_bytes_per_modality_are_tokens_times_their_dtype() -> None:
     assert both > 0  # image and audio were held at once
 
 
-def _paged_run(fast_forward: bool, prefix: bool = False, requests=None):
-    engine = build_engine(engine_config("paged", NAMED_ENGINES["paged"], _settings(prefix)))
+def _paged_run(fast_forward: bool, prefix: bool = False, requests=None, engine="paged"):
+    engine = build_engine(engine_config(engine, NAMED_ENGINES[engine], _settings(prefix)))
     clock = VirtualClock(CostModel(PRESET, parse_device("sim:a100-80gb").hardware, 1))
     run = run_engine(engine, make_workload(requests or _requests()), clock,
                      fast_forward=fast_forward)
@@ -110,18 +110,47 @@ def test_flat_pool_bytes_per_modality_sum_to_used_bytes_with_fast_forward() -> N
     assert {"kv_text_bytes", "kv_image_bytes", "kv_audio_bytes"} <= set(build_curves(bulk.steps))
 
 
-def test_shared_blocks_leave_the_modality_of_the_bytes_unknown() -> None:
+def _shared_image_requests() -> list[Request]:
     system, image = Segment("text", 48, "sys"), Segment("image", 160, "img/same")
-    reqs = [Request(f"r{i}", 0.0, (system, image, Segment("text", 8, f"q{i}")), 30)
+    return [Request(f"r{i}", 0.0, (system, image, Segment("text", 8, f"q{i}")), 30)
             for i in range(3)]
-    run = _paged_run(True, prefix=True, requests=reqs)
-    assert summarize(run)["prefix_hit_rate"] > 0
-    cols = run.steps.kv_modality_bytes
-    assert None in cols["image"]  # steps with shared blocks
-    s = summarize(run)
-    assert s["peak_kv_image_bytes"] is None and s["peak_kv_text_bytes"] is None
-    assert "kv_image_bytes" not in build_curves(run.steps)
-    # Without the cache the same workload is attributed throughout.
+
+
+def test_shared_blocks_are_counted_once() -> None:
+    reqs = _shared_image_requests()
+    for fast_forward in (False, True):
+        run = _paged_run(fast_forward, prefix=True, requests=reqs)
+        assert summarize(run)["prefix_hit_rate"] > 0
+        assert max(run.steps.kv_shared_bytes) > 0
+        cols = run.steps.kv_modality_bytes
+        total = np.sum([cols[m] for m in ("text", "image", "audio")], axis=0)
+        assert total.tolist() == run.steps.kv_used_bytes
+    # The image's blocks (48 + 160 = 13 full blocks after the same prefix) are held once
+    # however many requests share them: r0 and r1 computed theirs in the same steps, before
+    # either was cached, and r2 shares r0's.
+    assert summarize(run)["peak_kv_image_bytes"] == 2 * 160 * PRESET.kv_bytes_per_token
     s = summarize(_paged_run(True, requests=reqs))
     assert s["peak_kv_image_bytes"] == 3 * 160 * PRESET.kv_bytes_per_token
 
+
+def test_released_blocks_leave_the_modality_unknown() -> None:
+    # Blocks released outside a sliding window: the positions a sequence still counts as
+    # written are no longer all held, so the modality of the used bytes is not known.
+    from kvbench.engines.kv.paged import PagedPolicy
+
+    preset = get_preset("mistral-7b-v0.1")
+    settings = EngineSettings(
+        preset=preset, device=parse_device("sim:a100-80gb"),
+        kv_bytes=12000 * preset.kv_bytes_per_token, block_size=16, prefix_caching=False,
+        scheduler=SchedulerConfig(8192, 8, 2048, True))
+    engine = build_engine(engine_config("swa", PagedPolicy(sliding_window_release=True),
+                                        settings))
+    r = Request("long", 0.0, (Segment("image", 1000, "img"), Segment("text", 4000, "t")), 64)
+    run = run_engine(engine, make_workload([r]),
+                     VirtualClock(CostModel(preset, settings.device.hardware, 1)))
+    assert run.status == "ok", run.error
+    cols = run.steps.kv_modality_bytes
+    assert cols["image"][0] is not None and None in cols["image"]
+    s = summarize(run)
+    assert s["peak_kv_image_bytes"] is None and s["peak_kv_text_bytes"] is None
+    assert "kv_image_bytes" not in build_curves(run.steps)

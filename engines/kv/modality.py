@@ -13,17 +13,22 @@ the start, so they do not grow with the tokens held: they are stated, per class,
 ``KVStats.classes`` (``scale_bytes``) and per modality as ``scale_bytes_per_token`` (the
 table's share per slot), not added to ``used_bytes``.
 
-The count is exact only where every live sequence holds its positions in slots of its own.
-It is checked against the manager's own used figures (the pool's ``used_bytes``; each page
-class's ``used_tokens``); where they differ -- KV shared between sequences (prefix-cache
-hits, forked samples), leading blocks released outside a sliding window, pages kept by
-finished sequences -- the modality of the bytes is not known and the figures are None.
+Summed over live sequences, the count is exact where every live sequence holds its
+positions in slots of its own. Where blocks are shared (prefix-cache hits, forked samples),
+a paged pool's block tables say which: each physical block's positions are then counted
+once (:meth:`ModalityAccount.block_tokens`). Either count is checked against the manager's
+own used figures (the pool's ``used_bytes``; each page class's ``used_tokens``); where they
+differ -- leading blocks released outside a sliding window, pages kept by finished
+sequences, sharing no block table shows -- the modality of the bytes is not known and the
+figures are None.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
+
+import numpy as np
 
 from kvbench.engines.base import KVStats
 from kvbench.engines.kv.modal import KV_DTYPES, SCALE_BYTES, PoolClass
@@ -84,6 +89,7 @@ class ModalityAccount:
                  model_dtype: str) -> None:
         self.classes = classes
         self.storage = _storage(classes, spec, model_dtype)
+        self._cumulative: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def tokens(self, seqs: Iterable[Sequence]) -> tuple[int, int, int]:
         """Tokens of each modality the live ``seqs`` have written, summed."""
@@ -94,6 +100,44 @@ class ModalityAccount:
             image += i
             audio += a
         return text, image, audio
+
+    def block_tokens(self, seqs: Iterable[Sequence], block_table: Callable[[Sequence], list[int]],
+                     block_size: int) -> tuple[int, int, int]:
+        """Tokens of each modality in the physical blocks the live ``seqs`` hold, each block
+        counted once however many sequences share it."""
+        ids, counts = [], []
+        for seq in seqs:
+            end = seq.num_computed_tokens
+            n = -(-end // block_size)
+            if not n:
+                continue
+            image, audio = self._prompt_counts(seq)
+            starts = np.arange(n, dtype=np.int64) * block_size
+            stops = np.minimum(starts + block_size, end)
+            last = len(image) - 1
+            i = image[np.minimum(stops, last)] - image[np.minimum(starts, last)]
+            a = audio[np.minimum(stops, last)] - audio[np.minimum(starts, last)]
+            ids.append(np.asarray(block_table(seq)[:n], dtype=np.int64))
+            counts.append(np.stack([stops - starts - i - a, i, a], axis=1))
+        if not ids:
+            return 0, 0, 0
+        _, first = np.unique(np.concatenate(ids), return_index=True)
+        total = np.concatenate(counts)[first].sum(axis=0)
+        return int(total[0]), int(total[1]), int(total[2])
+
+    def _prompt_counts(self, seq: Sequence) -> tuple[np.ndarray, np.ndarray]:
+        """Image and audio positions before each prompt position (``[n_prompt + 1]``),
+        kept per request while its sequences live."""
+        request = seq.request
+        got = self._cumulative.get(request.id)
+        if got is None:
+            if len(self._cumulative) > 4096:
+                self._cumulative.clear()  # bounded: entries of finished requests go
+            kinds = np.repeat(np.array([s.kind for s in request.segments]),
+                              [s.tokens for s in request.segments])
+            got = tuple(np.concatenate(([0], np.cumsum(kinds == m))) for m in ("image", "audio"))
+            self._cumulative[request.id] = got
+        return got
 
     def exact(self, tokens: tuple[int, int, int], stats: KVStats) -> bool:
         """Whether ``tokens`` account for the manager's used KV exactly."""
