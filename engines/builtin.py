@@ -80,6 +80,8 @@ class BuiltinEngine:
         pool_classes = getattr(kv, "pool_classes", None)
         self._modalities = ModalityAccount(pool_classes() if pool_classes else None, kv.spec,
                                            preset.dtype)
+        # Tokens counted twice through shared blocks, and the running set they were for.
+        self._shared: tuple[frozenset[int] | None, tuple[int, int, int]] = (None, (0, 0, 0))
 
     @classmethod
     def from_config(cls, config: EngineConfig, kv: KVManager) -> BuiltinEngine:
@@ -274,14 +276,22 @@ class BuiltinEngine:
 
     def _modality_tokens(self, stats: KVStats) -> tuple[int, int, int]:
         """The tokens of each modality the live sequences hold, and ``stats.modalities``
-        from them: summed per sequence, or where that does not account for the used KV
-        (shared blocks), counted block by block from the block tables."""
+        from them: summed per sequence, less what blocks shared between sequences count
+        twice (from a paged pool's block tables and reference counts)."""
         account, running = self._modalities, self.scheduler.running
         tokens = account.tokens(running)
         stats.modalities = account.figures(tokens, stats)
-        block_table = getattr(self.kv, "block_table", None)
-        if stats.modalities is None and block_table is not None:
-            tokens = account.block_tokens(running, block_table, self.kv.spec.page_tokens)
+        kv = self.kv
+        if stats.modalities is None and hasattr(kv, "block_refs"):
+            # Sharing changes only as sequences come, go or fork (copy-on-write of a forked
+            # sample's last block): reuse the last count while the running set is the same.
+            key = (None if any(s.sample_index for s in running)
+                   else frozenset(s.seq_id for s in running))
+            if key is None or self._shared[0] != key:
+                self._shared = (key, account.shared_tokens(
+                    running, kv.block_table, kv.block_refs, kv.spec.page_tokens))
+            dup = self._shared[1]
+            tokens = (tokens[0] - dup[0], tokens[1] - dup[1], tokens[2] - dup[2])
             stats.modalities = account.figures(tokens, stats)
         return tokens
 

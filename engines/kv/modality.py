@@ -15,12 +15,13 @@ table's share per slot), not added to ``used_bytes``.
 
 Summed over live sequences, the count is exact where every live sequence holds its
 positions in slots of its own. Where blocks are shared (prefix-cache hits, forked samples),
-a paged pool's block tables say which: each physical block's positions are then counted
-once (:meth:`ModalityAccount.block_tokens`). Either count is checked against the manager's
-own used figures (the pool's ``used_bytes``; each page class's ``used_tokens``); where they
-differ -- leading blocks released outside a sliding window, pages kept by finished
-sequences, sharing no block table shows -- the modality of the bytes is not known and the
-figures are None.
+a paged pool's block tables and reference counts say which: the positions of a block ``r``
+sequences hold are then taken off ``r - 1`` times (:meth:`ModalityAccount.shared_tokens`;
+sharing changes only when sequences come, go or fork, so it is recomputed only then). The
+count is checked against the manager's own used figures (the pool's ``used_bytes``; each
+page class's ``used_tokens``); where they differ -- leading blocks released outside a
+sliding window, sharing in a pool that keeps no reference counts -- the modality of the
+bytes is not known and the figures are None.
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ class ModalityAccount:
         self.classes = classes
         self.storage = _storage(classes, spec, model_dtype)
         self._cumulative: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # Per live sequence with candidate shared blocks: what they were counted for, the
+        # blocks and their per-modality positions.
+        self._candidates: dict[int, tuple[tuple[int, int, int], np.ndarray, np.ndarray]] = {}
 
     def tokens(self, seqs: Iterable[Sequence]) -> tuple[int, int, int]:
         """Tokens of each modality the live ``seqs`` have written, summed."""
@@ -101,29 +105,53 @@ class ModalityAccount:
             audio += a
         return text, image, audio
 
-    def block_tokens(self, seqs: Iterable[Sequence], block_table: Callable[[Sequence], list[int]],
-                     block_size: int) -> tuple[int, int, int]:
-        """Tokens of each modality in the physical blocks the live ``seqs`` hold, each block
-        counted once however many sequences share it."""
-        ids, counts = [], []
+    def shared_tokens(self, seqs: list[Sequence], block_table: Callable[[Sequence], list[int]],
+                      block_refs: Callable[[list[int]], list[int]], block_size: int
+                      ) -> tuple[int, int, int]:
+        """Tokens of each modality that :meth:`tokens` counts more than once: in every block
+        held by ``r > 1`` live sequences, ``r - 1`` times. A block is shared only through a
+        prefix-cache hit (a sequence's first ``num_cached_tokens``) or a fork (a sample after
+        the first), so those blocks are the candidates, each looked up once."""
+        ids: list[np.ndarray] = []
+        counts: list[np.ndarray] = []
+        cache, live = self._candidates, set()
         for seq in seqs:
-            end = seq.num_computed_tokens
-            n = -(-end // block_size)
+            n = (-(-seq.num_computed_tokens // block_size) if seq.sample_index
+                 else seq.num_cached_tokens // block_size)
             if not n:
                 continue
-            image, audio = self._prompt_counts(seq)
-            starts = np.arange(n, dtype=np.int64) * block_size
-            stops = np.minimum(starts + block_size, end)
-            last = len(image) - 1
-            i = image[np.minimum(stops, last)] - image[np.minimum(starts, last)]
-            a = audio[np.minimum(stops, last)] - audio[np.minimum(starts, last)]
-            ids.append(np.asarray(block_table(seq)[:n], dtype=np.int64))
-            counts.append(np.stack([stops - starts - i - a, i, a], axis=1))
+            live.add(seq.seq_id)
+            # A hit's blocks are full and fixed until the sequence is preempted; a forked
+            # sample's last one fills (and is copied on write).
+            key = (n, seq.num_computed_tokens if seq.sample_index else -1,
+                   seq.num_preemptions)
+            got = cache.get(seq.seq_id)
+            if got is None or got[0] != key:
+                got = (key, *self._block_counts(seq, block_table(seq)[:n], block_size))
+                cache[seq.seq_id] = got
+            ids.append(got[1])
+            counts.append(got[2])
+        for gone in cache.keys() - live:
+            del cache[gone]
         if not ids:
             return 0, 0, 0
-        _, first = np.unique(np.concatenate(ids), return_index=True)
-        total = np.concatenate(counts)[first].sum(axis=0)
+        unique, first = np.unique(np.concatenate(ids), return_index=True)
+        extra = np.maximum(np.asarray(block_refs(unique.tolist()), dtype=np.int64) - 1, 0)
+        total = (np.concatenate(counts)[first] * extra[:, None]).sum(axis=0)
         return int(total[0]), int(total[1]), int(total[2])
+
+    def _block_counts(self, seq: Sequence, blocks: list[int], block_size: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """``blocks`` (the first of ``seq``'s table) and their text, image and audio
+        positions ``[len(blocks), 3]``."""
+        image, audio = self._prompt_counts(seq)
+        starts = np.arange(len(blocks), dtype=np.int64) * block_size
+        stops = np.minimum(starts + block_size, seq.num_computed_tokens)
+        last = len(image) - 1
+        i = image[np.minimum(stops, last)] - image[np.minimum(starts, last)]
+        a = audio[np.minimum(stops, last)] - audio[np.minimum(starts, last)]
+        return (np.asarray(blocks, dtype=np.int64),
+                np.stack([stops - starts - i - a, i, a], axis=1))
 
     def _prompt_counts(self, seq: Sequence) -> tuple[np.ndarray, np.ndarray]:
         """Image and audio positions before each prompt position (``[n_prompt + 1]``),
