@@ -179,7 +179,8 @@ def reason_not_checked(config: EngineConfig, engine: Any, enabled: bool,
                        waves: int = 1) -> str | None:
     """Why a run's output agreement is not checked, or None when it is."""
     if not hasattr(engine, "below_full_precision"):
-        return "not the built-in engine: its KV precision is not kvbench's to vary"
+        return ("not one built-in engine (a served engine, vLLM or a cluster of replicas): "
+                "its KV precision is not kvbench's to vary")
     below = engine.below_full_precision()
     if not below:
         return (f"every token's KV is stored at the model's dtype ({config.preset.dtype}): "
