@@ -121,3 +121,29 @@ def test_runs_that_are_not_checked_say_why(tmp_path, extra, kv, reason) -> None:
     assert rec.quality.below_full_precision
     assert rec.summary["mean_output_match_rate"] is None
     assert all(r.output_match_rate is None for r in rec.requests)
+
+
+def test_an_interrupted_reference_pass_stops_the_run(monkeypatch) -> None:
+    import kvbench.run.quality as quality
+
+    preset = get_preset("tiny")
+    settings = EngineSettings(
+        preset=preset, device=parse_device("cpu"), kv_bytes=2048 * preset.kv_bytes_per_token,
+        block_size=16, prefix_caching=False, scheduler=SchedulerConfig(1024, 8, 64, True))
+    config = engine_config("int8", NAMED_ENGINES["modal-int8"], settings)
+    engine = build_engine(config)
+    capture = capture_outputs(engine)
+    wl = make_workload([Request("text", 0.0, (Segment("text", 8, "t"),), 2)])
+    run = run_engine(engine, wl, WallClock())
+
+    def interrupted(ref_config, workload, clock, max_concurrency, check):
+        ref = run_engine(build_engine(ref_config), workload, WallClock())
+        ref.status, ref.error = "interrupted", "interrupted (SIGTERM)"
+        return quality.QualityRun(ref, {}, quality.Capture(), {})
+
+    monkeypatch.setattr(quality, "run_config_captured", interrupted)
+    check = QualityCheck()
+    result = check_quality(check, config, engine, capture, run, wl, WallClock(), None)
+    assert not result.info.ran and "interrupted (SIGTERM)" in result.info.reason
+    assert run.status == "interrupted"
+    assert not check.references  # a later run may try again

@@ -88,9 +88,10 @@ class QualityRun:
 
 
 def run_config_captured(config: EngineConfig, workload: Workload, clock: Clock,
-                        max_concurrency: int | None = None) -> QualityRun:
+                        max_concurrency: int | None = None, check: bool = True) -> QualityRun:
     """Run ``workload`` on the engine of ``config`` with real compute, keeping every
-    request's tokens and first-token logits."""
+    request's tokens and first-token logits; with ``check``, a run that does not end ok
+    raises."""
     if config.device.kind == "sim":
         raise KvbenchError("output agreement needs real compute: use --device cpu or cuda")
     engine = build_engine(config)
@@ -100,7 +101,7 @@ def run_config_captured(config: EngineConfig, workload: Workload, clock: Clock,
         describe = engine.describe()
     finally:
         engine.close()
-    if run.status != "ok":
+    if check and run.status != "ok":
         raise KvbenchError(f"{config.name}: the run failed ({run.status}): {run.error}")
     return QualityRun(run, summarize(run), capture, describe)
 
@@ -194,6 +195,14 @@ def reason_not_checked(config: EngineConfig, engine: Any, enabled: bool,
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class NoReference:
+    """Why a full-precision reference pass gave nothing to compare with."""
+
+    reason: str
+    interrupted: bool = False
+
+
 @dataclass(slots=True)
 class QualityCheck:
     """The output-agreement check of one ``kvbench run``: on or off, and the full-precision
@@ -201,10 +210,10 @@ class QualityCheck:
     and repeats that have it)."""
 
     enabled: bool = True
-    references: dict[str, QualityRun | str] = field(default_factory=dict)
+    references: dict[str, QualityRun | NoReference] = field(default_factory=dict)
 
     def reference(self, config: EngineConfig, workload: Workload, clock: Clock,
-                  max_concurrency: int | None) -> QualityRun | str:
+                  max_concurrency: int | None) -> QualityRun | NoReference:
         """The full-precision pass of ``config``'s policy (or why it failed)."""
         section = config.section.full_precision()  # type: ignore[attr-defined]
         key = section.model_dump_json()
@@ -212,10 +221,14 @@ class QualityCheck:
             ref = dataclasses.replace(config, name=f"{config.name} (full precision)",
                                       section=section)
             try:
-                self.references[key] = run_config_captured(ref, workload, clock,
-                                                           max_concurrency)
+                got = run_config_captured(ref, workload, clock, max_concurrency, check=False)
             except KvbenchError as exc:
-                self.references[key] = f"the full-precision reference run failed: {exc}"
+                return NoReference(f"the full-precision reference run could not start: {exc}")
+            if got.run.status == "interrupted":  # not kept: a later run may try again
+                return NoReference(f"the full-precision reference run was {got.run.error}",
+                                   interrupted=True)
+            self.references[key] = got if got.run.status == "ok" else NoReference(
+                f"the full-precision reference run failed: {got.run.error}")
         return self.references[key]
 
 
@@ -228,8 +241,12 @@ def check_quality(check: QualityCheck, config: EngineConfig, engine: Any, captur
         return QualityResult(QualityInfo(ran=False, reason=f"the run did not end ok "
                                          f"({run.status})", below_full_precision=below))
     ref = check.reference(config, workload, clock, max_concurrency)
-    if isinstance(ref, str):
-        return QualityResult(QualityInfo(ran=False, reason=ref, below_full_precision=below))
+    if isinstance(ref, NoReference):
+        if ref.interrupted:
+            # Ctrl-C or SIGTERM during the reference pass stops the whole run.
+            run.status, run.error = "interrupted", ref.reason
+        return QualityResult(QualityInfo(ran=False, reason=ref.reason,
+                                         below_full_precision=below))
     weights = weights_used(engine.describe())
     if weights_used(ref.describe) != weights:
         raise KvbenchError(f"{config.name}: the reference pass used other weights "
