@@ -133,6 +133,22 @@ def test_shared_blocks_are_counted_once() -> None:
     assert s["peak_kv_image_bytes"] == 3 * 160 * PRESET.kv_bytes_per_token
 
 
+def test_forked_samples_share_their_prompt_blocks_once() -> None:
+    reqs = [Request(f"r{i}", 0.01 * i, (Segment("text", 21, f"t{i}"),
+                                        Segment("image", 90, f"img{i}"),
+                                        Segment("audio", 40, f"a{i}", seconds=0.8)), 20, n=3)
+            for i in range(3)]
+    for prefix in (False, True):
+        run = _paged_run(True, prefix=prefix, requests=reqs)
+        cols = run.steps.kv_modality_bytes
+        assert None not in cols["image"]
+        total = np.sum([cols[m] for m in ("text", "image", "audio")], axis=0)
+        assert total.tolist() == run.steps.kv_used_bytes
+        assert max(run.steps.kv_shared_bytes) > 0
+    # At most the three prompts' images at once, however many samples hold each.
+    assert summarize(run)["peak_kv_image_bytes"] <= 3 * 90 * PRESET.kv_bytes_per_token
+
+
 def test_released_blocks_leave_the_modality_unknown() -> None:
     # Blocks released outside a sliding window: the positions a sequence still counts as
     # written are no longer all held, so the modality of the used bytes is not known.

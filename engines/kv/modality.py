@@ -91,9 +91,12 @@ class ModalityAccount:
         self.classes = classes
         self.storage = _storage(classes, spec, model_dtype)
         self._cumulative: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        # Per live sequence with candidate shared blocks: what they were counted for, the
-        # blocks and their per-modality positions.
-        self._candidates: dict[int, tuple[tuple[int, int, int], np.ndarray, np.ndarray]] = {}
+        # Per live sequence with candidate shared blocks: what they were counted for and
+        # each block with its text, image and audio positions; per candidate block, how many
+        # of those sequences list it and its positions.
+        self._candidates: dict[int, tuple[tuple[int, int, int],
+                                          list[tuple[int, tuple[int, int, int]]]]] = {}
+        self._blocks: dict[int, list[Any]] = {}
 
     def tokens(self, seqs: Iterable[Sequence]) -> tuple[int, int, int]:
         """Tokens of each modality the live ``seqs`` have written, summed."""
@@ -112,33 +115,42 @@ class ModalityAccount:
         held by ``r > 1`` live sequences, ``r - 1`` times. A block is shared only through a
         prefix-cache hit (a sequence's first ``num_cached_tokens``) or a fork (a sample after
         the first), so those blocks are the candidates, each looked up once."""
-        ids: list[np.ndarray] = []
-        counts: list[np.ndarray] = []
-        cache, live = self._candidates, set()
+        live: dict[int, tuple[Sequence, int, tuple[int, int, int]]] = {}
         for seq in seqs:
             n = (-(-seq.num_computed_tokens // block_size) if seq.sample_index
                  else seq.num_cached_tokens // block_size)
-            if not n:
+            if n:
+                # A hit's blocks are full and fixed until the sequence is preempted; a forked
+                # sample's last one fills (and is copied on write).
+                live[seq.seq_id] = (seq, n, (n, seq.num_computed_tokens if seq.sample_index
+                                             else -1, seq.num_preemptions))
+        cache, blocks = self._candidates, self._blocks
+        for sid in [sid for sid, (key, _) in cache.items()
+                    if sid not in live or live[sid][2] != key]:
+            for b, _ in cache.pop(sid)[1]:
+                entry = blocks[b]
+                entry[0] -= 1
+                if not entry[0]:
+                    del blocks[b]
+        for sid, (seq, n, key) in live.items():
+            if sid in cache:
                 continue
-            live.add(seq.seq_id)
-            # A hit's blocks are full and fixed until the sequence is preempted; a forked
-            # sample's last one fills (and is copied on write).
-            key = (n, seq.num_computed_tokens if seq.sample_index else -1,
-                   seq.num_preemptions)
-            got = cache.get(seq.seq_id)
-            if got is None or got[0] != key:
-                got = (key, *self._block_counts(seq, block_table(seq)[:n], block_size))
-                cache[seq.seq_id] = got
-            ids.append(got[1])
-            counts.append(got[2])
-        for gone in cache.keys() - live:
-            del cache[gone]
-        if not ids:
-            return 0, 0, 0
-        unique, first = np.unique(np.concatenate(ids), return_index=True)
-        extra = np.maximum(np.asarray(block_refs(unique.tolist()), dtype=np.int64) - 1, 0)
-        total = (np.concatenate(counts)[first] * extra[:, None]).sum(axis=0)
-        return int(total[0]), int(total[1]), int(total[2])
+            ids, counts = self._block_counts(seq, block_table(seq)[:n], block_size)
+            pairs = list(zip(ids.tolist(), map(tuple, counts.tolist()), strict=True))
+            cache[sid] = (key, pairs)
+            for b, c in pairs:
+                entry = blocks.get(b)
+                if entry is None:
+                    blocks[b] = [1, c]
+                else:
+                    entry[0] += 1
+        text = image = audio = 0
+        for r, (_, c) in zip(block_refs(list(blocks)), blocks.values(), strict=True):
+            if r > 1:
+                text += (r - 1) * c[0]
+                image += (r - 1) * c[1]
+                audio += (r - 1) * c[2]
+        return text, image, audio
 
     def _block_counts(self, seq: Sequence, blocks: list[int], block_size: int
                       ) -> tuple[np.ndarray, np.ndarray]:
