@@ -281,7 +281,8 @@ class QuietSteps:
     """Cluster steps taken in one call (:meth:`ClusterEngine.quiet_steps`), one entry per
     step: what each step's report would say. ``kv`` rows hold the KVStats fields in order,
     ``device`` rows the DeviceMemory components; ``tokens`` the tokens each step emitted, by
-    request; no request started, finished or was preempted in them."""
+    request; no request started, finished or was preempted in them. ``kv_fields`` names the
+    KVStats fields of the ``kv`` rows (the rest are None)."""
 
     elapsed_s: list[float] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
@@ -291,6 +292,7 @@ class QuietSteps:
     device: list[list[Any]] = field(default_factory=list)
     tokens: list[dict[str, int]] = field(default_factory=list)
     device_ranks: int = 1
+    kv_fields: tuple[str, ...] = ()
 
 
 # What a replica in flight holds while its step is one of a run's (the run has the rest).
@@ -538,7 +540,7 @@ class ClusterEngine:
         log.num_steps = step + 1
         log.moved_by_load_cap = self._router.moved
         out.num_running, out.num_waiting = self._running, self._waiting
-        kv = KVStats(*self._kv.values())
+        kv = KVStats(**dict(zip(_KV_FIELDS, self._kv.values(), strict=True)))
         for name, j in _MAX_INDEX:
             setattr(kv, name, self._kv.column_max(j))
         out.kv = kv
@@ -636,6 +638,7 @@ class ClusterEngine:
             out.tokens.append(tokens)
         if out is not None:
             out.device_ranks = self._tp * len(reps)
+            out.kv_fields = _KV_FIELDS
         return out
 
     # -- events ----------------------------------------------------------------------------
@@ -719,7 +722,8 @@ class ClusterEngine:
         # One KV snapshot for the run: the columns that stay put set once, the others at
         # each step; device memory read once when every step's is alike.
         stats = dataclasses.replace(done.last_kv)
-        columns = dict(done.kv)
+        # Per-modality figures are not summed over replicas (see _KV_FIELDS).
+        columns = {k: v for k, v in done.kv.items() if not k.startswith("modality:")}
         encoder = done.device.get("encoder")
         if encoder is not None:
             columns["encoder_cache_bytes"] = encoder

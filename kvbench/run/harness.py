@@ -407,9 +407,6 @@ def _fast_forward(run: EngineRun, engine: BuiltinEngine, clock: VirtualClock,
     return k
 
 
-_KV_FIELD_INDEX = {f.name: k for k, f in enumerate(dataclasses.fields(KVStats))}
-
-
 def _log_quiet(run: EngineRun, block: Any, clock: Clock) -> None:
     """Log a cluster's quiet steps (:meth:`ClusterEngine.quiet_steps`) as :func:`_log_step`
     and :func:`_record_requests` log them one at a time, the clock advanced by each step's
@@ -428,11 +425,14 @@ def _log_quiet(run: EngineRun, block: Any, clock: Clock) -> None:
     s.running.extend(block.running)
     s.waiting.extend(block.waiting)
     s.preempted.extend([0] * k)
-    columns = list(zip(*block.kv, strict=True))
+    columns = dict(zip(block.kv_fields, zip(*block.kv, strict=True), strict=True))
     for column, name in _KV_LOG.items():
-        getattr(s, column).extend(columns[_KV_FIELD_INDEX[name]])
-    s.kv_encoder_cache_bytes.extend(columns[_KV_FIELD_INDEX["encoder_cache_bytes"]])
-    run.last_kv = KVStats(*block.kv[-1])
+        getattr(s, column).extend(columns[name])
+    s.kv_encoder_cache_bytes.extend(columns["encoder_cache_bytes"])
+    # A cluster's KV is not split by modality (its KVStats.modalities is None).
+    for m in MODALITIES:
+        s.kv_modality_bytes.setdefault(m, []).extend([None] * k)
+    run.last_kv = KVStats(**dict(zip(block.kv_fields, block.kv[-1], strict=True)))
     s.device_ranks = block.device_ranks
     for name, values in zip(DeviceMemory.COMPONENTS, zip(*block.device, strict=True),
                             strict=True):
