@@ -18,8 +18,25 @@ slot their class can address.
 Slots. Each class has its own slot space (``PoolClass``); the manager's flat slots put the
 classes one after the other (text first). An executor backs each class with its own cache
 tensors and attends each sequence's KV class by class with explicit key positions, merging
-the parts by their log-sum-exp. No prefix caching and no forked samples (``n > 1``): use
-``paged`` for those.
+the parts by their log-sum-exp. No forked samples (``n > 1``): use ``paged`` for those.
+
+Prefix caching (``prefix_caching``, the run's ``--prefix-caching`` unless the section sets
+it). A page of a class is cacheable once full. Its key is the chained hash of every token of
+the sequence, of both classes in position order, up to and including the page's last token
+(:class:`~kvbench.engines.kv.hashing.BlockHasher` over one-token blocks): it names the whole
+prefix the page's KV depends on, so a text page after an image depends on that image's
+content key (its placeholder ids) and a vision page on the text before it, as vLLM's
+multimodal block hashes do. Each class has its own index, reference counts and hit flags; a
+cached page nobody holds waits in an LRU queue of its pool (one for a shared pool, one per
+class when split), out of the buddy pool, until a hit takes it back or a take of its pool
+finds no free page and evicts it (least recently freed first, given back to the buddy pool
+to coalesce, until the take succeeds). A hit of ``L`` leading tokens needs every page of
+both classes among positions ``[0, L)`` to be cached, so ``L`` falls where both classes are
+at a page boundary: with vision pages larger than an image's tokens, the text after the
+image hits nothing (the image's last vision page is never full). A cached page is reused in
+its class's dtype with its scales (both are per page), exactly as its writer left it. A
+failed take (no room even after eviction) gives back what it took, but the pages it
+evicted stay evicted.
 
 Capacity. Storing a vision share ``v`` of the KV positions in ``b_v`` bytes per element
 instead of ``b_t`` holds ``1 / (1 - v (1 - b_v / b_t))`` times the tokens in the same memory
@@ -39,6 +56,8 @@ from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, KVPolicy, Paging
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.buddy import BuddyPool
+from kvbench.engines.kv.eviction import LRUQueue
+from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
 from kvbench.engines.kv.spec import Footprint, KVSpec, kv_bytes_per_token
 from kvbench.engines.sequence import Sequence
 from kvbench.errors import KvbenchError
@@ -154,11 +173,6 @@ class ModalPolicy(Paging, KVPolicy):
             )
         return value
 
-    def resolved(self, settings: Any) -> ModalPolicy:
-        out = super().resolved(settings)
-        # No prefix cache: a run's --prefix-caching does not apply to this kind.
-        return out.model_copy(update={"prefix_caching": False})
-
     def label(self) -> str:
         text, vision = self.kv_dtype.get("text", "auto"), self.kv_dtype.get("image", "auto")
         text_page = self.block_size or "bs"
@@ -197,7 +211,8 @@ class ModalPolicy(Paging, KVPolicy):
         return rejection
 
     def manager(self, config: EngineConfig) -> ModalKVManager:
-        return ModalKVManager(self.geometry(config), config.scheduler.max_model_len)
+        return ModalKVManager(self.geometry(config), config.scheduler.max_model_len,
+                              enable_prefix_caching=config.prefix_caching)
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,6 +336,19 @@ class _ClassPages:
 
     starts: list[int] = field(default_factory=list)
     committed: int = 0  # class tokens written
+    indexed: int = 0  # leading pages offered to the prefix cache
+
+
+@dataclass(slots=True)
+class _Positions:
+    """Where a sequence's tokens lie (kept across preemption, dropped when it finishes):
+    ``vision_before`` ``[n_prompt + 1]`` counts vision positions before each prompt position;
+    ``class_pos[k]`` the prompt positions of class ``k`` in order; ``hashes[p]`` the key of
+    the prefix ``[0, p]`` (computed as far as needed)."""
+
+    vision_before: np.ndarray
+    class_pos: tuple[np.ndarray, np.ndarray]
+    hashes: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -334,7 +362,8 @@ class ModalKVManager(KVManager):
 
     kind = "modal"
 
-    def __init__(self, geometry: ModalGeometry, max_model_len: int) -> None:
+    def __init__(self, geometry: ModalGeometry, max_model_len: int,
+                 enable_prefix_caching: bool = False) -> None:
         self.geometry = geometry
         self.classes = geometry.classes
         self.max_model_len = max_model_len
@@ -352,9 +381,24 @@ class ModalKVManager(KVManager):
         else:
             self._pools = [BuddyPool(u, 2, top) for u in geometry.pool_units]
         self._seqs: dict[int, _SeqState] = {}
-        self._used = [0, 0]  # class tokens written, over live sequences
-        self._pages = [0, 0]  # pages held, per class
+        self._used = [0, 0]  # slots written in pages some live sequence holds (each once)
+        self._pages = [0, 0]  # pages held by live sequences, per class (each once)
         self._allocs = self._frees = 0
+        # Prefix cache: per class, by class-local page id (first slot // page tokens).
+        self.enable_prefix_caching = enable_prefix_caching
+        pages = [c.num_slots // c.page_tokens for c in self.classes]
+        self._ref = [[0] * n for n in pages]
+        self._hash: list[list[int | None]] = [[None] * n for n in pages]
+        self._hit = [[False] * n for n in pages]
+        self._by_hash: list[dict[int, int]] = [{}, {}]
+        # Free cached pages, (class, page) least recently freed first, one queue per pool.
+        self._lru = [LRUQueue()] if geometry.pools == "shared" else [LRUQueue(), LRUQueue()]
+        self._cached_free = [0, 0]  # pages waiting in the LRU queues, per class
+        self._shared = [0, 0]  # held pages serving a second request (got from a hit)
+        self._evictions = 0
+        self._hit_tokens = self._query_tokens = 0
+        self._hasher = BlockHasher(1)
+        self._positions: dict[int, _Positions] = {}
 
     def pool_classes(self) -> tuple[PoolClass, ...]:
         return self.classes
@@ -370,7 +414,9 @@ class ModalKVManager(KVManager):
         return -(-(prompt + n * output) // page) * page
 
     def lookup_prefix(self, seq: Sequence) -> int:
-        return 0
+        if not self.enable_prefix_caching:
+            return 0
+        return self._hit_length(seq)[0]
 
     # Positions and classes ---------------------------------------------------------------
 
@@ -400,13 +446,14 @@ class ModalKVManager(KVManager):
         return len(state.pages[k].starts) * self.classes[k].page_tokens
 
     def _take(self, state: _SeqState, end: int) -> bool:
-        """Pages so that positions ``[0, end)`` have slots; all or nothing."""
+        """Pages so that positions ``[0, end)`` have slots; all or nothing (but pages
+        evicted from the prefix cache on the way stay evicted)."""
         need = self._counts(state, end)
         taken: list[tuple[int, int]] = []
         for k, c in enumerate(self.classes):
             pages = -(-need[k] // c.page_tokens) - len(state.pages[k].starts)
             for _ in range(max(pages, 0)):
-                start = self._pools[k].take(self._orders[k])
+                start = self._take_unit(k)
                 if start is None:
                     for kk, s in reversed(taken):
                         self._pools[kk].give(s, self._orders[kk])
@@ -415,23 +462,214 @@ class ModalKVManager(KVManager):
         unit = self.geometry.unit_bytes
         for k, start in taken:
             c = self.classes[k]
-            state.pages[k].starts.append(start * unit // c.bytes_per_token)
+            first = start * unit // c.bytes_per_token
+            state.pages[k].starts.append(first)
+            self._ref[k][first // c.page_tokens] = 1
             self._pages[k] += 1
         self._allocs += len(taken)
         return True
+
+    def _take_unit(self, k: int) -> int | None:
+        """First unit of a free page of class ``k``, evicting free cached pages of its pool
+        (least recently freed first) while none is free; None when nothing is left."""
+        pool, order = self._pools[k], self._orders[k]
+        start = pool.take(order)
+        if start is None:
+            lru = self._lru[0 if len(self._lru) == 1 else k]
+            unit = self.geometry.unit_bytes
+            while start is None and lru:
+                (kk, page), = lru.evict(1)
+                c = self.classes[kk]
+                h = self._hash[kk][page]
+                assert h is not None
+                del self._by_hash[kk][h]
+                self._hash[kk][page] = None
+                self._cached_free[kk] -= 1
+                self._evictions += 1
+                self._pools[kk].give(page * c.page_bytes // unit, self._orders[kk])
+                start = pool.take(order)
+        return start
+
+    # Prefix cache ---------------------------------------------------------------------------
+
+    def _where(self, seq: Sequence) -> _Positions:
+        info = self._positions.get(seq.seq_id)
+        if info is None:
+            vb = self._vision_before(seq)
+            is_vision = np.diff(vb).astype(bool)
+            info = _Positions(vb, (np.flatnonzero(~is_vision), np.flatnonzero(is_vision)))
+            self._positions[seq.seq_id] = info
+        return info
+
+    def _prefix_hashes(self, seq: Sequence, info: _Positions, end: int) -> list[int]:
+        """Keys of the prefixes ``[0, p]`` for every ``p < end`` (at least)."""
+        hashes = info.hashes
+        have = len(hashes)
+        if have < end:
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes += self._hasher.chain(parent, seq.token_ids(have, end))
+        return hashes
+
+    def _page_end(self, seq: Sequence, info: _Positions, k: int, j: int) -> int:
+        """Position of the last token of class ``k``'s page ``j`` (generated tokens, all
+        text, follow the prompt)."""
+        rank = (j + 1) * self.classes[k].page_tokens - 1
+        pos = info.class_pos[k]
+        if rank < len(pos):
+            return int(pos[rank])
+        if k == 0:
+            return seq.num_prompt_tokens + rank - len(pos)
+        raise AssertionError("a vision rank past the prompt")
+
+    def _page_keys(self, seq: Sequence, info: _Positions, k: int, first: int,
+                   end: int) -> list[int]:
+        """Keys of class ``k``'s full pages ``first .. end - 1``."""
+        if end <= first:
+            return []
+        last = self._page_end(seq, info, k, end - 1)
+        hashes = self._prefix_hashes(seq, info, last + 1)
+        return [hashes[self._page_end(seq, info, k, j)] for j in range(first, end)]
+
+    def _hit_length(self, seq: Sequence) -> tuple[int, tuple[int, int]]:
+        """The longest cached prefix of ``seq`` (leaving one token to compute) and the pages
+        of each class it covers."""
+        info = self._where(seq)
+        n = seq.num_tokens
+        n_prompt = seq.num_prompt_tokens
+        vb = info.vision_before
+        vision_total = int(vb[-1])
+        # Class tokens among the first n - 1 positions: the most a hit may cover.
+        counts = (n - 1 - int(vb[min(n - 1, n_prompt)]), int(vb[min(n - 1, n_prompt)]))
+        hits = []
+        for k, c in enumerate(self.classes):
+            full = counts[k] // c.page_tokens
+            keys = self._page_keys(seq, info, k, 0, full)
+            index, h = self._by_hash[k], 0
+            for key in keys:
+                if key not in index:
+                    break
+                h += 1
+            hits.append(h)
+        # Positions up to the first token of each class that is not in a cached page.
+        limit = n - 1
+        for k, c in enumerate(self.classes):
+            rank = hits[k] * c.page_tokens
+            if k == 1 and rank < vision_total:
+                limit = min(limit, int(info.class_pos[1][rank]))
+            elif k == 0:
+                if rank < len(info.class_pos[0]):
+                    limit = min(limit, int(info.class_pos[0][rank]))
+                else:
+                    limit = min(limit, n_prompt + rank - len(info.class_pos[0]))
+        # The longest L <= limit at which both classes sit at a page boundary.
+        ends = np.arange(limit + 1, dtype=np.int64)
+        vision = vb[np.minimum(ends, n_prompt)]
+        ok = (vision % self.classes[1].page_tokens == 0) & (
+            (ends - vision) % self.classes[0].page_tokens == 0)
+        cut = int(np.flatnonzero(ok)[-1])
+        v = int(vb[min(cut, n_prompt)])
+        return cut, ((cut - v) // self.classes[0].page_tokens, v // self.classes[1].page_tokens)
+
+    def _attach(self, seq: Sequence, state: _SeqState, num_cached: int) -> list[list[int]]:
+        """Reference the cached pages covering ``seq``'s first ``num_cached`` tokens."""
+        cut, pages = self._hit_length(seq)
+        if cut < num_cached:
+            raise RuntimeError("prefix lookup is stale: cached pages were evicted since")
+        info = self._where(seq)
+        counts = self._counts(state, num_cached)
+        attached: list[list[int]] = []
+        for k, c in enumerate(self.classes):
+            if counts[k] % c.page_tokens:
+                raise RuntimeError(
+                    f"cannot attach {num_cached} cached tokens: they end inside a {c.name} page")
+            n = counts[k] // c.page_tokens
+            assert n <= pages[k]
+            index = self._by_hash[k]
+            ids = [index[key] for key in self._page_keys(seq, info, k, 0, n)]
+            for page in ids:
+                r = self._ref[k][page]
+                if r == 0:
+                    self._lru[0 if len(self._lru) == 1 else k].remove((k, page))
+                    self._cached_free[k] -= 1
+                    self._pages[k] += 1
+                    self._used[k] += c.page_tokens
+                    self._allocs += 1
+                if not self._hit[k][page]:
+                    self._hit[k][page] = True
+                    self._shared[k] += 1
+                self._ref[k][page] = r + 1
+            attached.append(ids)
+        return attached
+
+    def _release(self, state: _SeqState) -> None:
+        """Drop ``state``'s reference to each of its pages: a page nobody holds goes back to
+        its buddy pool, or, holding a cached page, to the LRU queue (tail pages first)."""
+        unit = self.geometry.unit_bytes
+        for k, c in enumerate(self.classes):
+            pages, size = state.pages[k], c.page_tokens
+            ref, hashes, hit = self._ref[k], self._hash[k], self._hit[k]
+            lru = self._lru[0 if len(self._lru) == 1 else k]
+            for i in range(len(pages.starts) - 1, -1, -1):
+                page = pages.starts[i] // size
+                r = ref[page] - 1
+                ref[page] = r
+                if r:
+                    continue
+                self._pages[k] -= 1
+                self._used[k] -= min(max(pages.committed - i * size, 0), size)
+                self._frees += 1
+                if hit[page]:
+                    hit[page] = False
+                    self._shared[k] -= 1
+                if hashes[page] is None:
+                    self._pools[k].give(page * c.page_bytes // unit, self._orders[k])
+                else:
+                    lru.add((k, page))
+                    self._cached_free[k] += 1
+
+    def _index(self, seq: Sequence, state: _SeqState) -> None:
+        """Offer ``seq``'s newly full pages to the prefix cache (a key already cached by
+        another page keeps that page; this one stays unindexed)."""
+        info = self._where(seq)
+        for k, c in enumerate(self.classes):
+            pages = state.pages[k]
+            full = pages.committed // c.page_tokens
+            if full <= pages.indexed:
+                continue
+            keys = self._page_keys(seq, info, k, pages.indexed, full)
+            index, hashes = self._by_hash[k], self._hash[k]
+            for j, key in zip(range(pages.indexed, full), keys, strict=True):
+                page = pages.starts[j] // c.page_tokens
+                if hashes[page] is None and index.setdefault(key, page) == page:
+                    hashes[page] = key
+            pages.indexed = full
 
     # The KVManager interface ---------------------------------------------------------------
 
     def allocate(self, seq: Sequence, num_cached: int, num_new: int) -> bool:
         if seq.seq_id in self._seqs:
             raise RuntimeError(f"sequence {seq.seq_id} is already allocated")
+        if num_cached and not self.enable_prefix_caching:
+            raise RuntimeError("prefix caching is off: no cached tokens to attach")
+        vb = self._where(seq).vision_before if self.enable_prefix_caching else \
+            self._vision_before(seq)
+        state = _SeqState(vb, (_ClassPages(), _ClassPages()))
         if num_cached:
-            raise RuntimeError("the modal KV policy has no prefix cache")
-        state = _SeqState(self._vision_before(seq), (_ClassPages(), _ClassPages()))
-        if not self._take(state, num_new):
+            attached = self._attach(seq, state, num_cached)
+            counts = self._counts(state, num_cached)
+            for k, c in enumerate(self.classes):
+                pages = state.pages[k]
+                pages.starts = [p * c.page_tokens for p in attached[k]]
+                pages.committed, pages.indexed = counts[k], len(attached[k])
+        if not self._take(state, num_cached + num_new):
+            if num_cached:
+                self._release(state)
             return False
         self._seqs[seq.seq_id] = state
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        if self.enable_prefix_caching:
+            self._hit_tokens += num_cached
+            self._query_tokens += seq.num_tokens
+        seq.num_computed_tokens = seq.num_cached_tokens = num_cached
         return True
 
     def grow(self, seq: Sequence, num_new: int) -> bool:
@@ -449,19 +687,16 @@ class ModalKVManager(KVManager):
                 )
             self._used[k] += counts[k] - pages.committed
             pages.committed = counts[k]
+        if self.enable_prefix_caching:
+            self._index(seq, state)
 
     def free(self, seq: Sequence) -> None:
+        if seq.is_finished:
+            self._positions.pop(seq.seq_id, None)
         state = self._seqs.pop(seq.seq_id, None)
         if state is None:
             return
-        unit = self.geometry.unit_bytes
-        for k, c in enumerate(self.classes):
-            pages = state.pages[k]
-            for slot in pages.starts:
-                self._pools[k].give(slot * c.bytes_per_token // unit, self._orders[k])
-            self._frees += len(pages.starts)
-            self._pages[k] -= len(pages.starts)
-            self._used[k] -= pages.committed
+        self._release(state)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         raise KvbenchError("the modal KV policy does not fork sequences (n > 1); use paged")
@@ -531,7 +766,8 @@ class ModalKVManager(KVManager):
     def stats(self) -> KVStats:
         unit = self.geometry.unit_bytes
         pools = self._pools[:1] if self.geometry.pools == "shared" else self._pools
-        free = sum(p.free_units for p in pools) * unit
+        # Free cached pages are free too (a take evicts them), as in paged.
+        free = sum(p.free_units for p in pools) * unit + self._cached_free_bytes()
         if self.geometry.pools == "shared":
             # Free bytes that can still become a page of the largest class: the rest serves
             # only smaller pages (the shared pool's external fragmentation).
@@ -552,7 +788,11 @@ class ModalKVManager(KVManager):
             reserved_bytes=held,
             free_bytes=free,
             largest_free_bytes=largest,
-            shared_bytes=0,
+            shared_bytes=sum(n * c.page_bytes for n, c in zip(self._shared, self.classes,
+                                                              strict=True)),
+            prefix_hit_tokens=self._hit_tokens if self.enable_prefix_caching else None,
+            prefix_query_tokens=self._query_tokens if self.enable_prefix_caching else None,
+            evictions=self._evictions if self.enable_prefix_caching else None,
             block_allocs=self._allocs,
             block_frees=self._frees,
             copied_bytes=0,
@@ -562,10 +802,16 @@ class ModalKVManager(KVManager):
             classes=self.class_stats(),
         )
 
+    def _cached_free_bytes(self) -> int:
+        """Bytes of the free pages still holding cached KV (an eviction frees them)."""
+        return sum(n * c.page_bytes for n, c in zip(self._cached_free, self.classes,
+                                                    strict=True))
+
     def describe(self) -> dict[str, Any]:
         return {
             "kind": self.kind, "max_model_len": self.max_model_len,
-            "bytes_per_token": self.bytes_per_token, **self.geometry.to_json(),
+            "bytes_per_token": self.bytes_per_token,
+            "enable_prefix_caching": self.enable_prefix_caching, **self.geometry.to_json(),
         }
 
 
