@@ -101,7 +101,9 @@ class PoolClass:
     """One page class: its modalities, page size, storage dtype, and where its slots lie in
     the manager's flat slot space (``base`` .. ``base + num_slots``). ``bytes_per_token`` is
     the codes' (all layers, K and V); ``scale_group`` slots share one scale per KV head, K
-    and V apart, ``scale_units`` scales per group (layers x 2 x KV heads), 0 for floats."""
+    and V apart, ``scale_units`` scales per group (layers x 2 x KV heads), 0 for floats.
+    ``pool`` is the allocator its pages come from (0 for both classes of a shared pool, the
+    class's index when split): classes of one pool address the same bytes."""
 
     name: str
     holds: tuple[str, ...]
@@ -112,6 +114,7 @@ class PoolClass:
     num_slots: int
     scale_group: int
     scale_units: int
+    pool: int = 0
 
     @property
     def quantised(self) -> bool:
@@ -277,10 +280,12 @@ class ModalGeometry:
             class_units = [fit(int(budget * share[k]), [k]) for k in range(2)]
             pool_units = tuple(class_units)
         classes, base = [], 0
-        for (name, holds, page, dtype, bpt, group), units in zip(specs, class_units, strict=True):
+        for k, ((name, holds, page, dtype, bpt, group), units) in enumerate(
+                zip(specs, class_units, strict=True)):
             slots = units * unit // bpt
             classes.append(PoolClass(name, holds, page, dtype, bpt, base, slots, group,
-                                     scale_units if dtype in QUANTISED else 0))
+                                     scale_units if dtype in QUANTISED else 0,
+                                     0 if policy.pools == "shared" else k))
             base += slots
         if min(pool_units) * unit < max(page_bytes):
             raise KvbenchError(
