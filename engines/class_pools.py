@@ -31,6 +31,7 @@ from kvbench.engines.kv.modal import ClassTables, PoolClass
 from kvbench.engines.presets import ModelPreset
 from kvbench.engines.torch_device import TORCH_DTYPES, zeros
 from kvbench.kernels.backend import KernelBackend
+from kvbench.kernels.slot_copy import SlotCopy
 
 STORAGE = {**TORCH_DTYPES, "int8": torch.int8}
 if hasattr(torch, "float8_e4m3fn"):
@@ -117,6 +118,21 @@ class ClassPools:
             out["+".join(c.spec.name for c in mine)] = buf.nbytes + sum(
                 0 if c.scales is None else c.scales.nbytes for c in mine)
         return out
+
+    def copy(self, copies: list[SlotCopy]) -> None:
+        """Apply copy-on-write copies (flat slots, each within one class): the slots' K/V
+        codes, their scales and positions."""
+        for cp in copies:
+            cache = next(c for c in self.caches
+                         if c.spec.base <= cp.src < c.spec.base + c.spec.num_slots)
+            c = cache.spec
+            src, dst, n = cp.src - c.base, cp.dst - c.base, cp.num_slots
+            cache.kv[:, :, dst : dst + n] = cache.kv[:, :, src : src + n].clone()
+            cache.positions[dst : dst + n] = cache.positions[src : src + n].clone()
+            if cache.scales is not None:
+                g = c.scale_group  # pages hold whole scale groups
+                cache.scales[:, :, dst // g : (dst + n) // g] = \
+                    cache.scales[:, :, src // g : (src + n) // g].clone()
 
     def begin(self, kernels: KernelBackend, layout: ClassTables, slots: np.ndarray,
               positions: Tensor, cu_seqlens_q: Tensor, num_heads: int) -> None:

@@ -18,7 +18,13 @@ slot their class can address.
 Slots. Each class has its own slot space (``PoolClass``); the manager's flat slots put the
 classes one after the other (text first). An executor backs each class with its own cache
 tensors and attends each sequence's KV class by class with explicit key positions, merging
-the parts by their log-sum-exp. No forked samples (``n > 1``): use ``paged`` for those.
+the parts by their log-sum-exp.
+
+Forked samples (``n > 1``) share the parent's pages of both classes that hold computed KV;
+a sample about to write into a shared, partly filled page of a class first takes a page of
+that class of its own and has the written slots copied into it (copy-on-write per class:
+a :class:`~kvbench.kernels.slot_copy.SlotCopy` in the flat slots, which an executor applies
+to that class's cache and scales).
 
 Prefix caching (``prefix_caching``, the run's ``--prefix-caching`` unless the section sets
 it). A page of a class is cacheable once full. Its key is the chained hash of every token of
@@ -201,17 +207,6 @@ class ModalPolicy(Paging, KVPolicy):
 
     def footprint(self, config: EngineConfig, request: Request) -> Footprint:
         return self.geometry(config).footprint(request)
-
-    def admission(self, config: EngineConfig) -> Any:
-        base = super().admission(config)
-
-        def rejection(request: Request) -> str | None:
-            if request.n > 1:
-                return (f"request {request.id} has n={request.n} samples: the modal KV policy "
-                        "does not fork sequences; use paged")
-            return base(request)
-
-        return rejection
 
     def manager(self, config: EngineConfig) -> ModalKVManager:
         return ModalKVManager(self.geometry(config), config.scheduler.max_model_len,
@@ -404,6 +399,8 @@ class ModalKVManager(KVManager):
         self._hit_tokens = self._query_tokens = 0
         self._hasher = BlockHasher(1)
         self._positions: dict[int, _Positions] = {}
+        self._copies: list[SlotCopy] = []
+        self._copied_bytes = 0
 
     def pool_classes(self) -> tuple[PoolClass, ...]:
         return self.classes
@@ -599,9 +596,9 @@ class ModalKVManager(KVManager):
                     self._pages[k] += 1
                     self._used[k] += c.page_tokens
                     self._allocs += 1
-                if not self._hit[k][page]:
-                    self._hit[k][page] = True
+                if not self._hit[k][page] and r <= 1:
                     self._shared[k] += 1
+                self._hit[k][page] = True
                 self._ref[k][page] = r + 1
             attached.append(ids)
         return attached
@@ -619,6 +616,8 @@ class ModalKVManager(KVManager):
                 r = ref[page] - 1
                 ref[page] = r
                 if r:
+                    if r == 1 and not hit[page]:
+                        self._shared[k] -= 1  # forked samples' page, one holder left
                     continue
                 self._pages[k] -= 1
                 self._used[k] -= min(max(pages.committed - i * size, 0), size)
@@ -678,7 +677,47 @@ class ModalKVManager(KVManager):
         return True
 
     def grow(self, seq: Sequence, num_new: int) -> bool:
-        return self._take(self._state(seq), seq.num_computed_tokens + num_new)
+        state = self._state(seq)
+        pos = seq.num_computed_tokens
+        # A class's page written next that forked samples share: copied first.
+        cow = []
+        if num_new > 0:
+            before, after = self._counts(state, pos), self._counts(state, pos + num_new)
+            for k, c in enumerate(self.classes):
+                rank = before[k]
+                if after[k] > rank and rank % c.page_tokens:
+                    page = state.pages[k].starts[rank // c.page_tokens] // c.page_tokens
+                    if self._ref[k][page] > 1:
+                        cow.append((k, rank // c.page_tokens))
+        if not cow:
+            return self._take(state, pos + num_new)
+        fresh: list[tuple[int, int]] = []
+        for k, _ in cow:
+            start = self._take_unit(k)
+            if start is None:
+                for kk, u in reversed(fresh):
+                    self._pools[kk].give(u, self._orders[kk])
+                return False
+            fresh.append((k, start))
+        unit = self.geometry.unit_bytes
+        for (k, start), (_, i) in zip(fresh, cow, strict=True):
+            c = self.classes[k]
+            pages = state.pages[k]
+            old, new = pages.starts[i], start * unit // c.bytes_per_token
+            self._ref[k][new // c.page_tokens] = 1
+            r = self._ref[k][old // c.page_tokens] - 1
+            self._ref[k][old // c.page_tokens] = r
+            if r == 1 and not self._hit[k][old // c.page_tokens]:
+                self._shared[k] -= 1
+            pages.starts[i] = new
+            self._pages[k] += 1
+            self._used[k] += pages.committed - i * c.page_tokens
+            self._allocs += 1
+            self._copies.append(SlotCopy(src=c.base + old, dst=c.base + new,
+                                         num_slots=c.page_tokens))
+            self._copied_bytes += c.page_bytes
+        # Without room for the rest the copies still stand: the pages are this sample's.
+        return self._take(state, pos + num_new)
 
     def commit(self, seq: Sequence) -> None:
         state = self._state(seq)
@@ -704,7 +743,27 @@ class ModalKVManager(KVManager):
         self._release(state)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        raise KvbenchError("the modal KV policy does not fork sequences (n > 1); use paged")
+        if child.seq_id in self._seqs:
+            raise RuntimeError(f"sequence {child.seq_id} is already allocated")
+        state = self._state(parent)
+        pages = []
+        for k, c in enumerate(self.classes):
+            mine = state.pages[k]
+            # Only pages holding computed KV; room reserved beyond stays the parent's.
+            shared = mine.starts[: -(-mine.committed // c.page_tokens)]
+            ref, hit = self._ref[k], self._hit[k]
+            for first in shared:
+                page = first // c.page_tokens
+                if ref[page] == 1 and not hit[page]:
+                    self._shared[k] += 1
+                ref[page] += 1
+            pages.append(_ClassPages(list(shared), mine.committed,
+                                     min(mine.indexed, len(shared))))
+        self._seqs[child.seq_id] = _SeqState(state.vision_before, (pages[0], pages[1]))
+        info = self._positions.get(parent.seq_id)
+        if info is not None:
+            self._positions[child.seq_id] = _Positions(info.vision_before, info.class_pos,
+                                                       list(info.hashes))
 
     def slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         """Flat slots (each class's after its ``base``) of positions ``[start, end)``."""
@@ -749,7 +808,8 @@ class ModalKVManager(KVManager):
         return ClassTables(tuple(tables), tuple(lens), self.classes)
 
     def take_copies(self) -> list[SlotCopy]:
-        return []
+        copies, self._copies = self._copies, []
+        return copies
 
     def class_stats(self) -> dict[str, dict[str, Any]]:
         """Per class: dtype, page size, bytes held in pages and written, and the class's
@@ -800,7 +860,7 @@ class ModalKVManager(KVManager):
             evictions=self._evictions if self.enable_prefix_caching else None,
             block_allocs=self._allocs,
             block_frees=self._frees,
-            copied_bytes=0,
+            copied_bytes=self._copied_bytes,
             page_table_entries=sum(self._pages),
             splits=sum(p.splits for p in pools),
             merges=sum(p.coalesces for p in pools),
