@@ -302,3 +302,22 @@ def test_forked_samples_copy_on_write_per_class_and_keep_paged_tokens() -> None:
     forked = run_captured("int8", NAMED_ENGINES["modal-int8"], _real(True), wl)
     alone = run_captured("int8", NAMED_ENGINES["modal-int8"], _real(True), single)
     assert forked.capture.tokens == alone.capture.tokens
+
+
+def test_int8_vision_in_a_shared_buffer_computes_what_split_pools_do() -> None:
+    # Decodes batched with a prefill read whole units past their own pages; in one byte
+    # buffer those can hold the other class's codes (NaN as float32), which must not leak.
+    from helpers import make_workload
+    from kvbench.tools.kv_quality import run_captured
+
+    image = Segment("image", 64, "img/shared", height=224, width=224, rule="qwen2-vl")
+    reqs = [Request("a", 0.0, (Segment("text", 13, "sys"), image, Segment("text", 8, "qa")), 6),
+            Request("b", 0.0, (Segment("text", 30, "tb"),), 5),
+            Request("c", 0.01, (Segment("text", 13, "sys"), image, Segment("text", 5, "qc")),
+                    4)]
+    wl = make_workload(reqs)
+    for prefix in (False, True):
+        shared = run_captured("s", ModalPolicy(kv_dtype={"image": "int8"}), _real(prefix), wl)
+        split = run_captured("p", ModalPolicy(kv_dtype={"image": "int8"}, pools="split"),
+                             _real(prefix), wl)
+        assert shared.capture.tokens == split.capture.tokens
