@@ -16,9 +16,10 @@ out while the other has room. Scales are held back from the budget first, sized 
 slot their class can address.
 
 Slots. Each class has its own slot space (``PoolClass``); the manager's flat slots put the
-classes one after the other (text first). An executor backs each class with its own cache
-tensors and attends each sequence's KV class by class with explicit key positions, merging
-the parts by their log-sum-exp.
+classes one after the other (text first). An executor backs the classes of one pool with one
+byte buffer of the pool's bytes, each class viewing it in its dtype
+(:mod:`kvbench.engines.class_pools`), and attends each sequence's KV class by class with
+explicit key positions, merging the parts by their log-sum-exp.
 
 Forked samples (``n > 1``) share the parent's pages of both classes that hold computed KV;
 a sample about to write into a shared, partly filled page of a class first takes a page of
@@ -38,8 +39,11 @@ class when split), out of the buddy pool, until a hit takes it back or a take of
 finds no free page and evicts it (least recently freed first, given back to the buddy pool
 to coalesce, until the take succeeds). A hit of ``L`` leading tokens needs every page of
 both classes among positions ``[0, L)`` to be cached, so ``L`` falls where both classes are
-at a page boundary: with vision pages larger than an image's tokens, the text after the
-image hits nothing (the image's last vision page is never full). A cached page is reused in
+at a page boundary: a partly filled page ends the hit, so with vision pages larger than an
+image's tokens nothing after the image hits, and a text page holding text from both sides
+of an image ends it before the image. A router's view of the cache
+(``cached_prefix_tokens``, from token ids alone) cannot tell the classes apart and says 0.
+A cached page is reused in
 its class's dtype with its scales (both are per page), exactly as its writer left it. A
 failed take (no room even after eviction) gives back what it took, but the pages it
 evicted stay evicted.
@@ -148,12 +152,13 @@ class PoolClass:
 
 class ModalPolicy(Paging, KVPolicy):
     """Text and vision KV in their own page classes (page size, precision), in one shared
-    buddy pool or split pools."""
+    buddy pool or split pools; prefix caching and forks per class."""
 
     kind: Literal["modal"] = "modal"
     summary = (
         "modality-aware KV: text / vision page classes with their own page size and precision "
-        "(int8 | fp8_e4m3 vision KV), one shared buddy pool or split pools"
+        "(int8 | fp8_e4m3 vision KV), one shared buddy pool or split pools, prefix caching "
+        "over both classes, fork + copy-on-write per class"
     )
     kv_dtype: dict[Modality, str] = Field(default_factory=dict)
     vision_page_tokens: int | None = Field(default=None, ge=1)
