@@ -321,3 +321,35 @@ def test_int8_vision_in_a_shared_buffer_computes_what_split_pools_do() -> None:
         split = run_captured("p", ModalPolicy(kv_dtype={"image": "int8"}, pools="split"),
                              _real(prefix), wl)
         assert shared.capture.tokens == split.capture.tokens
+
+
+def test_multimodal_reuse_preset_hits_on_modal_as_on_paged_in_the_sim() -> None:
+    from dataclasses import replace
+
+    from kvbench.engines.costmodel import CostModel
+    from kvbench.engines.presets import get_preset
+    from kvbench.engines.registry import NAMED_ENGINES, build_engine
+    from kvbench.results.metrics import summarize
+    from kvbench.run.clocks import VirtualClock
+    from kvbench.run.harness import run_engine
+    from kvbench.workloads.presets import generate_preset
+
+    preset = get_preset("llama-3-8b")
+    settings = EngineSettings(
+        preset=preset, device=parse_device("sim:a100-80gb"), kv_bytes=1 << 30, block_size=16,
+        prefix_caching=True, scheduler=SchedulerConfig(4096, 32, 2048, True),
+    )
+    wl = generate_preset("multimodal-reuse", 40, seed=0)
+    wl = replace(wl, requests=[replace(r, arrival_s=0.0) for r in wl.requests])
+    rates = {}
+    for name in ("paged", "modal-int8", "modal-pages"):
+        engine = build_engine(engine_config(name, NAMED_ENGINES[name], settings))
+        run = run_engine(engine, wl, VirtualClock(CostModel(preset, settings.device.hardware, 1)))
+        assert run.status == "ok", run.error
+        rates[name] = summarize(run)["prefix_hit_rate"]
+    # 16-token pages in both classes: the preset's 128/256-token prefixes and 192-384-token
+    # images end on page boundaries, so modal hits about as paged does.
+    assert rates["paged"] > 0.3
+    assert abs(rates["modal-int8"] - rates["paged"]) < 0.05
+    # 512-token vision pages: no image fills one, so only the text before the image hits.
+    assert 0.0 < rates["modal-pages"] < rates["modal-int8"]
