@@ -610,31 +610,45 @@ class ModalKVManager(KVManager):
 
     def _release(self, state: _SeqState) -> None:
         """Drop ``state``'s reference to each of its pages: a page nobody holds goes back to
-        its buddy pool, or, holding a cached page, to the LRU queue (tail pages first)."""
+        its buddy pool, or, holding a cached page, to the LRU queue, the pages of both
+        classes by their first position from the tail on (the common prefix, the likeliest
+        to be hit again, is evicted last)."""
         unit = self.geometry.unit_bytes
+        order = []
+        vb = state.vision_before
+        n_prompt = len(vb) - 1
+        text_before = np.arange(n_prompt + 1) - vb
         for k, c in enumerate(self.classes):
+            ranks = np.arange(len(state.pages[k].starts), dtype=np.int64) * c.page_tokens
+            before = vb if k else text_before
+            first = np.searchsorted(before, ranks + 1) - 1  # position of each page's rank
+            if k == 0:  # generated tokens follow the prompt
+                past = ranks >= text_before[-1]
+                first[past] = n_prompt + ranks[past] - text_before[-1]
+            order += [(int(f), k, i) for i, f in enumerate(first.tolist())]
+        order.sort(reverse=True)
+        for _, k, i in order:
+            c = self.classes[k]
             pages, size = state.pages[k], c.page_tokens
-            ref, hashes, hit = self._ref[k], self._hash[k], self._hit[k]
-            lru = self._lru[0 if len(self._lru) == 1 else k]
-            for i in range(len(pages.starts) - 1, -1, -1):
-                page = pages.starts[i] // size
-                r = ref[page] - 1
-                ref[page] = r
-                if r:
-                    if r == 1 and not hit[page]:
-                        self._shared[k] -= 1  # forked samples' page, one holder left
-                    continue
-                self._pages[k] -= 1
-                self._used[k] -= min(max(pages.committed - i * size, 0), size)
-                self._frees += 1
-                if hit[page]:
-                    hit[page] = False
-                    self._shared[k] -= 1
-                if hashes[page] is None:
-                    self._pools[k].give(page * c.page_bytes // unit, self._orders[k])
-                else:
-                    lru.add((k, page))
-                    self._cached_free[k] += 1
+            ref, hit = self._ref[k], self._hit[k]
+            page = pages.starts[i] // size
+            r = ref[page] - 1
+            ref[page] = r
+            if r:
+                if r == 1 and not hit[page]:
+                    self._shared[k] -= 1  # forked samples' page, one holder left
+                continue
+            self._pages[k] -= 1
+            self._used[k] -= min(max(pages.committed - i * size, 0), size)
+            self._frees += 1
+            if hit[page]:
+                hit[page] = False
+                self._shared[k] -= 1
+            if self._hash[k][page] is None:
+                self._pools[k].give(page * c.page_bytes // unit, self._orders[k])
+            else:
+                self._lru[0 if len(self._lru) == 1 else k].add((k, page))
+                self._cached_free[k] += 1
 
     def _index(self, seq: Sequence, state: _SeqState) -> None:
         """Offer ``seq``'s newly full pages to the prefix cache (a key already cached by
