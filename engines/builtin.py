@@ -260,18 +260,20 @@ class BuiltinEngine:
         text token per sequence; a step whose tokens do not account for its used bytes gets
         None."""
         text, image, audio = self._modality_tokens(last)
-        account = self._modalities
-        bpt = {m: account.storage[m]["bytes_per_token"] for m in MODALITIES}
-        out: dict[str, list[int | None]] = {f"modality:{m}": [] for m in MODALITIES}
-        for j in range(steps):
-            t = text - num_seqs * (steps - 1 - j)
-            if used is None:
-                known = j == steps - 1
-            else:
-                known = (t + image + audio) * bpt["text"] == int(used[j])
-            known = known and last.modalities is not None
-            for m, n in zip(MODALITIES, (t, image, audio), strict=True):
-                out[f"modality:{m}"].append(n * bpt[m] if known else None)
+        bpt = {m: self._modalities.storage[m]["bytes_per_token"] for m in MODALITIES}
+        if last.modalities is None:
+            return {f"modality:{m}": [None] * steps for m in MODALITIES}
+        t = text - num_seqs * np.arange(steps - 1, -1, -1, dtype=np.int64)
+        if used is None:
+            known = np.zeros(steps, dtype=bool)
+            known[-1] = True
+        else:
+            known = (t + image + audio) * bpt["text"] == used
+        out: dict[str, list[int | None]] = {}
+        for m, n in (("text", t), ("image", image), ("audio", audio)):
+            col = (np.broadcast_to(n, steps) * bpt[m]).tolist()
+            out[f"modality:{m}"] = col if known.all() else [
+                v if k else None for v, k in zip(col, known.tolist(), strict=True)]
         return out
 
     def _modality_tokens(self, stats: KVStats) -> tuple[int, int, int]:

@@ -91,6 +91,8 @@ class ModalityAccount:
         self.classes = classes
         self.storage = _storage(classes, spec, model_dtype)
         self._cumulative: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # Per request id: whether its prompt has image or audio segments.
+        self._media: dict[str, bool] = {}
         # Per live sequence with candidate shared blocks: what they were counted for and
         # each block with its text, image and audio positions; per candidate block, how many
         # of those sequences list it and its positions.
@@ -99,14 +101,24 @@ class ModalityAccount:
         self._blocks: dict[int, list[Any]] = {}
 
     def tokens(self, seqs: Iterable[Sequence]) -> tuple[int, int, int]:
-        """Tokens of each modality the live ``seqs`` have written, summed."""
-        text = image = audio = 0
+        """Tokens of each modality the live ``seqs`` have written, summed (a text-only
+        request's positions are all text: only requests with media are walked)."""
+        held = image = audio = 0
+        media = self._media
         for seq in seqs:
-            t, i, a = held_counts(seq, seq.num_computed_tokens)
-            text += t
-            image += i
-            audio += a
-        return text, image, audio
+            end = seq.num_computed_tokens
+            held += end
+            request = seq.request
+            has = media.get(request.id)
+            if has is None:
+                if len(media) > 4096:
+                    media.clear()  # bounded: entries of finished requests go
+                has = media[request.id] = any(s.kind != "text" for s in request.segments)
+            if has:
+                _, i, a = held_counts(seq, end)
+                image += i
+                audio += a
+        return held - image - audio, image, audio
 
     def shared_tokens(self, seqs: list[Sequence], block_table: Callable[[Sequence], list[int]],
                       block_refs: Callable[[list[int]], list[int]], block_size: int
