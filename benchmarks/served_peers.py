@@ -96,7 +96,8 @@ def table(pooled: dict[str, Samples], wl: PeerWorkload, rounds: int, warmup: int
         "",
         f"- Machine: {os.cpu_count()} × {_cpu()}, shared with other work; {loads[0]} before, "
         f"{loads[1]} after the measurement (the server, its engine core and the client keep "
-        "about two cores busy themselves).",
+        "about two cores busy themselves). Where other work ran, the server's pace changed "
+        "from round to round (the per-round column): ratios within 10% need a quiet machine.",
         f"- Server: `{shlex.join(command)}` (vLLM {versions['vllm']}, the tiny preset, dummy "
         "weights, a word-level tokenizer: token *i* is the word `t<i>`).",
         f"- Workload, the same for every tool: {wl.describe()}. kvbench and `vllm bench serve` "
@@ -111,29 +112,52 @@ def table(pooled: dict[str, Samples], wl: PeerWorkload, rounds: int, warmup: int
         "after the requests (the peers read none).",
         "",
         "| tool | version | requests | median TTFT ms | median TPOT ms | median ITL ms | "
-        "TTFT per-round medians | kvbench / tool TTFT | TPOT | ITL |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
+        "mean ITL ms | gaps < 0.5 ms | TTFT per-round medians | kvbench / tool: TTFT | TPOT | "
+        "ITL | mean ITL |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
+    kv = pooled["kvbench"]
     for name, s in pooled.items():
         ratio = r.get(name, {})
-        cells = ["—"] * 3 if name == "kvbench" else [_fmt(ratio[m], ".3f") for m in METRICS]
+        cells = ["—"] * 4 if name == "kvbench" else [_fmt(ratio[m], ".3f") for m in METRICS]
+        if name != "kvbench":
+            a, b = kv.mean("itl"), s.mean("itl")
+            cells.append(_fmt(None if a is None or not b else a / b, ".3f"))
+        burst = s.burst_share()
         lines.append(
             f"| {name} | {versions.get(name, '')} | {s.requests} | {_fmt(s.median('ttft'))} | "
-            f"{_fmt(s.median('tpot'))} | {_fmt(s.median('itl'))} | {_spread(s, 'ttft')} | "
+            f"{_fmt(s.median('tpot'))} | {_fmt(s.median('itl'))} | {_fmt(s.mean('itl'))} | "
+            f"{'n/a' if burst is None else f'{100 * burst:.0f}%'} | {_spread(s, 'ttft')} | "
             + " | ".join(cells) + " |")
     for name, why in skipped.items():
-        lines.append(f"| {name} | {versions.get(name, '')} | — | not run: {why} | | | | | | |")
+        lines.append(f"| {name} | {versions.get(name, '')} | — | not run: {why} |"
+                     + " |" * 9)
     lines += [
         "",
         "GuideLLM's records hold each request's first and last token times but not the gaps "
         "between chunks, so its ITL is not compared (what GuideLLM reports as ITL is TPOT as "
         "defined here). On a CPU server shared with other work, vLLM's API server at times "
-        "falls behind its engine core and sends several tokens' chunks at once: those gaps "
-        "are near zero for every tool alike, which makes the median ITL the least stable of "
-        "the three figures.",
+        "falls behind its engine core and sends several tokens' chunks at once: every client "
+        "reads those together, and their gaps are near zero (the column *gaps < 0.5 ms*). "
+        "Where that share is near half, the median ITL falls either side of it by chance "
+        "(0 or a decode step) and says nothing about the client; the mean ITL (the decode "
+        "time spread over the gaps) does not depend on it.",
         "",
     ]
     return "\n".join(lines)
+
+
+def render(meta: dict, pooled: dict[str, Samples]) -> str:
+    wl = PeerWorkload(meta["requests"], meta["prompt"], meta["output"], meta["concurrency"])
+    return table(pooled, wl, meta["rounds"], meta["warmup"], meta["command"],
+                 tuple(meta["loads"]), meta["skipped"], meta["versions"])
+
+
+def _rerender(path: Path, out: Path) -> None:
+    """The table again from the samples a run saved beside it (``--render``)."""
+    saved = json.loads(path.read_text())
+    pooled = {name: Samples(**s) for name, s in saved["samples"].items()}
+    write_text_atomic(out, render(saved["meta"], pooled))
 
 
 def main() -> None:
@@ -145,7 +169,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--tools", default="vllm bench serve,guidellm,aiperf",
                     help="peers to run, comma-separated")
+    ap.add_argument("--render", type=Path, metavar="SAMPLES.json",
+                    help="only write the table again from the samples a run saved")
     args = ap.parse_args()
+    if args.render is not None:
+        _rerender(args.render, args.out or args.render.with_suffix(".md"))
+        return
     import vllm
 
     wl = PeerWorkload(requests=args.requests, concurrency=args.concurrency)
@@ -173,15 +202,19 @@ def main() -> None:
             print(f"measured in {time.monotonic() - t0:.0f} s", file=sys.stderr)
             command = ["python", *server_command(model_dir, server.port)[1:]]
             command = [c.replace(str(model_dir), "TINY_DIR") for c in command]
-    text = table(pooled, wl, args.rounds, args.warmup, command, (before, after), skipped,
-                 versions)
+    meta = {"requests": wl.requests, "prompt": wl.prompt, "output": wl.output,
+            "concurrency": wl.concurrency, "rounds": args.rounds, "warmup": args.warmup,
+            "command": command, "loads": [before, after], "skipped": skipped,
+            "versions": versions}
+    text = render(meta, pooled)
     if args.out is None:
         print(text)
     else:
         write_text_atomic(args.out, text)
         # Every sample behind the table, beside it.
         write_text_atomic(args.out.with_suffix(".json"), json.dumps(
-            {name: dataclasses.asdict(s) for name, s in pooled.items()}, indent=1))
+            {"meta": meta, "samples": {name: dataclasses.asdict(s)
+                                       for name, s in pooled.items()}}, indent=1))
         print(f"wrote {args.out}", file=sys.stderr)
 
 

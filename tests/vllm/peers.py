@@ -57,6 +57,9 @@ METRICS = ("ttft", "tpot", "itl")
 # kvbench reads /metrics once before and once after the requests, none while they run: the
 # peers read none, and a reading takes the server tens of ms.
 NO_SCRAPES_MS = 3_600_000.0
+# Chunk gaps shorter than this are chunks that came together: a decode step of the tiny
+# model on a CPU takes several ms.
+BURST_GAP_MS = 0.5
 # Where the peers' own environments are looked for (one folder each, holding bin/TOOL),
 # unless KVBENCH_PEERS_DIR names another; `nox -s vllm` makes them.
 PEERS_DIR = Path(__file__).resolve().parents[2] / ".nox" / "peers"
@@ -91,6 +94,15 @@ class Samples:
         self.itl += other.itl
         self.requests += other.requests
         self.rounds.append({m: other.median(m) for m in METRICS})
+
+    def mean(self, metric: str) -> float | None:
+        values = getattr(self, metric)
+        return statistics.fmean(values) if values else None
+
+    def burst_share(self) -> float | None:
+        """The share of chunk gaps under ``BURST_GAP_MS``: chunks the server sent together
+        (its API process behind its engine core), read together by any client."""
+        return sum(g < BURST_GAP_MS for g in self.itl) / len(self.itl) if self.itl else None
 
     def median(self, metric: str) -> float | None:
         values = getattr(self, metric)
