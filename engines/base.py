@@ -68,6 +68,10 @@ class KVStats:
     classes: dict[str, dict[str, Any]] | None = None
     # Bytes of encoder outputs (image / audio embeddings) kept for reuse, beside the KV.
     encoder_cache_bytes: int | None = None
+    # Per modality of the tokens held (text, image, audio): its page class, dtype, bytes per
+    # element and per token, tokens held and used bytes (kvbench.engines.kv.modality); None
+    # where the engine cannot attribute its used KV to modalities.
+    modalities: dict[str, dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)

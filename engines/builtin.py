@@ -20,6 +20,7 @@ from kvbench.engines.config import EngineConfig
 from kvbench.engines.device_memory import DeviceMemoryModel
 from kvbench.engines.executor import Executor, ScheduledBatch
 from kvbench.engines.kv.base import KVManager
+from kvbench.engines.kv.modality import MODALITIES, ModalityAccount, below_precision
 from kvbench.engines.presets import ModelPreset
 from kvbench.engines.scheduler import Scheduler, SchedulerConfig
 from kvbench.workloads.model import Request
@@ -44,14 +45,15 @@ class DecodeRun:
 class DecodeSteps:
     """What ``steps`` decode steps taken in one go report, as one step after another would:
     every step emits ``tokens`` (by request) with the same queue sizes; ``kv`` and
-    ``device`` hold each step's values of the KVStats fields and device-memory
-    components; ``last_kv`` is the last step's snapshot."""
+    ``device`` hold each step's values of the KVStats fields (``modality:<m>``: the used
+    bytes of modality ``m``) and device-memory components; ``last_kv`` is the last step's
+    snapshot."""
 
     steps: int
     tokens: dict[str, int]
     num_running: int
     num_waiting: int
-    kv: dict[str, list[int]]
+    kv: dict[str, list[int | None]]
     device: dict[str, list[int]]
     device_ranks: int
     last_kv: KVStats
@@ -75,6 +77,11 @@ class BuiltinEngine:
         self._rejected: list[Finished] = []
         self._decode: tuple[list, int | None, set[int] | None, int] | None = None
         self._bytes_per_token = kv.bytes_per_token
+        pool_classes = getattr(kv, "pool_classes", None)
+        self._modalities = ModalityAccount(pool_classes() if pool_classes else None, kv.spec,
+                                           preset.dtype)
+        # Tokens counted twice through shared blocks, and the running set they were for.
+        self._shared: tuple[frozenset[int] | None, tuple[int, int, int]] = (None, (0, 0, 0))
 
     @classmethod
     def from_config(cls, config: EngineConfig, kv: KVManager) -> BuiltinEngine:
@@ -104,6 +111,11 @@ class BuiltinEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._rejected) or self.scheduler.has_unfinished()
+
+    def below_full_precision(self) -> dict[str, str]:
+        """The modalities whose KV this engine stores below the model's dtype, with their
+        dtype (empty: all at full precision)."""
+        return below_precision(self._modalities.storage, self.preset.dtype)
 
     def step(self) -> StepReport:
         sched = self.scheduler
@@ -211,10 +223,10 @@ class BuiltinEngine:
         memory.end_decode(reserved)
         self.scheduler.advance_decode(seqs, steps)
         last = self.kv.stats()
+        kv_cols = self._modality_columns(last, len(seqs), steps, columns.get("used_bytes"))
         encoder = device.get("encoder")
         last.encoder_cache_bytes = (encoder[-1] if encoder else
                                     executor.encoder_cache_bytes())
-        kv_cols: dict[str, list[int]] = {}
         for name in _KV_COLUMNS:
             col = columns.get(name)
             kv_cols[name] = col.tolist() if col is not None else [getattr(last, name)] * steps
@@ -241,8 +253,53 @@ class BuiltinEngine:
             memory.tp, last,
         )
 
+    def _modality_columns(self, last: KVStats, num_seqs: int, steps: int,
+                          used: np.ndarray | None) -> dict[str, list[int | None]]:
+        """Per-step used bytes of each modality over ``steps`` decode steps of ``num_seqs``
+        sequences ending at ``last`` (whose ``modalities`` this fills): each step adds one
+        text token per sequence; a step whose tokens do not account for its used bytes gets
+        None."""
+        text, image, audio = self._modality_tokens(last)
+        bpt = {m: self._modalities.storage[m]["bytes_per_token"] for m in MODALITIES}
+        if last.modalities is None:
+            return {f"modality:{m}": [None] * steps for m in MODALITIES}
+        t = text - num_seqs * np.arange(steps - 1, -1, -1, dtype=np.int64)
+        if used is None:
+            known = np.zeros(steps, dtype=bool)
+            known[-1] = True
+        else:
+            known = (t + image + audio) * bpt["text"] == used
+        out: dict[str, list[int | None]] = {}
+        for m, n in (("text", t), ("image", image), ("audio", audio)):
+            col = (np.broadcast_to(n, steps) * bpt[m]).tolist()
+            out[f"modality:{m}"] = col if known.all() else [
+                v if k else None for v, k in zip(col, known.tolist(), strict=True)]
+        return out
+
+    def _modality_tokens(self, stats: KVStats) -> tuple[int, int, int]:
+        """The tokens of each modality the live sequences hold, and ``stats.modalities``
+        from them: summed per sequence, less what blocks shared between sequences count
+        twice (from a paged pool's block tables and reference counts)."""
+        account, running = self._modalities, self.scheduler.running
+        tokens = account.tokens(running)
+        stats.modalities = account.figures(tokens, stats)
+        kv = self.kv
+        if stats.modalities is None and hasattr(kv, "block_refs"):
+            # Sharing changes only as sequences come, go or fork (copy-on-write of a forked
+            # sample's last block): reuse the last count while the running set is the same.
+            key = (None if any(s.sample_index for s in running)
+                   else frozenset(s.seq_id for s in running))
+            if key is None or self._shared[0] != key:
+                self._shared = (key, account.shared_tokens(
+                    running, kv.block_table, kv.block_refs, kv.spec.page_tokens))
+            dup = self._shared[1]
+            tokens = (tokens[0] - dup[0], tokens[1] - dup[1], tokens[2] - dup[2])
+            stats.modalities = account.figures(tokens, stats)
+        return tokens
+
     def _stats(self) -> KVStats:
         stats = self.kv.stats()
+        self._modality_tokens(stats)
         refusal = self.scheduler.refusal
         stats.refused_bytes = refusal.need_bytes
         stats.refused_free_bytes = refusal.free_bytes

@@ -187,7 +187,10 @@ class ClusterLog:
         return cols[0], cols[1], cols[2]
 
 
-_KV_FIELDS = tuple(f.name for f in dataclasses.fields(KVStats))
+# Figures per page class or modality of one pool are not summed over replicas: the
+# cluster's KVStats leaves them None.
+_KV_FIELDS = tuple(f.name for f in dataclasses.fields(KVStats)
+                   if f.name not in ("classes", "modalities"))
 _MAX_FIELDS = frozenset({"largest_free_bytes", "refused_largest_free_bytes"})
 _SUM_FIELDS = tuple(n for n in _KV_FIELDS if n not in _MAX_FIELDS)
 _DEVICE_FIELDS = tuple(f"{name}_bytes" for name in DeviceMemory.COMPONENTS)

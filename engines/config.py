@@ -142,6 +142,11 @@ class KVPolicy(EngineSection):
     def held_back_bytes(self, kv_bytes: int) -> int:
         return int(kv_bytes * self.reserved_memory)
 
+    def full_precision(self) -> KVPolicy:
+        """This policy with every token's KV stored at the model's dtype: the reference of
+        its output agreement. A policy that stores none below it is its own."""
+        return self
+
     @abstractmethod
     def manager(self, config: EngineConfig) -> KVManager:
         """A fresh KV manager over ``config``'s pool."""

@@ -22,7 +22,7 @@ from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.engines.sequence import Sequence
 from kvbench.errors import KvbenchError
 from kvbench.run.devices import parse_device
-from kvbench.tools.kv_quality import agreement, run_captured, summarize_agreement
+from kvbench.run.quality import agreement, run_captured, summarize_agreement
 from kvbench.workloads.modalities import image_token_count
 from kvbench.workloads.model import Request, Segment
 from kvbench.workloads.presets import generate_preset
@@ -293,7 +293,7 @@ def test_agreement_on_a_checkpoint_names_its_weights(tmp_path) -> None:
     from model_driver import make_model
     from test_weights import save_checkpoint
 
-    from kvbench.tools.kv_quality import weights_used
+    from kvbench.run.quality import weights_used
 
     ckpt = save_checkpoint(make_model(seed=7), tmp_path / "ckpt")
     settings = replace(_settings(), weights=str(ckpt))

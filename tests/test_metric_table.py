@@ -75,6 +75,10 @@ def test_every_table_entry_is_produced_or_says_what_it_needs(records) -> None:
         elif spec.needs == ("modal",):
             # Only a modality-aware pool has page classes (tests/test_kv_modal.py runs one).
             assert spec.name not in keys, spec.name
+        elif spec.needs == ("quality",):
+            # Output agreement: recorded by every run, None unless a real-compute engine
+            # stores KV below full precision (tests/test_quality_check.py runs one).
+            assert spec.name in keys and spec.name not in run, spec.name
         elif spec.needs in (("policy",), ("fragmentation",)):
             # Counters some KV policies keep, facts of a fragmentation wait: recorded by every
             # run, None where there are none.
@@ -128,8 +132,9 @@ def test_run_table_rows_keep_their_labels_and_order() -> None:
         "TPOT p99 (ms)", "E2EL p50 (ms)", "max concurrent requests", "mean concurrent requests",
         "KV capacity", "peak KV reserved", "peak KV used", "KV utilization (used/reserved)",
         "KV waste %", "min fragmentation index", "time a request waited for KV (s)",
-        "of which with enough KV free (s)", "preemptions", "prefix cache hit rate",
-        "peak process RSS", "peak device memory",
+        "of which with enough KV free (s)", "peak text KV", "peak image KV", "peak audio KV",
+        "output match rate vs full precision", "probe max abs logit diff", "preemptions",
+        "prefix cache hit rate", "peak process RSS", "peak device memory",
     ]
 
 

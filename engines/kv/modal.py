@@ -166,6 +166,9 @@ class ModalPolicy(Paging, KVPolicy):
         pools = "shared" if self.pools == "shared" else f"split{self.vision_share:g}"
         return f"modal/{pages}/{text}+{vision}/{pools}"
 
+    def full_precision(self) -> ModalPolicy:
+        return self.model_copy(update={"kv_dtype": {}})
+
     def check(self, config: EngineConfig) -> list[str]:
         if config.preset.sliding_window is not None:
             raise KvbenchError(

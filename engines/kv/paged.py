@@ -316,6 +316,11 @@ class PagedKVManager(KVManager):
         """A copy of ``seq``'s block table (entries released outside the window included)."""
         return list(self._seqs[seq.seq_id].table)
 
+    def block_refs(self, blocks: list[int]) -> list[int]:
+        """How many live sequences hold each of ``blocks``."""
+        ref = self.pool.ref
+        return [ref[b] for b in blocks]
+
     def held_blocks(self, seq: Sequence) -> list[int]:
         """The blocks ``seq`` holds: its table past the entries released outside the window."""
         state = self._seqs[seq.seq_id]

@@ -269,9 +269,11 @@ def _notes(new: RunRecord, base: RunRecord, same_machine: bool) -> list[str]:
             f"{machine_slug(new.machine)}: timing metrics not compared"
         )
     nc, bc = _flat(new.engine_config), _flat(base.engine_config)
-    # How many steps a simulator took in bulk says how it ran, not what ran.
+    # How many steps a simulator took in bulk says how it ran, not what ran; where each
+    # modality's KV was stored follows from the KV policy's own configuration.
     changed = sorted(k for k in nc.keys() | bc.keys()
-                     if nc.get(k) != bc.get(k) and k != "fast_forward.steps")
+                     if nc.get(k) != bc.get(k) and k != "fast_forward.steps"
+                     and not k.startswith("kv_modalities."))
     if changed:
         notes.append("engine configuration differs: " + ", ".join(
             f"{k} {bc.get(k)!r} -> {nc.get(k)!r}" for k in changed

@@ -72,7 +72,25 @@ def summary_markdown(records: Sequence[RunRecord]) -> str:
     findings = run_findings(records)
     if findings:
         lines += [f"## {FINDINGS_TITLE}", "", *(f"- {f}" for f in findings), ""]
+    lines += quality_lines(records)
     for r in records:
         if r.error:
             lines += [f"**{r.engine} {r.status}:** {r.error.splitlines()[0]}", ""]
     return "\n".join(lines)
+
+
+def quality_lines(records: Sequence[RunRecord]) -> list[str]:
+    """Whether each engine storing KV below the model's dtype had its outputs compared with
+    full precision: against what, with which weights, or why not."""
+    out = []
+    for r in records:
+        q = r.quality
+        if q is None or not q.below_full_precision:
+            continue
+        below = ", ".join(f"{m} {d}" for m, d in q.below_full_precision.items())
+        if q.ran:
+            out.append(f"- {r.engine} ({below}): compared with {q.reference}; weights "
+                       f"{q.weights}; probe: {q.probe}")
+        else:
+            out.append(f"- {r.engine} ({below}): not compared: {q.reason}")
+    return ["## Output agreement with full-precision KV", "", *out, ""] if out else []

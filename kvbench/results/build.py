@@ -3,16 +3,43 @@
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench import __version__
 from kvbench.results.curves import build_curves
 from kvbench.results.metrics import MODELLED_DEVICE_CURVE, device_series, summarize
 from kvbench.results.paths import redact_home
-from kvbench.results.schema import RequestRow, RunRecord, SoakResult, TelemetryInfo, WorkloadInfo
+from kvbench.results.schema import (
+    QualityInfo,
+    RequestRow,
+    RunRecord,
+    SoakResult,
+    TelemetryInfo,
+    WorkloadInfo,
+)
 from kvbench.results.slo import SLO
 from kvbench.run.harness import EngineRun
 from kvbench.run.machine import git_commit, machine_info
+
+# Summary metrics of output agreement (kvbench.run.quality), None where not checked.
+QUALITY_METRICS = ("mean_output_match_rate", "identical_output_fraction",
+                   "min_first_divergence", "probe_max_abs_logit_diff",
+                   "probe_mean_abs_logit_diff")
+
+
+@dataclass(frozen=True, slots=True)
+class QualityResult:
+    """A run's output agreement with its full-precision reference: what the record's
+    ``quality`` says, each request's figures (by id: :class:`RequestRow` fields) and the
+    summary metrics (:data:`QUALITY_METRICS`)."""
+
+    info: QualityInfo
+    requests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, Any]:
+        return {name: self.summary.get(name) for name in QUALITY_METRICS}
 
 
 def _since(t: float | None, arrival_s: float) -> float | None:
@@ -20,8 +47,9 @@ def _since(t: float | None, arrival_s: float) -> float | None:
     return None if t is None else (t - arrival_s) * 1000.0
 
 
-def request_rows(run: EngineRun) -> list[RequestRow]:
+def request_rows(run: EngineRun, quality: QualityResult | None = None) -> list[RequestRow]:
     rows = []
+    agreement = quality.requests if quality is not None else {}
     for t in run.timings.values():
         r = t.request
         tpot = t.tpot_s
@@ -41,6 +69,7 @@ def request_rows(run: EngineRun) -> list[RequestRow]:
                 cached_tokens=t.cached_tokens,
                 output_digest=t.output_digest,
                 reason=t.rejected if t.rejected is not None else t.error,
+                **agreement.get(r.id, {}),
             )
         )
     return rows
@@ -56,6 +85,7 @@ def build_record(
     device: str,
     slo: SLO | None = None,
     soak: SoakResult | None = None,
+    quality: QualityResult | None = None,
 ) -> RunRecord:
     wl = run.workload
     tel = run.telemetry
@@ -67,6 +97,7 @@ def build_record(
             source = f"modelled: {MODELLED_DEVICE_CURVE}"
         telemetry = TelemetryInfo(probes=tel.status, facts=tel.info(), device_memory=source)
     summary = summarize(run, slo) | (soak.summary() if soak is not None else {})
+    summary |= quality.metrics() if quality is not None else dict.fromkeys(QUALITY_METRICS)
     curves = build_curves(run.steps, tel)
     if run.cluster is not None:
         from kvbench.results.cluster import cluster_curves, cluster_summary
@@ -100,7 +131,8 @@ def build_record(
         slo=slo,
         telemetry=telemetry,
         soak=soak,
+        quality=quality.info if quality is not None else None,
         summary=summary,
         curves=curves,
-        requests=request_rows(run),
+        requests=request_rows(run, quality),
     )

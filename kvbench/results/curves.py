@@ -103,6 +103,12 @@ def build_curves(
     # Per page class of a modality-aware pool: kv_<class>_<reserved|used|capacity>_bytes.
     cols.update({f"kv_{name}": np.asarray(v, dtype=np.float64)
                  for name, v in steps.kv_class_bytes.items()})
+    # Used KV by modality of the tokens held: kv_<text|image|audio>_bytes, where every step
+    # attributes it.
+    for name, v in steps.kv_modality_bytes.items():
+        col = _column(v)
+        if col is not None:
+            cols[f"kv_{name}_bytes"] = col
     free, largest = cols.get("kv_free_bytes"), cols.get("kv_largest_free_bytes")
     if free is not None and largest is not None:
         cols["frag_index"] = frag_index(free, largest)

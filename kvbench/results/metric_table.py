@@ -49,11 +49,14 @@ Kind = Literal["deterministic", "clock", "timing", "device"]
 # a device whose memory is measured (CUDA) or modelled (simulated), a run that ran out of
 # the modelled device's memory, a request refused admission although enough KV memory was
 # free in total, a cluster of replicas, disaggregated prefill/decode replicas.
-# ``modal``: a modality-aware KV pool (its page classes' figures).
+# ``modal``: a modality-aware KV pool (its page classes' figures). ``quality``: a real-compute
+# run of an engine storing KV below the model's dtype, checked against full precision.
 Need = Literal["slo", "soak", "cuda", "policy", "device", "oom", "fragmentation", "cluster",
-               "disaggregated", "modal"]
+               "disaggregated", "modal", "quality"]
 # The page classes of a modality-aware pool (kvbench.engines.kv.modal).
 MODAL_CLASSES = ("text", "vision")
+# The modalities of the tokens KV holds (kvbench.engines.kv.modality).
+MODALITIES = ("text", "image", "audio")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +130,21 @@ _MODAL_METRICS = tuple(
            needs=("modal",)),
     )
 )
+# KV bytes by the modality of the tokens held: every built-in engine's run has them, None
+# where its used KV could not be attributed to modalities (shared between sequences).
+_MODALITY_METRICS = tuple(
+    spec
+    for m in MODALITIES
+    for spec in (
+        _m(f"kv_{m}_dtype_bytes", "bytes", "none", "deterministic",
+           f"{m} KV dtype bytes per element", "bytes"),
+        _m(f"peak_kv_{m}_bytes", "bytes", "lower", "clock", f"peak {m} KV", "bytes",
+           report=True),
+    )
+)
+_MODALITY_CURVES = tuple(
+    _m(f"kv_{m}_bytes", "bytes", "lower", "clock", f"{m} KV", "bytes") for m in MODALITIES
+)
 _MODAL_CURVES = tuple(
     _m(f"kv_{c}_{what}_bytes", "bytes", "none" if what == "capacity" else "lower", "clock",
        f"{c} KV {what}", "bytes", needs=("modal",))
@@ -177,6 +195,18 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("peak_encoder_cache_bytes", "bytes", "lower", "clock", "peak encoder cache", "bytes"),
     _m("mean_encoder_cache_bytes", "bytes", "lower", "clock", "mean encoder cache", "bytes"),
     *_MODAL_METRICS,
+    *_MODALITY_METRICS,
+    # Output agreement with the full-precision reference pass (kvbench.run.quality).
+    _m("mean_output_match_rate", "fraction", "higher", "clock",
+       "output match rate vs full precision", "fraction", report=True, needs=("quality",)),
+    _m("identical_output_fraction", "fraction", "higher", "clock",
+       "requests identical to full precision", "fraction", needs=("quality",)),
+    _m("min_first_divergence", "tokens", "none", "clock", "earliest first divergence (token)",
+       "d", needs=("quality",)),
+    _m("probe_max_abs_logit_diff", "logits", "lower", "clock", "probe max abs logit diff",
+       ".3g", report=True, needs=("quality",)),
+    _m("probe_mean_abs_logit_diff", "logits", "lower", "clock", "probe mean abs logit diff",
+       ".3g", needs=("quality",)),
     _m("fragmentation_wait_steps", "steps", "lower", "clock", "steps waiting with enough KV free",
        "d"),
     # The worst of those refusals (the most memory free): facts of one moment.
@@ -331,6 +361,7 @@ CURVES: tuple[MetricSpec, ...] = (
     _m("page_table_entries", "entries", "lower", "clock", "page-table entries", "d"),
     _m("kv_encoder_cache_bytes", "bytes", "lower", "clock", "encoder cache", "bytes"),
     *_MODAL_CURVES,
+    *_MODALITY_CURVES,
     _m("rss_bytes", "bytes", "lower", "timing", "process RSS", "bytes"),
     # Disaggregated prefill/decode: KV reserved summed over each role's replicas.
     _m("prefill_kv_reserved_bytes", "bytes", "none", "clock", "KV reserved, prefill replicas",

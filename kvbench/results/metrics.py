@@ -60,6 +60,12 @@ KV memory (from the engine's KVStats after every step):
 - ``peak_page_table_entries`` / ``mean_page_table_entries``: entries of the translation
   structures live sequences hold (block-table entries, extent descriptors, mapped pages),
   peak and time-weighted mean; ``peak_page_table_bytes`` at 8 bytes an entry.
+- ``peak_kv_text_bytes``, ``peak_kv_image_bytes``, ``peak_kv_audio_bytes``: the peak over
+  steps of the KV bytes the tokens of each modality held (generated tokens are text): tokens
+  held x bytes per token at the dtype of the page class storing them (the codes; a quantised
+  class's scales are a fixed side table, not counted), with ``kv_<modality>_dtype_bytes``
+  that dtype's bytes per element. None where some step's used KV could not be attributed
+  to modalities (KV shared between sequences, blocks released outside a sliding window).
 - ``kv_copied_bytes``: KV bytes copied between slots over the run (copy-on-write,
   compaction, migration); ``kv_evictions``, ``kv_merges``, ``kv_splits``,
   ``kv_migrated_bytes``, ``kv_map_ops``, ``kv_unmap_ops``: counters of the policies that keep
@@ -105,6 +111,7 @@ import numpy as np
 
 from kvbench.engines.base import DeviceMemory
 from kvbench.engines.device_memory import DeviceOutOfMemory
+from kvbench.engines.kv.modality import MODALITIES
 from kvbench.results.curves import device_columns, frag_index, fragmentation_waits
 from kvbench.results.slo import SLO
 from kvbench.run.harness import EngineRun
@@ -204,7 +211,26 @@ def summarize(run: EngineRun, slo: SLO | None = None) -> dict[str, Any]:
     summary.update(fragmentation_metrics(run))
     summary.update(memory_metrics(run))
     summary.update(modal_metrics(run))
+    summary.update(modality_metrics(run))
     return summary
+
+
+def modality_metrics(run: EngineRun) -> dict[str, Any]:
+    """Per modality of the tokens held (text, image, audio): the bytes per stored element of
+    its dtype and the peak of its used KV bytes (tokens held x bytes per token at that dtype;
+    :mod:`kvbench.engines.kv.modality`). None where some step's bytes could not be
+    attributed to modalities (KV shared between sequences, ...) or the engine does not say;
+    absent for engines that report no KV."""
+    s = run.steps
+    if not s.kv_modality_bytes:
+        return {}
+    out: dict[str, Any] = {}
+    for m in MODALITIES:
+        col = s.kv_modality_bytes.get(m, [])
+        facts = s.kv_modalities.get(m, {})
+        out[f"kv_{m}_dtype_bytes"] = facts.get("element_bytes")
+        out[f"peak_kv_{m}_bytes"] = int(max(col)) if col and None not in col else None
+    return out
 
 
 def modal_metrics(run: EngineRun) -> dict[str, Any]:

@@ -45,6 +45,14 @@ class RequestRow(BaseModel):
     cached_tokens: int | None = 0
     output_digest: str | None = None
     reason: str | None = None  # why it was rejected or failed
+    # Agreement with the full-precision reference pass (a reduced-precision KV run with real
+    # compute; see the record's ``quality``): the share of output positions with the same
+    # greedy token, the first that differs (None: none), and the first output token's
+    # logits' max and mean absolute difference. None where not checked.
+    output_match_rate: float | None = None
+    first_divergence: int | None = None
+    probe_max_abs_logit_diff: float | None = None
+    probe_mean_abs_logit_diff: float | None = None
 
 
 class TelemetryInfo(BaseModel):
@@ -60,6 +68,19 @@ class TelemetryInfo(BaseModel):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class QualityInfo(_Strict):
+    """Whether the run's output agreement with full precision was checked (``ran``), why not
+    (``reason``), which modalities' KV the engine stores below the model's dtype, the
+    reference pass it was compared with, the weights both used, and the probe set."""
+
+    ran: bool
+    reason: str | None = None
+    below_full_precision: dict[str, str] = {}
+    reference: str | None = None
+    weights: str | None = None
+    probe: str | None = None
 
 
 class WaveMemory(_Strict):
@@ -123,6 +144,7 @@ class RunRecord(BaseModel):
     slo: SLO | None = None
     telemetry: TelemetryInfo | None = None
     soak: SoakResult | None = None
+    quality: QualityInfo | None = None
     summary: dict[str, Any]
     curves: dict[str, list[float]]
     requests: list[RequestRow]

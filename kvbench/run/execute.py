@@ -14,14 +14,21 @@ from kvbench.errors import KvbenchError
 from kvbench.fileio import write_text_atomic
 from kvbench.report.plots import write_plots
 from kvbench.report.tables import summary_markdown
-from kvbench.results.build import build_record
+from kvbench.results.build import QualityResult, build_record
 from kvbench.results.repeats import fold_repeats
-from kvbench.results.schema import RunRecord
+from kvbench.results.schema import QualityInfo, RunRecord
 from kvbench.run.clocks import Clock, VirtualClock, WallClock
 from kvbench.run.cluster import build_cluster, cluster_log
 from kvbench.run.harness import EngineRun, RequestTiming, RunStatus, StepLog, run_engine
 from kvbench.run.machine import machine_info
 from kvbench.run.plan import RunPlan
+from kvbench.run.quality import (
+    QualityCheck,
+    below_full_precision,
+    capture_outputs,
+    check_quality,
+    reason_not_checked,
+)
 from kvbench.run.signals import interrupt_reason
 from kvbench.run.telemetry import Telemetry
 from kvbench.run.threads import ThreadsUsed, set_cpu_threads, torch_threads
@@ -59,12 +66,15 @@ def start_and_run(
     config: EngineConfig,
     progress: Callable[[int], None] | None,
     waves: int = 1,
+    quality: QualityCheck | None = None,
 ) -> tuple[EngineRun, dict]:
     """Build one engine and drive it through the workload. An engine that fails to start, or
     is interrupted while starting, yields a run with that status (its record is still
     written); a configuration error propagates. On a CPU every engine starts at the plan's
     torch CPU threads; its record's ``engine_config.cpu_threads`` says what it ran at, and a
-    run whose count changed fails (its figures would not compare)."""
+    run whose count changed fails (its figures would not compare). With ``quality``, a run
+    whose KV policy stores tokens below the model's precision is compared with its
+    full-precision reference (``run.quality``; :mod:`kvbench.run.quality`)."""
     section = {"kind": config.section.kind, **config.section.model_dump()}
     if plan.cpu_threads is not None:
         # Again before each engine: one that changed the count must not pass it on.
@@ -86,15 +96,30 @@ def start_and_run(
         reason = f"engine failed to start: {type(exc).__name__}: {exc}"
         return _not_run(plan, config, "failed", reason, waves), section
     described = {**section, **engine.describe()}
+    not_checked = capture = None
+    if quality is not None:
+        not_checked = reason_not_checked(config, engine, quality.enabled, waves)
+        if not_checked is None:
+            capture = capture_outputs(engine)
     at_start = torch_threads() if plan.cpu_threads is not None else None
     run = run_engine(
         engine, plan.workload, make_clock(plan), progress,
         telemetry=make_telemetry(plan, config), waves=waves,
         max_concurrency=plan.max_concurrency, fast_forward=plan.suite.run.fast_forward,
     )
+    if quality is not None:
+        run.quality = (
+            QualityResult(QualityInfo(ran=False, reason=not_checked,
+                                      below_full_precision=below_full_precision(engine)))
+            if capture is None else
+            check_quality(quality, config, engine, capture, run, plan.workload,
+                          make_clock(plan), plan.max_concurrency))
     run.cluster = cluster_log(engine)
     # How the steps ran: the same records either way, so this is where it shows.
     described["fast_forward"] = {"mode": run.fast_forward, "steps": run.fast_forward_steps}
+    if run.steps.kv_modalities:
+        # Where each modality's KV was stored (page class, dtype, bytes per token).
+        described["kv_modalities"] = run.steps.kv_modalities
     # Facts learned while running (vLLM's kv-equivalent multimodal inputs) complete it.
     described.update((k, v) for k, v in engine.describe().items() if k not in described)
     if at_start is not None:
@@ -109,7 +134,8 @@ def start_and_run(
 def record_of(plan: RunPlan, run: EngineRun, config: dict, **extra: Any) -> RunRecord:
     return build_record(
         run, command=plan.command, suite=plan.suite.name, engine_config=config,
-        model=plan.preset.to_json(), device=plan.device.label, slo=plan.suite.run.slo, **extra,
+        model=plan.preset.to_json(), device=plan.device.label, slo=plan.suite.run.slo,
+        quality=run.quality, **extra,
     )
 
 
@@ -139,12 +165,13 @@ def execute_plan(
     engines not yet started get interrupted records, and the summary is still written."""
     runs: dict[str, list[RunRecord]] = {}
     stopped: str | None = None
+    quality = QualityCheck(plan.suite.run.quality_check)
     for repeat, (name, engine) in itertools.product(range(plan.repeats), plan.engines):
         if any(r.status != "ok" for r in runs.get(name, [])):
             continue
         label = name if plan.repeats == 1 else f"{name} ({repeat + 1}/{plan.repeats})"
         progress = on_engine(label) if on_engine else None
-        run, config = start_and_run(plan, engine, progress)
+        run, config = start_and_run(plan, engine, progress, quality=quality)
         runs.setdefault(name, []).append(record_of(plan, run, config))
         fold_repeats(runs[name]).write(plan.out_dir / f"{name}.json")
         if run.status == "interrupted":

@@ -21,6 +21,7 @@ import numpy as np
 from kvbench.engines.base import Engine, KVStats, StepReport
 from kvbench.engines.builtin import BuiltinEngine
 from kvbench.engines.device_memory import DeviceOutOfMemory
+from kvbench.engines.kv.modality import MODALITIES
 from kvbench.run.clocks import Clock, VirtualClock
 from kvbench.run.signals import interrupt_reason
 from kvbench.run.telemetry import OK, RssProbe, Telemetry
@@ -102,6 +103,11 @@ class StepLog:
     # modality-aware pool ``<class>_<reserved|used|capacity>_bytes``.
     kv_encoder_cache_bytes: list[int | None] = field(default_factory=list)
     kv_class_bytes: dict[str, list[int]] = field(default_factory=dict)
+    # Used KV bytes by the modality of the tokens held (``text``, ``image``, ``audio``; None
+    # in steps where the engine cannot attribute them), and the facts of where each
+    # modality is stored (KVStats.modalities without the per-step counts).
+    kv_modality_bytes: dict[str, list[int | None]] = field(default_factory=dict)
+    kv_modalities: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Modelled device memory at each step's peak (engines that model it: the simulator),
     # one column per DeviceMemory component, summed over the tensor-parallel ranks.
     device: dict[str, list[int]] = field(default_factory=dict)
@@ -147,6 +153,9 @@ class EngineRun:
     # for step by step) or why the engine cannot; and the steps it took in bulk.
     fast_forward: str = "off"
     fast_forward_steps: int = 0
+    # The output-agreement check of a reduced-precision KV run (kvbench.run.quality's
+    # QualityResult), set by the caller that made it; None where none was considered.
+    quality: Any = None
 
 
 def wave_requests(workload: Workload, wave: int, waves: int, start_s: float) -> list[Request]:
@@ -352,6 +361,9 @@ def _fast_forward(run: EngineRun, engine: BuiltinEngine, clock: VirtualClock,
     s.preempted.extend([0] * k)
     for column, name in _KV_LOG.items():
         getattr(s, column).extend(out.kv[name])
+    for m in MODALITIES:
+        s.kv_modality_bytes.setdefault(m, []).extend(out.kv[f"modality:{m}"])
+    _modality_facts(s, out.last_kv)
     # Decode steps encode nothing: the encoder outputs held are the modelled device's.
     encoder = out.device.get("encoder") if out.device else None
     s.kv_encoder_cache_bytes.extend(
@@ -409,6 +421,13 @@ def _record_requests(
     return len(report.finished)
 
 
+def _modality_facts(s: StepLog, kv: KVStats) -> None:
+    """Keep where each modality is stored (its class, dtype, bytes per token) from ``kv``."""
+    if kv.modalities is not None and not s.kv_modalities:
+        s.kv_modalities = {m: {k: v for k, v in f.items() if k not in ("tokens", "used_bytes")}
+                           for m, f in kv.modalities.items()}
+
+
 def _log_step(run: EngineRun, report: StepReport, t0: float, t1: float) -> None:
     """Append the step's queue sizes and KV snapshot to the step log."""
     s = run.steps
@@ -441,6 +460,11 @@ def _log_step(run: EngineRun, report: StepReport, t0: float, t1: float) -> None:
             for name, c in kv.classes.items():
                 for key in ("reserved_bytes", "used_bytes", "capacity_bytes"):
                     s.kv_class_bytes.setdefault(f"{name}_{key}", []).append(c[key])
+        mods = kv.modalities
+        for m in MODALITIES:
+            s.kv_modality_bytes.setdefault(m, []).append(
+                None if mods is None else mods[m]["used_bytes"])
+        _modality_facts(s, kv)
     device = report.device
     if device is not None:
         s.device_ranks = device.tp

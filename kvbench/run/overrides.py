@@ -124,6 +124,12 @@ class RunFlags:
         "between events in one go; --no-fast-forward steps one at a time (same records).",
         ("--fast-forward/--no-fast-forward",),
     )
+    quality_check: bool | None = _flag(
+        "run.quality_check", "Real compute: compare the greedy outputs and first-token logits "
+        "of every engine storing KV below the model's dtype with a full-precision pass of the "
+        "same policy (costs one more run); --no-quality-check skips it.",
+        ("--quality-check/--no-quality-check",),
+    )
     extra_kv_window_tokens: int | None = _flag(
         "run.extra_kv_window_tokens", "Simulated device: extra keys/values per layer kept "
         "for each running sequence (an undisabled sliding window)."

@@ -100,6 +100,9 @@ class RunSection(_Strict):
     # Simulated engines under the virtual clock take runs of decode-only steps between
     # events in one go; records are identical either way (false: step by step, to check).
     fast_forward: bool = True
+    # Real compute: compare the outputs of every engine whose KV policy stores tokens below
+    # the model's dtype with a full-precision reference pass (kvbench.run.quality).
+    quality_check: bool = True
 
 
 class Suite(_Strict):

@@ -30,13 +30,15 @@ from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.errors import KvbenchError
 from kvbench.fileio import write_text_atomic
 from kvbench.results.metrics import summarize
-from kvbench.run.clocks import VirtualClock
+from kvbench.run.clocks import VirtualClock, WallClock
 from kvbench.run.devices import parse_device
 from kvbench.run.harness import run_engine
-from kvbench.tools.kv_quality import (
-    agreement,
+from kvbench.run.quality import (
+    QualityCheck,
+    QualityRun,
+    capture_outputs,
+    check_quality,
     run_captured,
-    summarize_agreement,
     weights_used,
 )
 from kvbench.workloads.modalities import image_token_count
@@ -93,13 +95,20 @@ def _vision_dtype(run: Any) -> str:
     return "-" if not classes else classes["vision"]["dtype"]
 
 
-def _row(name: str, s: dict[str, Any], extra: list[str] | None = None,
-         dtype: str = "-") -> str:
+def _by_modality(run: Any, s: dict[str, Any]) -> str:
+    """Peak KV bytes of each modality's tokens (MiB) with the dtype storing them."""
+    facts = run.steps.kv_modalities
+    return " / ".join(
+        f"{_mib(s.get(f'peak_kv_{m}_bytes'))} ({facts[m]['dtype'] if m in facts else '-'})"
+        for m in ("text", "image", "audio"))
+
+
+def _row(name: str, s: dict[str, Any], run: Any, extra: list[str] | None = None) -> str:
     cells = [
         name, str(s["completed"]), str(s["max_concurrent_requests"]),
         _mib(s.get("peak_kv_reserved_bytes")),
         _mib(s.get("peak_kv_text_reserved_bytes")), _mib(s.get("peak_kv_vision_reserved_bytes")),
-        dtype,
+        _vision_dtype(run), _by_modality(run, s),
         _pct(s.get("kv_waste_pct")), _pct(s.get("kv_text_waste_pct")),
         _pct(s.get("kv_vision_waste_pct")),
         "-" if s.get("prefix_hit_rate") is None else f"{100 * s['prefix_hit_rate']:.1f}",
@@ -110,9 +119,10 @@ def _row(name: str, s: dict[str, Any], extra: list[str] | None = None,
 
 
 HEAD = ("| policy | done | max conc. | peak KV MiB | text MiB | vision MiB | vision dtype | "
+        "KV MiB by modality: text / image / audio (dtype) | "
         "waste % | text waste % | vision waste % | hit % | enc. cache MiB | TTFT p50 ms | "
         "TPOT p50 ms |")
-SEP = "|" + "---|" * 14
+SEP = "|" + "---|" * 15
 
 
 def sim_section(n: int) -> list[str]:
@@ -130,7 +140,7 @@ def sim_section(n: int) -> list[str]:
             clock = VirtualClock(CostModel(preset, settings.device.hardware, 1))
             run = run_engine(engine, w, clock)
             s = summarize(run)
-            out.append(_row(name, s, dtype=_vision_dtype(run)) if run.status == "ok"
+            out.append(_row(name, s, run) if run.status == "ok"
                        else f"| {name} | {run.status} |")
         out.append("")
     return out
@@ -146,27 +156,44 @@ def cpu_section(n: int, weights: str | None) -> list[str]:
     used = weights if weights is not None else "random, seed 0"
     out = [f"## Real compute: {preset.name} ({preset.dtype}) on the CPU, {torch_threads()} "
            f"thread(s), KV budget {kv_bytes >> 20} MiB, {n} requests per workload (their "
-           "arrivals), wall clock; agreement against `paged` (full precision) on the same "
-           f"workload and weights ({used})", "",
+           "arrivals), wall clock; output agreement as `kvbench run` checks it: each policy "
+           "storing KV below the model's dtype against a pass of the same policy at full "
+           f"precision, same workload, budget and weights ({used}); '-' for full-precision "
+           "policies", "",
            HEAD + " mean match % | identical | first div. (min) | probe max abs logit | "
            "probe mean abs logit |", SEP + "---|" * 5]
     for wname, w in workloads(n).items():
-        out += [f"| **{wname}** |" + " |" * 18]
-        ref = None
+        out += [f"| **{wname}** |" + " |" * 19]
+        check = QualityCheck()
         for name in POLICIES:
             settings = dataclasses.replace(_settings(preset, "cpu", kv_bytes, 4096, True),
                                            weights=weights)
-            q = run_captured(name, NAMED_ENGINES[name], settings, w)
-            assert weights_used(q.describe) == (weights or "random(seed=0)")
-            if ref is None:
-                ref = q
-            a = summarize_agreement(agreement(ref.capture, q.capture))
-            extra = [
-                f"{100 * a['mean_match_rate']:.1f}", f"{a['identical_requests']}/{a['requests']}",
-                "-" if a["first_divergence_min"] is None else str(a["first_divergence_min"]),
-                f"{a['probe_max_abs_logit_diff']:.2e}", f"{a['probe_mean_abs_logit_diff']:.2e}",
-            ]
-            out.append(_row(name, q.summary, extra, dtype=_vision_dtype(q.run)))
+            config = engine_config(name, NAMED_ENGINES[name], settings)
+            engine = build_engine(config)
+            capture = capture_outputs(engine)
+            run = run_engine(engine, w, WallClock())
+            if run.status != "ok":
+                raise KvbenchError(f"{name} on {wname}: the run failed: {run.error}")
+            assert weights_used(engine.describe()) == (weights or "random(seed=0)")
+            extra = ["-"] * 5
+            if engine.below_full_precision():
+                q = check_quality(check, config, engine, capture, run, w, WallClock(), None)
+                a = q.summary
+                extra = [
+                    f"{100 * a['mean_output_match_rate']:.1f}",
+                    f"{round(a['identical_output_fraction'] * len(q.requests))}/"
+                    f"{len(q.requests)}",
+                    "-" if a["min_first_divergence"] is None else str(a["min_first_divergence"]),
+                    f"{a['probe_max_abs_logit_diff']:.2e}",
+                    f"{a['probe_mean_abs_logit_diff']:.2e}",
+                ]
+            else:
+                # A full-precision policy is the reference of its reduced-precision variants
+                # (modal-pages of modal-pages-int8): its own run serves as that pass.
+                check.references.setdefault(
+                    config.section.model_dump_json(),  # type: ignore[union-attr]
+                    QualityRun(run, summarize(run), capture, engine.describe()))
+            out.append(_row(name, summarize(run), run, extra))
     out.append("")
     return out
 
