@@ -147,6 +147,17 @@ def table(pooled: dict[str, Samples], wl: PeerWorkload, rounds: int, warmup: int
     return "\n".join(lines)
 
 
+def _rounded(value: object) -> object:
+    """Times to the microsecond (in ms), for a compact samples file."""
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return value
+
+
 def render(meta: dict, pooled: dict[str, Samples]) -> str:
     wl = PeerWorkload(meta["requests"], meta["prompt"], meta["output"], meta["concurrency"])
     return table(pooled, wl, meta["rounds"], meta["warmup"], meta["command"],
@@ -213,8 +224,8 @@ def main() -> None:
         write_text_atomic(args.out, text)
         # Every sample behind the table, beside it.
         write_text_atomic(args.out.with_suffix(".json"), json.dumps(
-            {"meta": meta, "samples": {name: dataclasses.asdict(s)
-                                       for name, s in pooled.items()}}, indent=1))
+            {"meta": meta, "samples": {name: _rounded(dataclasses.asdict(s))
+                                       for name, s in pooled.items()}}))
         print(f"wrote {args.out}", file=sys.stderr)
 
 
