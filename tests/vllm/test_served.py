@@ -237,7 +237,10 @@ def test_latencies_agree_with_vllm_bench_serve(server, tmp_path) -> None:
     assert kv.requests == PEER_ROUNDS * PEER_WORKLOAD.requests
     # bench serve's first request of a round repeats its start-up test request (left out).
     assert bench.requests == PEER_ROUNDS * (PEER_WORKLOAD.requests - 1)
-    assert len(kv.itl) == kv.requests * (PEER_WORKLOAD.output - 1)
+    # One gap per streamed chunk, for both: a server that falls behind merges tokens into
+    # one chunk (kvbench counts the chunk's token ids, bench serve the usage count).
+    assert 0 < len(kv.itl) <= kv.requests * (PEER_WORKLOAD.output - 1)
+    assert 0 < len(bench.itl) <= bench.requests * (PEER_WORKLOAD.output - 1)
     r = ratios(pooled)["vllm bench serve"]
     bursts = max(kv.burst_share() or 0.0, bench.burst_share() or 0.0)
     if bursts > MAX_BURST_SHARE:
