@@ -511,6 +511,33 @@ class ModalKVManager(KVManager):
             self._positions[seq.seq_id] = info
         return info
 
+    def modality_tokens(self, seqs: list[Sequence]) -> tuple[int, int, int]:
+        """Text, image and audio tokens written in the pages live ``seqs`` hold, each page
+        once however many sequences share it: the text class holds only text; a vision
+        page's audio positions are counted from one of its holders (pages shared through a
+        hit or a fork have the same tokens)."""
+        pt = self.classes[1].page_tokens
+        seen: set[int] = set()
+        audio = 0
+        for seq in seqs:
+            if not any(s.kind == "audio" for s in seq.request.segments):
+                continue
+            state = self._seqs.get(seq.seq_id)
+            info = self._positions.get(seq.seq_id)
+            if state is None or info is None:
+                continue
+            kinds = np.repeat(np.array([s.kind == "audio" for s in seq.request.segments]),
+                              [s.tokens for s in seq.request.segments])
+            vision = info.class_pos[1]
+            pages = state.pages[1]
+            for j, start in enumerate(pages.starts):
+                page = start // pt
+                if page in seen:
+                    continue
+                seen.add(page)
+                audio += int(kinds[vision[j * pt : min((j + 1) * pt, pages.committed)]].sum())
+        return self._used[0], self._used[1] - audio, audio
+
     def _prefix_hashes(self, seq: Sequence, info: _Positions, end: int) -> list[int]:
         """Keys of the prefixes ``[0, p]`` for every ``p < end`` (at least)."""
         hashes = info.hashes
