@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import nox
 
@@ -95,11 +98,40 @@ def vllm(session: nox.Session) -> None:
     if session.posargs[:1] == [ENGINE_BOUND]:
         _engine_bound(session, session.posargs[1:], with_vllm=True)
         return
+    _install_peers(session, cpu_torch=not cuda)
     session.run("pytest", "tests/vllm", *session.posargs)
     session.run(
         "kvbench", "run", "--engines", "paged,contiguous,vllm", "--block-size", "32",
         "--num-requests", "8", "--out", "runs/vllm-smoke", "--force",
     )
+
+
+# The served engine's second peers, each in its own environment beside the session's (their
+# dependencies need not agree with vLLM's); the served tests find them there and skip, saying
+# why, where one could not be installed.
+PEERS = (("guidellm", "0.8.1"), ("aiperf", "0.13.0"))
+PEERS_DIR = Path(".nox") / "peers"
+
+
+def _install_peers(session: nox.Session, cpu_torch: bool) -> None:
+    for tool, version in PEERS:
+        env = PEERS_DIR / tool
+        python = env / "bin" / "python"
+        have = f"import importlib.metadata as m; assert m.version('{tool}') == '{version}'"
+        if python.exists() and subprocess.run([str(python), "-c", have],
+                                              capture_output=True).returncode == 0:
+            continue
+        shutil.rmtree(env, ignore_errors=True)
+        # Their torch requirement met by the CPU build on a CPU machine (not a CUDA one).
+        torch = [VLLM_CPU[0]] if cpu_torch else []
+        try:
+            session.run(sys.executable, "-m", "venv", str(env), external=True)
+            session.run(str(python), "-m", "pip", "install", "--quiet", f"{tool}=={version}",
+                        *torch, external=True)
+        except nox.command.CommandFailed as exc:
+            shutil.rmtree(env, ignore_errors=True)
+            session.warn(f"{tool} {version} could not be installed ({exc}): the served tests "
+                         f"skip the comparison with it")
 
 
 # The engine-bound case: every request queued at once, so the engines, not the arrivals,

@@ -295,6 +295,10 @@ class BuiltinEngine:
             dup = self._shared[1]
             tokens = (tokens[0] - dup[0], tokens[1] - dup[1], tokens[2] - dup[2])
             stats.modalities = account.figures(tokens, stats)
+        elif stats.modalities is None and hasattr(kv, "modality_tokens"):
+            # Page classes that share pages: the manager counts each page once.
+            tokens = kv.modality_tokens(running)
+            stats.modalities = account.figures(tokens, stats)
         return tokens
 
     def _stats(self) -> KVStats:

@@ -129,7 +129,9 @@ class TorchExecutor(Executor):
             return greedy(logits).tolist()
 
     def _execute_classes(self, batch: ScheduledBatch, kv: KVManager) -> list[int]:
-        """``execute`` over a pool of several page classes (no copies: such pools make none)."""
+        """``execute`` over a pool of several page classes."""
+        if batch.copies:
+            self._classes.copy(batch.copies)
         if not batch.items:
             return []
         step = self._step_inputs(batch, kv)

@@ -372,6 +372,12 @@ class _Attention:
             for cache, scale, group in ((self.k_cache, self.k_scale, self.k_group),
                                         (self.v_cache, self.v_scale, self.v_group))
         )
+        if self.query_positions is not None:
+            # Whole units are read, beyond a sequence's own pages: in a pool whose page
+            # classes share bytes those slots may hold another class's codes, NaN in this
+            # dtype, which a -inf mask alone would not keep out (0 x NaN): zero them.
+            hidden = ~visible[:, :, None, None]
+            k, v = k.masked_fill(hidden, 0), v.masked_fill(hidden, 0)
         n, hq, d = len(batch.seqs), self.query.shape[1], self.query.shape[2]
         q = self.query[rows].to(self.dtype).view(n, -1, self.group_size, d)
         mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))

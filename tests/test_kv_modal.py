@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from model_driver import SMALL
 
 from helpers import make_workload
@@ -113,6 +114,49 @@ def test_executor_pool_bytes_are_the_accounted_bytes() -> None:
         assert engine.kv.capacity_tokens * engine.kv.bytes_per_token <= geometry.pool_bytes
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("policy", [
+    ModalPolicy(), ModalPolicy(vision_page_tokens=64, kv_dtype={"image": "int8"}),
+    ModalPolicy(vision_page_tokens=512, kv_dtype={"image": "fp8_e4m3"}),
+])
+def test_a_shared_pool_is_one_buffer_of_the_budget(policy) -> None:
+    cfg = engine_config("m", policy, _settings())
+    engine = build_engine(cfg)
+    try:
+        pools = engine.executor._classes  # type: ignore[attr-defined]
+        geometry = engine.kv.geometry  # type: ignore[attr-defined]
+        # One byte buffer, both classes' views of it: the real KV memory is the budget's.
+        assert list(pools.kv_nbytes()) == ["text+vision"]
+        assert sum(pools.kv_nbytes().values()) == geometry.pool_bytes <= cfg.kv_bytes
+        (buf,) = pools.buffers.values()
+        assert buf.nbytes == geometry.pool_units[0] * geometry.unit_bytes
+        assert {c.kv.untyped_storage().data_ptr() for c in pools.caches} == {
+            buf.untyped_storage().data_ptr()}
+        assert pools.nbytes == geometry.pool_bytes + sum(
+            c.positions.nbytes for c in pools.caches)
+    finally:
+        engine.close()
+
+
+def test_classes_of_a_shared_buffer_keep_their_pages_apart() -> None:
+    # A text page and a vision page on other units: writing one leaves the other's bytes.
+    from kvbench.engines.class_pools import ClassPools
+
+    kv = _manager(ModalPolicy(vision_page_tokens=64, kv_dtype={"image": "int8"}))
+    pools = ClassPools(SMALL, kv.classes, torch.device("cpu"))
+    text, vision = pools.caches
+    unit = kv.geometry.unit_bytes
+    # 64 int8 vision slots take one unit, as 16 float32 text slots do: a vision page at
+    # unit 4 shares its bytes with text slots [64, 80) only.
+    assert vision.spec.page_bytes == text.spec.page_bytes == unit
+    first = 4 * unit // vision.spec.bytes_per_token
+    vision.kv[:, :, first : first + 64] = 7
+    assert int((text.kv[:, :, :64] != 0).sum()) == 0
+    assert int((text.kv[:, :, 64:80] != 0).sum()) > 0
+    assert int((text.kv[:, :, 80:] != 0).sum()) == 0
+    text.kv[:, :, :64] = 1.5
+    assert int((vision.kv[:, :, first : first + 64] != 7).sum()) == 0
 
 
 def test_capacity_gain_formula_and_the_reports_25_percent() -> None:

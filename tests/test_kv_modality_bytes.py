@@ -170,3 +170,25 @@ def test_released_blocks_leave_the_modality_unknown() -> None:
     s = summarize(run)
     assert s["peak_kv_image_bytes"] is None and s["peak_kv_text_bytes"] is None
     assert "kv_image_bytes" not in build_curves(run.steps)
+
+
+def test_modal_pages_shared_by_a_hit_or_a_fork_are_counted_once() -> None:
+    # The same image and audio after the same prefix (prefix-cache hits), and forked samples:
+    # each shared page of either class is counted once, image and audio apart.
+    system = Segment("text", 48, "sys")
+    image, audio = Segment("image", 160, "img/same"), Segment("audio", 64, "aud/same",
+                                                              seconds=1.28)
+    reqs = [Request(f"r{i}", 0.05 * i, (system, image, audio, Segment("text", 8, f"q{i}")),
+                    30, n=1 + i % 2) for i in range(4)]
+    policy = ModalPolicy(kv_dtype={"text": "float32", "image": "int8", "audio": "int8"})
+    settings = _settings(prefix=True)
+    run = run_engine(build_engine(engine_config("m", policy, settings)), make_workload(reqs),
+                     VirtualClock(CostModel(PRESET, settings.device.hardware, 1)))
+    assert run.status == "ok", run.error
+    s = summarize(run)
+    assert s["prefix_hit_rate"] > 0 and max(run.steps.kv_shared_bytes) > 0
+    cols = run.steps.kv_modality_bytes
+    assert None not in cols["image"] and None not in cols["audio"]
+    # Every request holds the same image and audio pages: at most one copy of each at once
+    # (int8 codes, one byte per element), and some step holds both.
+    assert max(cols["image"]) == 160 * ELEMENTS and max(cols["audio"]) == 64 * ELEMENTS

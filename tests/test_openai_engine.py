@@ -312,3 +312,19 @@ def test_the_section_validates_urls(tmp_path: Path) -> None:
 
     with pytest.raises(InputFileError, match="is not an http"):
         load_suite(str(_suite_file(tmp_path, "127.0.0.1:8000")))
+
+
+def test_requests_held_back_by_max_concurrency_are_not_delayed_by_drain_readings(
+        server, tmp_path) -> None:
+    # One request in flight at a time: the client empties after each, and the harness sends
+    # the next straight away. /metrics is read drained once, at the end, not between them
+    # (a reading costs the server time while it serves the next request).
+    reqs = [text_request(f"c{i}", 40, 4) for i in range(5)]
+    rec, _ = run_served(make_workload(reqs), tmp_path,
+                        {"endpoint": server.endpoint, "scrape_interval_ms": 3_600_000.0},
+                        max_concurrency=1)
+    assert rec.status == "ok" and rec.summary["completed"] == 5
+    # The reading before the run, the first periodic one, and the drained one at the end
+    # (or two, when the fake's gauges still showed the last request); not one per request.
+    assert rec.engine_config["scrapes"]["count"] <= 4
+    assert rec.curves["kv_reserved_bytes"][-1] == 0

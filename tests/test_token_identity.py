@@ -16,6 +16,7 @@ import pytest
 from helpers import make_workload
 from kvbench.engines.config import EngineSection, EngineSettings, engine_config
 from kvbench.engines.kv.contiguous import ContiguousPolicy
+from kvbench.engines.kv.modal import ModalPolicy
 from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.kv.paged_mixed import PagedMixedPolicy
 from kvbench.engines.kv.segmented import SegmentedPolicy
@@ -84,6 +85,18 @@ def test_chunked_prefill_matches(reference) -> None:
 def test_prefix_caching_matches(reference) -> None:
     digests, summary = _outputs("paged", 8192, prefix=True)
     assert summary["prefix_hit_rate"] > 0
+    assert digests == reference
+
+
+@pytest.mark.parametrize("kv_tokens", [8192, 640])
+def test_modal_prefix_caching_matches(reference, kv_tokens) -> None:
+    # Text and vision page classes in the model's float32, sharing cached pages of both
+    # classes; at 640 slots cached pages are evicted and requests preempted too.
+    digests, summary = _outputs(f"modal/{kv_tokens}", kv_tokens, batched=128,
+                                section=ModalPolicy(prefix_caching=True))
+    assert summary["prefix_hit_rate"] > 0
+    if kv_tokens < 8192:
+        assert summary["preemptions"] > 0 and summary["kv_evictions"] > 0
     assert digests == reference
 
 

@@ -136,8 +136,10 @@ class OpenAIEngine:
         self._rejected: list[Finished] = []
         self._fatal: str | None = None
         self._observed = _Observed()
-        # Whether a reading after the last drain is still to come (see has_unfinished).
+        # Whether a reading after the last drain is still to come (see has_unfinished), and
+        # whether it is yet to be asked for: at the next step, if nothing was added since.
         self._awaiting_drain = False
+        self._drain_due = False
         sample = info.sample
         self._kv = ServerKV.of(sample, self.bytes_per_token) if sample is not None else None
         self._base = sample
@@ -216,12 +218,21 @@ class OpenAIEngine:
             raise RuntimeError(self._fatal)
         report = StepReport(finished=self._rejected, stamps=Stamps())
         self._rejected = []
+        if self._drain_due:
+            # The client emptied at the last step. Read /metrics drained only if the harness
+            # added nothing since: a harness holding requests back (max_concurrency) sends
+            # the next one straight away, and a reading then would cost the server time
+            # while it serves that request.
+            self._drain_due = False
+            if self._inflight:
+                self._awaiting_drain = False
+            else:
+                self._loop.loop.call_soon_threadsafe(self._client.scrape_drained)
         had_inflight = bool(self._inflight)
         for event in self._take_events(wait=not report.finished):
             self._apply(event, report)
         if had_inflight and not self._inflight and self.info.metrics_url is not None:
-            self._awaiting_drain = True
-            self._loop.loop.call_soon_threadsafe(self._client.scrape_drained)
+            self._awaiting_drain = self._drain_due = True
         sample = self._latest
         if sample is not None and sample.running is not None:
             report.num_running = round(sample.running)

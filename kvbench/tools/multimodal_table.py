@@ -352,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         "`modal-pages` gives vision its own 512-token pages in one shared buddy pool; "
         "`modal-pages-split` the same in split pools (half the bytes each); "
         "`modal-pages-int8` 512-token int8 vision pages, shared. Waste per class is 1 - "
-        "written / reserved bytes over the run; hit % is the prefix cache's (the modal "
-        "policies have none); enc. cache is the peak of encoder outputs held.", "",
+        "written / reserved bytes over the run; hit % is the prefix cache's (prefix "
+        "caching on for every policy that has one; a modal hit ends where a class's page is "
+        "not full, so 512-token vision pages stop it at any image of fewer tokens); enc. "
+        "cache is the peak of encoder outputs held.", "",
     ]
     lines += claims_section(n_sim)
     lines += c19_section(n_sim)

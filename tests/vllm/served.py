@@ -15,14 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kvbench.engines.hf_config import write_model_dir
 from kvbench.engines.presets import ModelPreset
@@ -80,11 +78,9 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
 
-@contextmanager
-def vllm_server(model_dir: Path, log: Path) -> Iterator[VllmServer]:
-    """vLLM's OpenAI server for ``model_dir``, ready; stopped (whole process group) on exit."""
-    port = free_port()
-    cmd = [
+def server_command(model_dir: Path, port: int) -> list[str]:
+    """The command line of vLLM's OpenAI server for ``model_dir`` on 127.0.0.1:``port``."""
+    return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--load-format", "dummy", "--dtype", "float32",
         "--seed", "0", "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(NUM_BLOCKS),
@@ -92,6 +88,13 @@ def vllm_server(model_dir: Path, log: Path) -> Iterator[VllmServer]:
         "--max-num-batched-tokens", str(MAX_BATCHED), "--enforce-eager",
         "--host", "127.0.0.1", "--port", str(port),
     ]
+
+
+@contextmanager
+def vllm_server(model_dir: Path, log: Path) -> Iterator[VllmServer]:
+    """vLLM's OpenAI server for ``model_dir``, ready; stopped (whole process group) on exit."""
+    port = free_port()
+    cmd = server_command(model_dir, port)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -144,20 +147,6 @@ def write_timed_trace(
     return path
 
 
-def bench_serve_args(server: VllmServer, trace: Path, num_prompts: int, out: Path) -> list[str]:
-    """``vllm bench serve`` arguments replaying ``trace`` against ``server``: token-id
-    prompts through /v1/completions at the trace's times, greedy, EOS ignored."""
-    return [
-        "--backend", "openai", "--base-url", server.base_url, "--model", server.model,
-        "--dataset-name", "timed_trace", "--dataset-path", str(trace),
-        "--timed-trace-sec-multiplier", "0.001", "--timed-trace-chunk-hash-size", "512",
-        "--num-prompts", str(num_prompts), "--temperature", "0",
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm",
-        "--save-result", "--save-detailed", "--result-dir", str(out.parent),
-        "--result-filename", out.name,
-    ]
-
-
 # `vllm bench serve` as its subcommand runs it: vllm-cpu's console script (and so
 # `python -m vllm.entrypoints.cli.main bench serve`) asks for a distribution named vllm and
 # fails, so its parser and main are called directly.
@@ -169,50 +158,7 @@ BENCH_SERVE = (
     "add_cli_args(parser)\n"
     "main(parser.parse_args(sys.argv[1:]))\n"
 )
-# What bench serve prints just before it sends its first request.
-BENCH_STARTED = "Starting main benchmark run"
 BENCH_TIMEOUT_S = 300.0
-
-
-@contextmanager
-def bench_serve_running(args: list[str], out: Path) -> Iterator[Callable[[], dict[str, Any]]]:
-    """``vllm bench serve ARGS`` in its own process, entered once it starts sending; the
-    function yielded waits for it to end and returns its result (``out``). The process is
-    killed on the way out whatever happened."""
-    # Unbuffered: its "starting" line must come when it is printed.
-    proc = subprocess.Popen([sys.executable, "-c", BENCH_SERVE, *args], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: list[str] = []
-    started = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if BENCH_STARTED in line:
-                started.set()
-        started.set()  # it exited: let the caller see why
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-
-    def result() -> dict[str, Any]:
-        proc.wait(BENCH_TIMEOUT_S)
-        reader.join(10)
-        if proc.returncode != 0:
-            raise RuntimeError("vllm bench serve failed:\n" + "".join(lines)[-3000:])
-        return json.loads(out.read_text())
-
-    try:
-        if not started.wait(BENCH_TIMEOUT_S) or proc.poll() not in (None, 0):
-            raise RuntimeError("vllm bench serve did not start:\n" + "".join(lines)[-3000:])
-        yield result
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(STOP_TIMEOUT_S)
-        out.with_suffix(".log").write_text("".join(lines))
 
 
 def overloaded(load_before: float) -> str | None:

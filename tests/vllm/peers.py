@@ -1,0 +1,355 @@
+"""kvbench's served engine and its peers, measured one after the other on one server.
+
+A peer is a load generator of its own (``vllm bench serve``, GuideLLM, AIPerf) run against
+the same vLLM OpenAI server with the same requests: a fixed count of prompts of fixed
+length, each forced to the same output length (EOS ignored), sent back to back at a fixed
+low concurrency (every request queued at once, at most ``concurrency`` in flight). Latency
+is then the server's compute for one or two sequences, not queueing that depends on when
+each tool's requests arrive. The tools never run at the same time: each round runs every
+tool once, the order reversed every other round (A B, B A, ...), so slow drift of the
+machine hits every tool alike, and the first round is a warm-up whose figures are dropped.
+
+Every tool's samples are pooled over the measured rounds, and the same definitions (those of
+``vllm bench serve``) are applied to each:
+
+- TTFT: first streamed token - request sent, per request;
+- TPOT: (last token - first token) / (output tokens - 1), per request;
+- ITL: the gap between consecutive streamed token chunks, every gap of every request.
+
+The peers' medians of these and kvbench's are compared as ratios (kvbench / peer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from served import (
+    BENCH_SERVE,
+    BENCH_TIMEOUT_S,
+    BLOCK,
+    MAX_BATCHED,
+    MAX_MODEL_LEN,
+    MAX_NUM_SEQS,
+    NUM_BLOCKS,
+    VllmServer,
+    write_timed_trace,
+)
+
+from kvbench.engines.presets import get_preset
+from kvbench.results.metrics import latency_samples
+from kvbench.run.execute import start_and_run
+from kvbench.run.plan import plan_run
+from kvbench.run.suite import ModelSection, RunSection, Suite, WorkloadSection
+from kvbench.workloads.io import save_workload
+from kvbench.workloads.model import Request, Segment, Workload
+
+METRICS = ("ttft", "tpot", "itl")
+# kvbench reads /metrics once before and once after the requests, none while they run: the
+# peers read none, and a reading takes the server tens of ms.
+NO_SCRAPES_MS = 3_600_000.0
+# Chunk gaps shorter than this are chunks that came together: a decode step of the tiny
+# model on a CPU takes several ms.
+BURST_GAP_MS = 0.5
+# Where the peers' own environments are looked for (one folder each, holding bin/TOOL),
+# unless KVBENCH_PEERS_DIR names another; `nox -s vllm` makes them.
+PEERS_DIR = Path(__file__).resolve().parents[2] / ".nox" / "peers"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerWorkload:
+    requests: int = 24
+    prompt: int = 128
+    output: int = 32
+    concurrency: int = 1
+
+    def describe(self) -> str:
+        return (f"{self.requests} requests of {self.prompt} prompt / {self.output} output "
+                f"tokens (EOS ignored), all queued at once, at most {self.concurrency} in "
+                "flight")
+
+
+@dataclass(slots=True)
+class Samples:
+    """Per-request TTFT and TPOT and per-gap ITL, in milliseconds."""
+
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    requests: int = 0
+    rounds: list[dict[str, float | None]] = field(default_factory=list)  # their medians
+
+    def extend(self, other: Samples) -> None:
+        self.ttft += other.ttft
+        self.tpot += other.tpot
+        self.itl += other.itl
+        self.requests += other.requests
+        self.rounds.append({m: other.median(m) for m in METRICS})
+
+    def mean(self, metric: str) -> float | None:
+        values = getattr(self, metric)
+        return statistics.fmean(values) if values else None
+
+    def burst_share(self) -> float | None:
+        """The share of chunk gaps under ``BURST_GAP_MS``: chunks the server sent together
+        (its API process behind its engine core), read together by any client."""
+        return sum(g < BURST_GAP_MS for g in self.itl) / len(self.itl) if self.itl else None
+
+    def median(self, metric: str) -> float | None:
+        values = getattr(self, metric)
+        return statistics.median(values) if values else None
+
+    @classmethod
+    def of_requests(cls, ttft_s: list[float], latency_s: list[float], itls_s: list[list[float]],
+                    output: int) -> Samples:
+        """From per-request TTFT, latency (to the last token) and chunk gaps, in seconds."""
+        tpot = [(lat - t) / (output - 1) for t, lat in zip(ttft_s, latency_s, strict=True)]
+        return cls([1000 * t for t in ttft_s], [1000 * t for t in tpot],
+                   [1000 * g for gaps in itls_s for g in gaps], len(ttft_s))
+
+
+Tool = Callable[[VllmServer, Path, int], Samples]  # server, a folder, the round
+
+
+# -- kvbench ----------------------------------------------------------------------------
+
+
+def _salt() -> int:
+    """A number of this tool's own: the prompts it sends share no block with any other
+    tool's or earlier call's on the same server, so none hits the prefix cache."""
+    return secrets.randbits(30)
+
+
+def kvbench_tool(wl: PeerWorkload) -> Tool:
+    salt = _salt()
+
+    def run(server: VllmServer, tmp: Path, k: int) -> Samples:
+        preset = get_preset("tiny")
+        reqs = [Request(f"q{i}", 0.0, (Segment("text", wl.prompt, f"peers/{salt}/{k}/{i}"),),
+                        wl.output) for i in range(wl.requests)]
+        path = save_workload(Workload(f"peer{k}", reqs, seed=0, source="tests"),
+                             tmp / f"kvbench{k}.jsonl")
+        suite = Suite(
+            name="served-peers",
+            workload=WorkloadSection(file=str(path)),
+            model=ModelSection(preset="tiny"),
+            run=RunSection(
+                device="cpu", clock="wall", kv_memory=str(NUM_BLOCKS * BLOCK
+                                                          * preset.kv_bytes_per_token),
+                block_size=BLOCK, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED,
+                max_model_len=MAX_MODEL_LEN, engines=["served"],
+                max_concurrency=wl.concurrency,
+            ),
+            engines={"served": {  # type: ignore[dict-item]
+                "kind": "openai", "endpoint": server.endpoint,
+                "scrape_interval_ms": NO_SCRAPES_MS,
+            }},
+        )
+        plan = plan_run(suite, None, tmp / f"kvbench{k}", "test")
+        [engine] = [e for _, e in plan.engines]
+        run_, _ = start_and_run(plan, engine, None)
+        if run_.status != "ok":
+            raise RuntimeError(f"kvbench's served run failed: {run_.error}")
+        s = latency_samples(run_)
+        if len(s["ttft"]) != wl.requests:
+            raise RuntimeError(f"kvbench completed {len(s['ttft'])} of {wl.requests} requests")
+        return Samples([1000 * t for t in s["ttft"]], [1000 * t for t in s["tpot"]],
+                       [1000 * t for t in s["itl"]], len(s["ttft"]))
+
+    return run
+
+
+# -- vllm bench serve ---------------------------------------------------------------------
+
+
+def bench_serve_tool(wl: PeerWorkload) -> Tool:
+    salt = _salt()
+
+    def run(server: VllmServer, tmp: Path, k: int) -> Samples:
+        # Its prompts' token ids follow from the trace's block numbers.
+        trace = write_timed_trace(tmp / f"bench{k}.jsonl", [0.0] * wl.requests, wl.prompt,
+                                  wl.output, first_id=salt + 10_000 * k)
+        out = tmp / f"bench{k}.json"
+        args = [
+            "--backend", "openai", "--base-url", server.base_url, "--model", server.model,
+            "--dataset-name", "timed_trace", "--dataset-path", str(trace),
+            "--timed-trace-chunk-hash-size", "512", "--no-self-timed",
+            "--request-rate", "inf", "--max-concurrency", str(wl.concurrency),
+            "--num-prompts", str(wl.requests), "--temperature", "0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm",
+            "--save-result", "--save-detailed", "--result-dir", str(out.parent),
+            "--result-filename", out.name,
+        ]
+        _run([sys.executable, "-c", BENCH_SERVE, *args], tmp / f"bench{k}.log",
+             "vllm bench serve")
+        b = json.loads(out.read_text())
+        if b["completed"] != wl.requests or any(n != wl.output for n in b["output_lens"]):
+            raise RuntimeError(f"vllm bench serve completed {b['completed']} of {wl.requests} "
+                               f"requests, output lengths {sorted(set(b['output_lens']))}")
+        # Its first request repeats the single request it sends to test the server before
+        # it starts, and so finds that one's prompt in the prefix cache: it is left out.
+        return Samples.of_requests(b["ttfts"][1:], b["latencies"][1:], b["itls"][1:],
+                                   wl.output)
+
+    return run
+
+
+def _run(cmd: list[str], log: Path, what: str, env: dict[str, str] | None = None,
+         cwd: Path | None = None) -> None:
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                              env={**os.environ, **(env or {})}, timeout=BENCH_TIMEOUT_S,
+                              check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n"
+                           + log.read_text(errors="replace")[-3000:])
+
+
+# -- the second peers: GuideLLM and AIPerf ------------------------------------------------
+
+
+def word_prompts(wl: PeerWorkload, salt: int, k: int, vocab: int) -> list[str]:
+    """Prompts for peers that send text: ``wl.prompt`` words ``t<id>`` each, which the
+    served model's word-level tokenizer reads as exactly that many tokens. Random ids seeded
+    by the tool's salt and the round: no two prompts share a block."""
+    rng = np.random.default_rng([salt, k])
+    ids = rng.integers(1, vocab, size=(wl.requests, wl.prompt))
+    return [" ".join(f"t{i}" for i in row) for row in ids]
+
+
+def guidellm_tool(wl: PeerWorkload, exe: Path) -> Tool:
+    """GuideLLM 0.8: the prompts from a JSON-lines file (``prompt``, ``prompt_tokens_count``,
+    ``output_tokens_count``, so that it sets ``max_tokens`` and ``ignore_eos``), the
+    completions API, ``concurrency`` streams, a request count. Its records give each
+    request's start and first and last token times, not the gaps between chunks: its ITL
+    is not compared (what GuideLLM calls ITL is TPOT as defined here)."""
+    salt = _salt()
+
+    def run(server: VllmServer, tmp: Path, k: int) -> Samples:
+        data = tmp / f"guidellm{k}.jsonl"
+        data.write_text("".join(
+            json.dumps({"prompt": p, "prompt_tokens_count": wl.prompt,
+                        "output_tokens_count": wl.output}) + "\n"
+            for p in word_prompts(wl, salt, k, get_preset("tiny").vocab_size)))
+        out = tmp / f"guidellm{k}.json"
+        _run([str(exe), "run",
+              "--backend", f"kind=openai_http,target={server.base_url},model={server.model},"
+                           "request_format=/v1/completions",
+              "--profile", f"kind=concurrent,streams={wl.concurrency}",
+              "--constraint", f"kind=max_requests,count={wl.requests}",
+              "--data", f"kind=json_file,path={data}",
+              "--output", f"kind=json,path={out}", "--disable-console-interactive"],
+             tmp / f"guidellm{k}.log", "guidellm", env=_PEER_ENV, cwd=tmp)
+        [bench] = json.loads(out.read_text())["benchmarks"]
+        done = bench["requests"]["successful"]
+        lengths = sorted({r["output_tokens"] for r in done})
+        if len(done) != wl.requests or lengths != [wl.output]:
+            raise RuntimeError(f"guidellm completed {len(done)} of {wl.requests} requests, "
+                               f"output lengths {lengths}")
+        ttft, tpot = [], []
+        for r in done:
+            t = r["info"]["timings"]
+            ttft.append(1000 * (t["first_token_iteration"] - t["request_start"]))
+            tpot.append(1000 * (t["last_token_iteration"] - t["first_token_iteration"])
+                        / (wl.output - 1))
+        return Samples(ttft, tpot, [], len(done))
+
+    return run
+
+
+def aiperf_tool(wl: PeerWorkload, exe: Path) -> Tool:
+    """AIPerf 0.13: the prompts from a ``single_turn`` JSON-lines file taken in order, the
+    completions API streamed, ``ignore_eos``, ``concurrency`` at once, no /metrics
+    readings. Its records hold TTFT, the gap between every two chunks
+    (``inter_chunk_latency``) and ``inter_token_latency``, which is TPOT as defined here."""
+    salt = _salt()
+
+    def run(server: VllmServer, tmp: Path, k: int) -> Samples:
+        data = tmp / f"aiperf{k}.jsonl"
+        data.write_text("".join(
+            json.dumps({"text": p, "output_length": wl.output}) + "\n"
+            for p in word_prompts(wl, salt, k, get_preset("tiny").vocab_size)))
+        out = tmp / f"aiperf{k}"
+        _run([str(exe), "profile", "--model", server.model, "--url", server.base_url,
+              "--endpoint-type", "completions", "--streaming",
+              "--concurrency", str(wl.concurrency), "--request-count", str(wl.requests),
+              "--input-file", str(data), "--custom-dataset-type", "single_turn",
+              "--dataset-sampling-strategy", "sequential", "--extra-inputs", "ignore_eos:true",
+              "--tokenizer", server.model, "--no-server-metrics", "--ui-type", "none",
+              "--output-artifact-dir", str(out)],
+             tmp / f"aiperf{k}.log", "aiperf", env=_PEER_ENV, cwd=tmp)
+        rows = [json.loads(line)["metrics"]
+                for line in (out / "profile_export.jsonl").read_text().splitlines() if line]
+        # The server's count: AIPerf's own re-tokenises the output text.
+        lengths = sorted({r["usage_completion_tokens"]["value"] for r in rows})
+        if len(rows) != wl.requests or lengths != [wl.output]:
+            raise RuntimeError(f"aiperf completed {len(rows)} of {wl.requests} requests, "
+                               f"output lengths {lengths}")
+        return Samples([r["time_to_first_token"]["value"] for r in rows],
+                       [r["inter_token_latency"]["value"] for r in rows],
+                       [g for r in rows for g in r["inter_chunk_latency"]["value"]], len(rows))
+
+    return run
+
+
+# The peers load the tokenizer from the served model's folder; nothing is downloaded.
+# (AIPerf's offline mode, HF_HUB_OFFLINE=1, looks a local folder up as a hub repository
+# and fails, so it is not set.)
+_PEER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+PEER_TOOLS = {"guidellm": guidellm_tool, "aiperf": aiperf_tool}
+
+
+def peer_executable(tool: str) -> Path | None:
+    """``tool``'s command in its own environment (KVBENCH_PEERS_DIR or .nox/peers), or on
+    PATH; None where it is not installed."""
+    base = Path(os.environ.get("KVBENCH_PEERS_DIR", PEERS_DIR))
+    exe = base / tool / "bin" / tool
+    if exe.exists():
+        return exe
+    found = shutil.which(tool)
+    return Path(found) if found else None
+
+
+def interleaved(server: VllmServer, tmp: Path, tools: dict[str, Tool], rounds: int,
+                warmup: int = 1) -> dict[str, Samples]:
+    """``warmup`` + ``rounds`` rounds, every tool once a round, the order reversed every
+    other round; the samples of the measured rounds pooled per tool."""
+    names = list(tools)
+    pooled = {name: Samples() for name in names}
+    for k in range(warmup + rounds):
+        order = names if k % 2 == 0 else names[::-1]
+        for name in order:
+            folder = tmp / name.replace(" ", "-")
+            folder.mkdir(parents=True, exist_ok=True)
+            samples = tools[name](server, folder, k)
+            if k >= warmup:
+                pooled[name].extend(samples)
+    return pooled
+
+
+def ratios(pooled: dict[str, Samples], ours: str = "kvbench"
+           ) -> dict[str, dict[str, float | None]]:
+    """kvbench's median over each peer's, per metric (None where the peer does not
+    record the metric)."""
+    mine = pooled[ours]
+    out: dict[str, dict[str, float | None]] = {}
+    for name, s in pooled.items():
+        if name == ours:
+            continue
+        out[name] = {}
+        for m in METRICS:
+            a, b = mine.median(m), s.median(m)
+            # None also where the peer's median is 0 (its chunks came in bursts).
+            out[name][m] = None if a is None or not b else a / b
+    return out
+
+
