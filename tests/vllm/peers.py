@@ -68,7 +68,9 @@ PEERS_DIR = Path(__file__).resolve().parents[2] / ".nox" / "peers"
 @dataclass(frozen=True, slots=True)
 class PeerWorkload:
     requests: int = 24
-    prompt: int = 128
+    # A prefill of some tens of milliseconds on the tiny model, so that a client's own
+    # millisecond or two is a few percent of TTFT, not ten.
+    prompt: int = 384
     output: int = 32
     concurrency: int = 1
 
