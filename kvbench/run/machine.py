@@ -18,7 +18,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -35,7 +35,7 @@ def machine_info() -> dict[str, Any]:
         "hostname": platform.node(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "versions": {
             d: _version(d)
