@@ -209,8 +209,11 @@ def _start_run(tmp_path, out) -> subprocess.Popen:
             "--model", "llama-3-8b", "--workload", "mixed-text", "--num-requests", "20000",
             "--engines", "paged,contiguous", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # A job started in the background by a non-interactive shell inherits SIGINT ignored
+    # (and Python then keeps it ignored): the run gets SIGINT's default, as from a terminal.
     return subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.mark.slow
