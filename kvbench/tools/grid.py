@@ -35,6 +35,7 @@ from kvbench.results.knee import kv_pressure_knee, saturation_curve
 from kvbench.results.schema import RunRecord, WorkloadInfo
 from kvbench.run.overrides import RunFlags
 from kvbench.run.suite import Suite
+from kvbench.tools.sweep import summary_cell
 from kvbench.workloads.validation import validation_message
 
 Backend = Literal["local", "ray"]
@@ -319,16 +320,6 @@ GRID_COLUMNS: list[tuple[str, str]] = [
 ]
 
 
-def _cell(key: str, value: object) -> str:
-    if value is None:
-        return "-"
-    if key == "prefix_hit_rate":
-        return f"{100 * float(value):.1f}%"  # type: ignore[arg-type]
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-    return str(value)
-
-
 def _engine_column(result: GridResult) -> bool:
     return all(a.path != "run.engines" for a in result.axes)
 
@@ -341,7 +332,7 @@ def grid_rows(result: GridResult) -> list[list[str]]:
             row = [*[v for _, v in p.point.values], *([rec.engine] if engine else []),
                    rec.status if rec.status == "ok" else f"{rec.status}: "
                    f"{(rec.error or '').splitlines()[0][:80]}"]
-            row += [_cell(k, rec.summary.get(k)) for k, _ in GRID_COLUMNS]
+            row += [summary_cell(k, rec.summary.get(k)) for k, _ in GRID_COLUMNS]
             rows.append(row)
     return rows
 

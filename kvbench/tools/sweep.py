@@ -140,10 +140,15 @@ SWEEP_COLUMNS: list[tuple[str, str]] = [
 ]
 
 
-def _cell(key: str, value: object) -> str:
+# Summary metrics that are fractions, shown as percentages in sweep and grid tables.
+PERCENT_METRICS = frozenset({"mean_kv_utilization", "prefix_hit_rate"})
+
+
+def summary_cell(key: str, value: object) -> str:
+    """One summary metric as a table cell."""
     if value is None:
         return "-"
-    if key == "mean_kv_utilization":
+    if key in PERCENT_METRICS:
         return f"{100 * float(value):.1f}%"  # type: ignore[arg-type]
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
@@ -181,9 +186,9 @@ def sweep_rows(records: Sequence[RunRecord], block_axis: bool = False) -> list[l
             size = block_size_of(rec)
             row.append("-" if size is None else str(size))
         first = len(row)
-        row += [_cell(k, s.get(k)) for k, _ in SWEEP_COLUMNS]
+        row += [summary_cell(k, s.get(k)) for k, _ in SWEEP_COLUMNS]
         if block_axis:
-            row += [format_bytes(s.get(k)) if k.endswith("_bytes") else _cell(k, s.get(k))
+            row += [format_bytes(s.get(k)) if k.endswith("_bytes") else summary_cell(k, s.get(k))
                     for k, _ in BLOCK_COLUMNS]
         if rec.status != "ok":
             row[first] = f"{rec.status}: {row[first]}"
