@@ -17,6 +17,15 @@ Every tool's samples are pooled over the measured rounds, and the same definitio
 - ITL: the gap between consecutive streamed token chunks, every gap of every request.
 
 The peers' medians of these and kvbench's are compared as ratios (kvbench / peer).
+
+The server's pace is not constant: on a small shared machine its own clock of the same
+requests (vLLM's ``/metrics`` histograms, read before and after each tool's run) moves by
+tens of percent from one round to the next, and every client measures what the server did.
+So each tool's figures are also set against the server's clock for its own requests: the
+*pace* (the server's mean over kvbench's requests / over the peer's) says how much of a raw
+ratio the server made, and the *paced* ratio (each tool's mean over the server's mean for
+its requests, kvbench's over the peer's) is the difference between the two clients as
+instruments.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 from served import (
     BENCH_SERVE,
     BENCH_TIMEOUT_S,
@@ -42,6 +52,7 @@ from served import (
     MAX_NUM_SEQS,
     NUM_BLOCKS,
     VllmServer,
+    get_url,
     write_timed_trace,
 )
 
@@ -63,6 +74,14 @@ BURST_GAP_MS = 0.5
 # Where the peers' own environments are looked for (one folder each, holding bin/TOOL),
 # unless KVBENCH_PEERS_DIR names another; `nox -s vllm` makes them.
 PEERS_DIR = Path(__file__).resolve().parents[2] / ".nox" / "peers"
+# The server's own clock of the metrics (vLLM v1): TTFT from the request's arrival in the
+# API process to its first token there; TPOT and ITL from the engine core's token stamps,
+# TPOT with bench serve's definition (decode time / (output tokens - 1)).
+SERVER_HISTOGRAMS = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "tpot": "vllm:request_time_per_output_token_seconds",
+    "itl": "vllm:inter_token_latency_seconds",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,13 +108,42 @@ class Samples:
     itl: list[float] = field(default_factory=list)
     requests: int = 0
     rounds: list[dict[str, float | None]] = field(default_factory=list)  # their medians
+    # The server's histogram sums (ms) and counts over this tool's requests, per metric;
+    # None where a round's counts did not match its requests (other traffic, or a server
+    # without the histograms).
+    server: dict[str, list[float]] | None = field(default_factory=dict)
 
     def extend(self, other: Samples) -> None:
         self.ttft += other.ttft
         self.tpot += other.tpot
         self.itl += other.itl
         self.requests += other.requests
-        self.rounds.append({m: other.median(m) for m in METRICS})
+        self.rounds.append({m: other.median(m) for m in METRICS}
+                           | {f"server_{m}": other.server_mean(m) for m in METRICS})
+        if self.server is None or other.server is None:
+            self.server = None
+            return
+        for m, (total, count) in other.server.items():
+            acc = self.server.setdefault(m, [0.0, 0.0])
+            acc[0] += total
+            acc[1] += count
+
+    def server_mean(self, metric: str) -> float | None:
+        """The server's mean of ``metric`` over this tool's requests, in ms."""
+        total, count = (self.server or {}).get(metric, (0.0, 0.0))
+        return total / count if count else None
+
+    def clocked_by(self, before: dict[str, list[float]], after: dict[str, list[float]]
+                   ) -> None:
+        """The server's histograms between two readings taken around this tool's run.
+        Each request adds one TTFT and one TPOT observation; anything else means other
+        traffic reached the server, and the server's figures are left out."""
+        delta = {m: [after[m][0] - before[m][0], after[m][1] - before[m][1]]
+                 for m in METRICS if m in after and m in before}
+        if any(delta.get(m, [0, 0])[1] != self.requests for m in ("ttft", "tpot")):
+            self.server = None
+        else:
+            self.server = delta
 
     def mean(self, metric: str) -> float | None:
         values = getattr(self, metric)
@@ -120,6 +168,26 @@ class Samples:
 
 
 Tool = Callable[[VllmServer, Path, int], Samples]  # server, a folder, the round
+
+
+def server_histograms(server: VllmServer) -> dict[str, list[float]]:
+    """The server's running sums (ms) and counts of its TTFT, TPOT and ITL histograms."""
+    status, body = get_url(server.base_url + "/metrics")
+    if status != 200:
+        raise RuntimeError(f"the server's /metrics answered HTTP {status}")
+    names = {v: k for k, v in SERVER_HISTOGRAMS.items()}
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(body.decode()):
+        metric = names.get(family.name)
+        if metric is None:
+            continue
+        acc = out.setdefault(metric, [0.0, 0.0])
+        for sample in family.samples:  # one series per engine: summed
+            if sample.name.endswith("_sum"):
+                acc[0] += 1000 * sample.value
+            elif sample.name.endswith("_count"):
+                acc[1] += sample.value
+    return out
 
 
 # -- kvbench ----------------------------------------------------------------------------
@@ -186,6 +254,9 @@ def bench_serve_tool(wl: PeerWorkload) -> Tool:
             "--dataset-name", "timed_trace", "--dataset-path", str(trace),
             "--timed-trace-chunk-hash-size", "512", "--no-self-timed",
             "--request-rate", "inf", "--max-concurrency", str(wl.concurrency),
+            # No start-up test request: the server then sees exactly the 16 of the trace
+            # (the test request would put the first one's prompt in the prefix cache).
+            "--ready-check-timeout-sec", "0",
             "--num-prompts", str(wl.requests), "--temperature", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm",
             "--save-result", "--save-detailed", "--result-dir", str(out.parent),
@@ -197,10 +268,7 @@ def bench_serve_tool(wl: PeerWorkload) -> Tool:
         if b["completed"] != wl.requests or any(n != wl.output for n in b["output_lens"]):
             raise RuntimeError(f"vllm bench serve completed {b['completed']} of {wl.requests} "
                                f"requests, output lengths {sorted(set(b['output_lens']))}")
-        # Its first request repeats the single request it sends to test the server before
-        # it starts, and so finds that one's prompt in the prefix cache: it is left out.
-        return Samples.of_requests(b["ttfts"][1:], b["latencies"][1:], b["itls"][1:],
-                                   wl.output)
+        return Samples.of_requests(b["ttfts"], b["latencies"], b["itls"], wl.output)
 
     return run
 
@@ -332,7 +400,9 @@ def interleaved(server: VllmServer, tmp: Path, tools: dict[str, Tool], rounds: i
         for name in order:
             folder = tmp / name.replace(" ", "-")
             folder.mkdir(parents=True, exist_ok=True)
+            before = server_histograms(server)
             samples = tools[name](server, folder, k)
+            samples.clocked_by(before, server_histograms(server))
             if k >= warmup:
                 pooled[name].extend(samples)
     return pooled
@@ -355,3 +425,38 @@ def ratios(pooled: dict[str, Samples], ours: str = "kvbench"
     return out
 
 
+def paces(pooled: dict[str, Samples], ours: str = "kvbench"
+          ) -> dict[str, dict[str, float | None]]:
+    """By the server's own clock, how much slower it served kvbench's requests than each
+    peer's, per metric (None where the server's figures are missing for either)."""
+    mine = pooled[ours]
+    out: dict[str, dict[str, float | None]] = {}
+    for name, s in pooled.items():
+        if name == ours:
+            continue
+        out[name] = {}
+        for m in METRICS:
+            a, b = mine.server_mean(m), s.server_mean(m)
+            out[name][m] = None if a is None or not b else a / b
+    return out
+
+
+def paced_ratios(pooled: dict[str, Samples], ours: str = "kvbench"
+                 ) -> dict[str, dict[str, float | None]]:
+    """kvbench against each peer with the server's pace divided out: each tool's mean over
+    the server's mean for the same requests (the server's histograms give means), kvbench's
+    over the peer's. What is left is what differs between the two clients' measurements of
+    the same server."""
+    def by_clock(s: Samples, m: str) -> float | None:
+        a, b = s.mean(m), s.server_mean(m)
+        return None if a is None or not b else a / b
+
+    out: dict[str, dict[str, float | None]] = {}
+    for name, s in pooled.items():
+        if name == ours:
+            continue
+        out[name] = {}
+        for m in METRICS:
+            a, b = by_clock(pooled[ours], m), by_clock(s, m)
+            out[name][m] = None if a is None or not b else a / b
+    return out

@@ -56,7 +56,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _get(url: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
+def get_url(url: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(url, timeout=timeout_s) as resp:
         return resp.status, resp.read()
@@ -114,7 +114,7 @@ def _wait_ready(server: VllmServer) -> None:
             tail = server.log.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"vLLM's server exited ({server.proc.returncode}):\n{tail}")
         try:
-            if _get(server.endpoint + "/models")[0] == 200:
+            if get_url(server.endpoint + "/models")[0] == 200:
                 return
         except OSError:
             pass

@@ -24,6 +24,8 @@ from peers import (
     bench_serve_tool,
     interleaved,
     kvbench_tool,
+    paced_ratios,
+    paces,
     peer_executable,
     ratios,
 )
@@ -178,32 +180,33 @@ def test_a_soak_sees_the_server_give_its_kv_back(server, tmp_path) -> None:
 # tool's own overhead, which is what the comparison is about.
 PEER_WORKLOAD = PeerWorkload(requests=16, output=32, concurrency=1)
 PEER_ROUNDS, SECOND_PEER_ROUNDS = 6, 2
-# kvbench's medians against bench serve's. On a 2-core machine each tool's client shares
-# the cores with the server's API and engine processes, and the two tools have not yet been
-# shown to agree reproducibly: one steady quiet run gave ratios TTFT 0.933, TPOT 0.950,
-# ITL 0.942, the published table's run (all four tools, load 1.0-2.7) 1.279, 1.655, 1.571
-# with kvbench's per-round median TTFT spread 38-66 ms. The test holds the pooled medians to
-# a factor of 2 (a unit or definition error shows as far more) and prints the ratios.
+# The server's own pace moves from round to round on a small shared machine (its histograms
+# of the same requests: prefill 38-52 ms, decode step 5.3-6.7 ms over ten rounds of a quiet
+# run), and each client measures what the server did, so the raw medians of two tools run
+# in different rounds differ by that too (1.28x TTFT, 1.66x TPOT in one table run at load
+# 1-2.7; 0.93x, 0.95x in a quiet one). With the server's clock of each tool's own requests
+# divided out (`paced_ratios`), the two clients' measurements must agree within 10%; the raw
+# medians, which also carry the server's drift, within a factor of 2 (a unit or definition
+# error shows as far more).
+PACED_TOLERANCE = 0.10
 PEER_BOUND = 2.0
 # A second peer starts slowly (tens of seconds a run) and is run for fewer rounds. Each runs
 # its client as several processes, which on a 2-core machine take CPU from the server while
-# it measures (GuideLLM's TPOT came out 1.46x kvbench's at load 1.5-2.4, AIPerf's TTFT 2.0x
-# at load 3.1-3.9): held to a factor of 3, a sanity bound (a unit or definition error shows
-# as far more), with the ratios printed.
+# it measures (GuideLLM's raw TPOT came out 1.46x kvbench's at load 1.5-2.4): its paced
+# ratios are held to the same 10%, its raw ones to a factor of 3.
 SECOND_PEER_BOUND = 3.0
 # A peer whose own chunk gaps are mostly near zero while kvbench's, in the same rounds, are
 # not read the stream late (its client behind, not the server): its TTFT then times its own
 # delay, and the comparison is skipped, saying so.
 LATE_READER_SHARE = 0.5
-# Agreement can be judged only where each tool's own rounds agree about as well:
-# a busy machine changes the server's pace from round to round, and then the ratios are
-# printed, not asserted. Per-round median TTFT and TPOT of each tool must stay within this
-# factor of each other.
-STEADY_SPREAD = 1.25
 # Where more than this share of either tool's chunk gaps are near zero (the server sent
 # chunks together), the median ITL lands on 0 or on a decode step by chance: the mean ITL
 # is held to the tolerance instead.
 MAX_BURST_SHARE = 0.10
+
+
+def _fmt_ratios(r: dict[str, float | None]) -> str:
+    return "  ".join(f"{m} {'n/a' if v is None else f'{v:.3f}'}" for m, v in r.items())
 
 
 def _print_comparison(title: str, pooled: dict[str, Samples], rounds: int) -> None:
@@ -212,51 +215,54 @@ def _print_comparison(title: str, pooled: dict[str, Samples], rounds: int) -> No
     for name, s in pooled.items():
         meds = "  ".join(f"{m} {s.median(m):7.2f}" if s.median(m) is not None
                          else f"{m}     n/a" for m in METRICS)
+        server = "  ".join(f"{m} {v:7.2f}" if (v := s.server_mean(m)) is not None
+                           else f"{m}     n/a" for m in METRICS)
         per_round = [round(r["ttft"], 1) for r in s.rounds]
         burst = s.burst_share()
-        print(f"  {name:17s} {s.requests:3d} requests, medians ms: {meds}; mean ITL "
-              f"{s.mean('itl') or float('nan'):.2f}, gaps < {BURST_GAP_MS} ms "
-              f"{'n/a' if burst is None else f'{100 * burst:.0f}%'}; per-round median TTFT "
-              f"{per_round}")
+        print(f"  {name:17s} {s.requests:3d} requests, medians ms: {meds}; server's means "
+              f"ms: {server}; mean ITL {s.mean('itl') or float('nan'):.2f}, gaps < "
+              f"{BURST_GAP_MS} ms {'n/a' if burst is None else f'{100 * burst:.0f}%'}; "
+              f"per-round median TTFT {per_round}")
+    pace, paced = paces(pooled), paced_ratios(pooled)
     for name, r in ratios(pooled).items():
-        print(f"  kvbench / {name}: " + "  ".join(
-            f"{m} {'n/a' if v is None else f'{v:.3f}'}" for m, v in r.items()))
+        print(f"  kvbench / {name}: {_fmt_ratios(r)}; the server's pace {_fmt_ratios(pace[name])}"
+              f"; paced {_fmt_ratios(paced[name])}")
 
 
-def _unsteady(pooled: dict[str, Samples]) -> str | None:
-    for name, s in pooled.items():
-        for m in ("ttft", "tpot"):
-            values = [r[m] for r in s.rounds if r[m]]
-            if values and max(values) / min(values) > STEADY_SPREAD:
-                return (f"the server's pace changed between rounds ({name}'s per-round median "
-                        f"{m} {min(values):.1f}-{max(values):.1f} ms)")
-    return None
+def _burst_itl(pooled: dict[str, Samples], peer: str, r: dict[str, float | None]) -> None:
+    """Where chunks came in bursts, the mean ITL stands for the median in ``r``."""
+    kv, other = pooled["kvbench"], pooled[peer]
+    bursts = max(kv.burst_share() or 0.0, other.burst_share() or 0.0)
+    if other.itl and bursts > MAX_BURST_SHARE:
+        r["itl"] = (kv.mean("itl") or 0.0) / (other.mean("itl") or 1.0)
+        print(f"  {100 * bursts:.0f}% of a tool's chunk gaps under {BURST_GAP_MS} ms: the mean "
+              f"ITL is compared, ratio {r['itl']:.3f}")
 
 
 def test_latencies_agree_with_vllm_bench_serve(server, tmp_path) -> None:
     load = os.getloadavg()[0]
+    bench = "vllm bench serve"
     pooled = interleaved(server, tmp_path, {"kvbench": kvbench_tool(PEER_WORKLOAD),
-                                            "vllm bench serve": bench_serve_tool(PEER_WORKLOAD)},
+                                            bench: bench_serve_tool(PEER_WORKLOAD)},
                          PEER_ROUNDS)
     _print_comparison("kvbench vs vllm bench serve on one vLLM 0.32 CPU server", pooled,
                       PEER_ROUNDS)
-    kv, bench = pooled["kvbench"], pooled["vllm bench serve"]
-    assert kv.requests == PEER_ROUNDS * PEER_WORKLOAD.requests
-    # bench serve's first request of a round repeats its start-up test request (left out).
-    assert bench.requests == PEER_ROUNDS * (PEER_WORKLOAD.requests - 1)
-    # One gap per streamed chunk, for both: a server that falls behind merges tokens into
-    # one chunk (kvbench counts the chunk's token ids, bench serve the usage count).
-    assert 0 < len(kv.itl) <= kv.requests * (PEER_WORKLOAD.output - 1)
-    assert 0 < len(bench.itl) <= bench.requests * (PEER_WORKLOAD.output - 1)
-    r = ratios(pooled)["vllm bench serve"]
-    bursts = max(kv.burst_share() or 0.0, bench.burst_share() or 0.0)
-    if bursts > MAX_BURST_SHARE:
-        r["itl"] = (kv.mean("itl") or 0.0) / (bench.mean("itl") or 1.0)
-        print(f"  {100 * bursts:.0f}% of a tool's chunk gaps under {BURST_GAP_MS} ms: the mean "
-              f"ITL is compared, ratio {r['itl']:.3f}")
-    if (busy := overloaded(load) or _unsteady(pooled)) is not None:
+    for s in pooled.values():
+        assert s.requests == PEER_ROUNDS * PEER_WORKLOAD.requests
+        # One gap per streamed chunk, for both: a server that falls behind merges tokens
+        # into one chunk (kvbench counts the chunk's token ids, bench serve the usage count).
+        assert 0 < len(s.itl) <= s.requests * (PEER_WORKLOAD.output - 1)
+        # The server saw exactly each tool's requests (bench serve's test request is off).
+        assert s.server is not None and s.server["ttft"][1] == s.requests
+    raw = ratios(pooled)[bench]
+    _burst_itl(pooled, bench, raw)
+    paced = paced_ratios(pooled)[bench]
+    if (busy := overloaded(load)) is not None:
         pytest.skip(f"{busy}: the figures above are printed, their agreement not asserted")
-    off = {m: v for m, v in r.items() if v is None or not 1 / PEER_BOUND <= v <= PEER_BOUND}
+    off = {m: v for m, v in paced.items() if v is None or not abs(v - 1) <= PACED_TOLERANCE}
+    assert not off, (f"with the server's pace divided out, kvbench and vllm bench serve differ "
+                     f"by more than {PACED_TOLERANCE:.0%}: {off}")
+    off = {m: v for m, v in raw.items() if v is None or not 1 / PEER_BOUND <= v <= PEER_BOUND}
     assert not off, f"kvbench and vllm bench serve differ by more than {PEER_BOUND}x: {off}"
 
 
@@ -274,17 +280,22 @@ def test_latencies_agree_with_a_second_peer(server, tmp_path, tool) -> None:
                       SECOND_PEER_ROUNDS)
     assert pooled[tool].requests == SECOND_PEER_ROUNDS * PEER_WORKLOAD.requests
     r = ratios(pooled)[tool]
-    kv, peer = pooled["kvbench"], pooled[tool]
-    if peer.itl and max(kv.burst_share() or 0.0, peer.burst_share() or 0.0) > MAX_BURST_SHARE:
-        r["itl"] = (kv.mean("itl") or 0.0) / (peer.mean("itl") or 1.0)
-        print(f"  chunks came in bursts: the mean ITL is compared, ratio {r['itl']:.3f}")
-    if (busy := overloaded(load) or _unsteady(pooled)) is not None:
+    _burst_itl(pooled, tool, r)
+    if (busy := overloaded(load)) is not None:
         pytest.skip(f"{busy}: the figures above are printed, their agreement not asserted")
+    kv, peer = pooled["kvbench"], pooled[tool]
     late, ours = peer.burst_share(), kv.burst_share() or 0.0
     if late is not None and late > LATE_READER_SHARE > ours:
         pytest.skip(f"{tool} read the stream late: {100 * late:.0f}% of its chunk gaps under "
                     f"{BURST_GAP_MS} ms against kvbench's {100 * ours:.0f}% in the same rounds, "
                     "so its TTFT times its own client's delay; the figures above are printed")
+    assert peer.server is not None, f"the server saw other requests than {tool}'s"
+    # GuideLLM records no chunk gaps: its ITL is None, and not compared.
+    paced = {m: v for m, v in paced_ratios(pooled)[tool].items() if v is not None}
+    assert {"ttft", "tpot"} <= paced.keys()
+    off = {m: v for m, v in paced.items() if not abs(v - 1) <= PACED_TOLERANCE}
+    assert not off, (f"with the server's pace divided out, kvbench and {tool} differ by more "
+                     f"than {PACED_TOLERANCE:.0%}: {off}")
     off = {m: v for m, v in r.items()
            if v is not None and not 1 / SECOND_PEER_BOUND <= v <= SECOND_PEER_BOUND}
     assert not off, f"kvbench and {tool} differ by more than {SECOND_PEER_BOUND}x: {off}"
@@ -295,10 +306,12 @@ def test_latencies_agree_with_a_second_peer(server, tmp_path, tool) -> None:
 # Eight requests at once, all running together (max_num_seqs 8): 8 x 6 blocks of KV at the
 # end, well inside the pool, so neither engine preempts and both hold the same blocks.
 PAIR_REQUESTS, PAIR_PROMPT, PAIR_OUTPUT = 8, 96, 96
-# Peak KV: the served curve is a series of readings (back to back, each tens of ms), so it
-# may miss the last block the requests allocate if they finish before the next reading;
-# the eight grow in step, so that is one block each.
-PEAK_TOLERANCE_BLOCKS = PAIR_REQUESTS
+# Peak KV: the served curve is a series of readings, so it may miss the blocks the requests
+# allocate between the last reading and their end. The eight grow in step, one block each
+# per block's decode, so a curve whose readings came up to G ms apart can miss at most
+# 1 + G / (one block's decode) blocks per request: the tolerance follows the run's own
+# reading gaps (a server busy streaming renders /metrics late, up to 416 ms apart against
+# 341 ms per block in one run here).
 # Time-weighted mean KV usage over the busy period: serving (HTTP, streaming, the readings
 # themselves) stretches prefill and decode differently, and readings quantise the served
 # curve, so the means agree in level, not exactly.
@@ -357,16 +370,11 @@ def test_in_process_and_served_vllm_hold_the_same_kv(server, tmp_path) -> None:
     # come seconds apart and miss it.
     if (busy := overloaded(load)) is not None:
         pytest.skip(f"{busy}: the served KV curve is printed, its agreement not asserted")
-    # A reading sees the last block only if readings come at most one block's decode apart
-    # (a server busy streaming renders /metrics late).
     gap_ms, block_ms = _reading_gap_ms(fine), BLOCK * fine.summary["median_tpot_ms"]
+    missable = PAIR_REQUESTS * (1 + int(gap_ms // block_ms))
     print(f"  served readings up to {gap_ms:.0f} ms apart; one block's decode "
-          f"{block_ms:.0f} ms")
-    if gap_ms > block_ms:
-        pytest.skip(f"the served /metrics readings came up to {gap_ms:.0f} ms apart, more than "
-                    f"one block's decode ({block_ms:.0f} ms): the curve is printed, its "
-                    "agreement not asserted")
-    assert abs(peak_a - peak_b) <= PEAK_TOLERANCE_BLOCKS * BLOCK_BYTES
+          f"{block_ms:.0f} ms: the served peak may miss up to {missable} blocks")
+    assert abs(peak_a - peak_b) <= missable * BLOCK_BYTES
     assert abs(mean_a - mean_b) <= MEAN_TOLERANCE
     # Same dummy weights and greedy decoding; batches may differ, so this is reported only.
     digests = {r.id: r.output_digest for r in inproc.requests}
