@@ -107,7 +107,8 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate ``[T, H, D]`` by half-dimension pairs (the Hugging Face Llama convention)."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -135,10 +136,13 @@ class Attention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, batch: AttentionBatch
     ) -> Tensor:
         """``x`` ``[T, hidden]``; ``kv`` this layer's ``[2, num_slots, kv_heads, head_dim]``."""
-        t, d = x.shape[0], self.head_dim
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self._split, dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, d), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, d), cos, sin)
+        t, d, hq = x.shape[0], self.head_dim, self.num_heads
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        # q and k rotated in one pass over their heads side by side (the same per-element
+        # operations as one at a time), then taken apart as views.
+        qk = apply_rope(qkv[:, : self._split[0] + self._split[1]].view(t, -1, d), cos, sin)
+        q, k = qk[:, :hq], qk[:, hq:]
+        v = qkv[:, self._split[0] + self._split[1] :]
         if not isinstance(kv, Tensor):  # a pool of several page classes (ClassPools)
             o = kv.store_attend(self.kernels, q, k, v.view(t, self.num_kv_heads, d), self.scale)
             return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))

@@ -315,6 +315,15 @@ class _Attention:
         native = k_scale is None and k_cache.dtype == v_cache.dtype == query.dtype
         self.dtype = query.dtype if native else torch.float32
         self.group_size = query.shape[1] // k_cache.shape[1]
+        # One layer of a pool [layers, 2, slots, ...]: its V lies right after its K, so a
+        # gather reads both in one copy (``pair_units``) from this view of the two.
+        self.pair: Tensor | None = None
+        if (k_scale is None and v_scale is None and k_cache.dtype == v_cache.dtype
+                and k_cache.shape == v_cache.shape and k_cache.is_contiguous()
+                and v_cache.is_contiguous()
+                and v_cache.data_ptr() == k_cache.data_ptr() + k_cache.nbytes):
+            self.pair = _bytes(torch.as_strided(
+                k_cache, (2 * k_cache.shape[0], *k_cache.shape[1:]), k_cache.stride()))
 
     def _check(self, plan: AttentionPlan) -> None:
         row_bytes = self.k_cache[0].nbytes + self.v_cache[0].nbytes
@@ -367,11 +376,18 @@ class _Attention:
         if self.query_positions is not None:
             assert self.slot_positions is not None and slots is not None
             visible = visible & (self.slot_positions[slots] <= self.query_positions[rows][:, None])
-        k, v = (
-            self._units(cache, scale, group, batch, slots)
-            for cache, scale, group in ((self.k_cache, self.k_scale, self.k_group),
-                                        (self.v_cache, self.v_scale, self.v_group))
-        )
+        if self.pair is not None:
+            x = self.pair.view(-1, batch.unit * self.pair[0].numel()).index_select(
+                0, batch.pair_units).view(self.k_cache.dtype)
+            k, v = (half.view(batch.units.shape[0], -1, *self.k_cache.shape[1:])
+                    for half in x.chunk(2))
+            k, v = self._as_compute(k), self._as_compute(v)
+        else:
+            k, v = (
+                self._units(cache, scale, group, batch, slots)
+                for cache, scale, group in ((self.k_cache, self.k_scale, self.k_group),
+                                            (self.v_cache, self.v_scale, self.v_group))
+            )
         if self.query_positions is not None:
             # Whole units are read, beyond a sequence's own pages: in a pool whose page
             # classes share bytes those slots may hold another class's codes, NaN in this
@@ -430,8 +446,7 @@ class _Attention:
         q = self.query[sp.q0 : sp.q1]
         if q.dtype != self.dtype:
             q = q.to(self.dtype)
-        k = self._load(self.k_cache, self.k_scale, self.k_group, piece)
-        v = self._load(self.v_cache, self.v_scale, self.v_group, piece)
+        k, v = self._load_kv(piece)
         # Positions relative to the piece's first key: the chunk's queries are its last.
         nk, nq = k.shape[0], q.shape[0]
         k_pos = torch.arange(nk, device=q.device)[None, :]
@@ -440,6 +455,21 @@ class _Attention:
         if q.device.type == "cpu":
             return self._flash_cpu(q, k, v, visible, False)
         return self._math(q, k, v, visible, False)
+
+    def _as_compute(self, x: Tensor) -> Tensor:
+        return x if x.dtype == self.dtype else x.to(self.dtype)
+
+    def _load_kv(self, piece: Piece) -> tuple[Tensor, Tensor]:
+        """K and V of ``piece`` in the compute dtype; a gather from a pool's K/V pair in one
+        copy."""
+        if self.pair is not None and isinstance(piece, Gather):
+            x = self.pair.view(-1, piece.unit * self.pair[0].numel()).index_select(
+                0, piece.pair_units)
+            k, v = (half.view(-1, *self.k_cache.shape[1:])[: piece.num_keys]
+                    .view(self.k_cache.dtype) for half in x.chunk(2))
+            return self._as_compute(k), self._as_compute(v)
+        return (self._load(self.k_cache, self.k_scale, self.k_group, piece),
+                self._load(self.v_cache, self.v_scale, self.v_group, piece))
 
     def _load(self, cache: Tensor, scale: Tensor | None, group: int, piece: Piece) -> Tensor:
         if isinstance(piece, Gather):
@@ -470,8 +500,7 @@ class _Attention:
     def _attend(
         self, q: Tensor, q0: int, q1: int, piece: Piece, causal: bool
     ) -> tuple[Tensor, Tensor]:
-        k = self._load(self.k_cache, self.k_scale, self.k_group, piece)
-        v = self._load(self.v_cache, self.v_scale, self.v_group, piece)
+        k, v = self._load_kv(piece)
         visible = None
         if self.query_positions is not None:
             visible = self._key_positions(piece)[None, :] <= self.query_positions[q0:q1, None]

@@ -96,12 +96,14 @@ class Gather:
     """Short runs (first slots, lengths) copied together, in order, as ``units`` of ``unit``
     slots each; the last run may end inside its last unit, whose tail is dropped.
     ``token_slots`` are the slots of the copied keys, one each (for scales and key
-    positions)."""
+    positions). ``pair_units``: ``units`` then the same units of a cache of ``num_slots``
+    slots stored right after the first (V after K in one pool), read by one copy."""
 
     num_keys: int
     unit: int
     units: Tensor
     token_slots: Tensor
+    pair_units: Tensor
 
 
 # A piece of one sequence's keys: a slice (first slot, length) read in place, or a gather.
@@ -135,6 +137,7 @@ class ShortDecodes:
     unit: int
     units: Tensor
     visible: Tensor
+    pair_units: Tensor  # as Gather.pair_units, flat: [2 * n * m]
 
     def token_slots(self) -> Tensor:
         """The slot of every copied key, ``[n, m * unit]`` (for scales and key positions)."""
@@ -247,8 +250,10 @@ class _Planner:
             np.repeat(slot // unit, num_units) + offset
         )
         visible = np.arange(width * unit)[None, :] < ctx[:, None]
+        flat = units.ravel()
         return ShortDecodes(in_plan, torch.tensor([cu[b] for b in group]), unit,
-                           torch.from_numpy(units), torch.from_numpy(visible))
+                            torch.from_numpy(units), torch.from_numpy(visible),
+                            torch.from_numpy(np.concatenate([flat, flat + self.num_slots // unit])))
 
     def sequence(self, nq: int, segs: np.ndarray, ctx: int) -> tuple[tuple[Piece, bool], ...]:
         if self.positions or nq == 1:
@@ -301,5 +306,7 @@ class _Planner:
         ids = np.arange(ends[-1]) + np.repeat(slots // unit - (ends - counts), counts)
         key_ends = np.cumsum(lengths)
         tokens = np.arange(key_ends[-1]) + np.repeat(slots - (key_ends - lengths), lengths)
+        pair = np.concatenate([ids, ids + self.num_slots // unit])
         return Gather(int(key_ends[-1]), unit, torch.from_numpy(ids).to(self.device),
-                      torch.from_numpy(tokens).to(self.device))
+                      torch.from_numpy(tokens).to(self.device),
+                      torch.from_numpy(pair).to(self.device))
