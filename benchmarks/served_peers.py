@@ -33,6 +33,7 @@ from peers import (  # noqa: E402
     PeerWorkload,
     Samples,
     bench_serve_tool,
+    by_server_clock,
     interleaved,
     kvbench_tool,
     paced_ratios,
@@ -65,11 +66,7 @@ def _spread(s: Samples, metric: str) -> str:
 
 def _by_clock(s: Samples) -> str:
     """The tool's means over the server's for the same requests."""
-    cells = []
-    for m in METRICS:
-        a, b = s.mean(m), s.server_mean(m)
-        cells.append("n/a" if a is None or not b else f"{a / b:.3f}")
-    return ", ".join(cells)
+    return ", ".join(_fmt(by_server_clock(s, m), ".3f") for m in METRICS)
 
 
 def _version(tool: str) -> str:

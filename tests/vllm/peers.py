@@ -408,55 +408,48 @@ def interleaved(server: VllmServer, tmp: Path, tools: dict[str, Tool], rounds: i
     return pooled
 
 
-def ratios(pooled: dict[str, Samples], ours: str = "kvbench"
-           ) -> dict[str, dict[str, float | None]]:
-    """kvbench's median over each peer's, per metric (None where the peer does not
-    record the metric)."""
-    mine = pooled[ours]
+Figure = Callable[["Samples", str], float | None]  # a tool's figure of a metric
+
+
+def _against_peers(pooled: dict[str, Samples], figure: Figure, ours: str
+                   ) -> dict[str, dict[str, float | None]]:
+    """kvbench's ``figure`` over each peer's, per metric; None where either is missing or
+    the peer's is 0."""
     out: dict[str, dict[str, float | None]] = {}
     for name, s in pooled.items():
         if name == ours:
             continue
         out[name] = {}
         for m in METRICS:
-            a, b = mine.median(m), s.median(m)
-            # None also where the peer's median is 0 (its chunks came in bursts).
+            a, b = figure(pooled[ours], m), figure(s, m)
             out[name][m] = None if a is None or not b else a / b
     return out
+
+
+def ratios(pooled: dict[str, Samples], ours: str = "kvbench"
+           ) -> dict[str, dict[str, float | None]]:
+    """kvbench's median over each peer's, per metric (None where the peer does not record
+    the metric, or its median is 0: its chunks came in bursts)."""
+    return _against_peers(pooled, Samples.median, ours)
 
 
 def paces(pooled: dict[str, Samples], ours: str = "kvbench"
           ) -> dict[str, dict[str, float | None]]:
     """By the server's own clock, how much slower it served kvbench's requests than each
     peer's, per metric (None where the server's figures are missing for either)."""
-    mine = pooled[ours]
-    out: dict[str, dict[str, float | None]] = {}
-    for name, s in pooled.items():
-        if name == ours:
-            continue
-        out[name] = {}
-        for m in METRICS:
-            a, b = mine.server_mean(m), s.server_mean(m)
-            out[name][m] = None if a is None or not b else a / b
-    return out
+    return _against_peers(pooled, Samples.server_mean, ours)
+
+
+def by_server_clock(s: Samples, metric: str) -> float | None:
+    """A tool's mean over the server's mean for the same requests (the server's
+    histograms give means)."""
+    a, b = s.mean(metric), s.server_mean(metric)
+    return None if a is None or not b else a / b
 
 
 def paced_ratios(pooled: dict[str, Samples], ours: str = "kvbench"
                  ) -> dict[str, dict[str, float | None]]:
-    """kvbench against each peer with the server's pace divided out: each tool's mean over
-    the server's mean for the same requests (the server's histograms give means), kvbench's
-    over the peer's. What is left is what differs between the two clients' measurements of
-    the same server."""
-    def by_clock(s: Samples, m: str) -> float | None:
-        a, b = s.mean(m), s.server_mean(m)
-        return None if a is None or not b else a / b
-
-    out: dict[str, dict[str, float | None]] = {}
-    for name, s in pooled.items():
-        if name == ours:
-            continue
-        out[name] = {}
-        for m in METRICS:
-            a, b = by_clock(pooled[ours], m), by_clock(s, m)
-            out[name][m] = None if a is None or not b else a / b
-    return out
+    """kvbench against each peer with the server's pace divided out: kvbench's
+    :func:`by_server_clock` over the peer's, what differs between the two clients'
+    measurements of the same server."""
+    return _against_peers(pooled, by_server_clock, ours)
