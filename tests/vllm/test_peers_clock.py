@@ -1,0 +1,107 @@
+"""The peers' comparison against the server's own clock, on made-up readings: the histogram
+parse, the per-tool deltas and the ratios the served tests assert (no server needed)."""
+
+from __future__ import annotations
+
+import peers
+import pytest
+from peers import Samples, paced_ratios, paces, ratios, server_histograms
+
+# Two engine series of each histogram (sums in seconds), as a vLLM server with two engines
+# publishes them; buckets are not read.
+_METRICS = """\
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{{engine="0",le="+Inf"}} {n0}
+vllm:time_to_first_token_seconds_count{{engine="0"}} {n0}
+vllm:time_to_first_token_seconds_sum{{engine="0"}} {ttft0}
+vllm:time_to_first_token_seconds_count{{engine="1"}} {n1}
+vllm:time_to_first_token_seconds_sum{{engine="1"}} {ttft1}
+# TYPE vllm:request_time_per_output_token_seconds histogram
+vllm:request_time_per_output_token_seconds_count{{engine="0"}} {n0}
+vllm:request_time_per_output_token_seconds_sum{{engine="0"}} {tpot0}
+vllm:request_time_per_output_token_seconds_count{{engine="1"}} {n1}
+vllm:request_time_per_output_token_seconds_sum{{engine="1"}} {tpot1}
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_count{{engine="0"}} {g0}
+vllm:inter_token_latency_seconds_sum{{engine="0"}} {itl0}
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0"}} 0.0
+"""
+
+
+class _Server:
+    base_url = "http://127.0.0.1:1"
+
+
+def _serve(monkeypatch: pytest.MonkeyPatch, **values: float) -> None:
+    body = _METRICS.format(**values).encode()
+    monkeypatch.setattr(peers, "get_url", lambda url: (200, body))
+
+
+def test_histograms_are_summed_over_engines_in_ms(monkeypatch) -> None:
+    _serve(monkeypatch, n0=3, n1=1, ttft0=0.15, ttft1=0.05, tpot0=0.018, tpot1=0.006,
+           g0=90, itl0=0.54)
+    h = server_histograms(_Server())  # type: ignore[arg-type]
+    assert h["ttft"] == pytest.approx([200.0, 4])
+    assert h["tpot"] == pytest.approx([24.0, 4])
+    assert h["itl"] == pytest.approx([540.0, 90])
+
+
+def test_a_server_without_metrics_fails_the_reading(monkeypatch) -> None:
+    monkeypatch.setattr(peers, "get_url", lambda url: (404, b"not found"))
+    with pytest.raises(RuntimeError, match="HTTP 404"):
+        server_histograms(_Server())  # type: ignore[arg-type]
+
+
+def _tool(ttft_ms: list[float], tpot_ms: list[float], server_ttft_ms: float,
+          server_tpot_ms: float) -> Samples:
+    """A tool's samples of one round and the server's readings around it (ITL as TPOT)."""
+    n = len(ttft_ms)
+    s = Samples(ttft_ms, tpot_ms, list(tpot_ms), n)
+    before = {"ttft": [1000.0, 10], "tpot": [50.0, 10], "itl": [50.0, 10]}
+    after = {"ttft": [1000.0 + n * server_ttft_ms, 10 + n],
+             "tpot": [50.0 + n * server_tpot_ms, 10 + n],
+             "itl": [50.0 + n * server_tpot_ms, 10 + n]}
+    s.clocked_by(before, after)
+    return s
+
+
+def _pooled(*rounds: Samples) -> Samples:
+    pooled = Samples()
+    for r in rounds:
+        pooled.extend(r)
+    return pooled
+
+
+def test_the_servers_pace_is_divided_out() -> None:
+    # The server took 20% longer over the peer's requests, and both clients add the same
+    # 5% to what it did: the raw ratio shows the server, the paced one the clients.
+    kv = _pooled(_tool([52.5, 52.5], [6.3, 6.3], 50.0, 6.0))
+    peer = _pooled(_tool([63.0, 63.0], [7.56, 7.56], 60.0, 7.2))
+    pooled = {"kvbench": kv, "peer": peer}
+    assert ratios(pooled)["peer"]["ttft"] == pytest.approx(52.5 / 63.0)
+    assert paces(pooled)["peer"] == pytest.approx({"ttft": 50 / 60, "tpot": 6 / 7.2,
+                                                   "itl": 6 / 7.2})
+    assert paced_ratios(pooled)["peer"] == pytest.approx({"ttft": 1.0, "tpot": 1.0,
+                                                          "itl": 1.0})
+    # A client that adds more than the other shows in the paced ratio.
+    slow = _pooled(_tool([66.0, 66.0], [7.56, 7.56], 60.0, 7.2))
+    assert paced_ratios({"kvbench": kv, "peer": slow})["peer"]["ttft"] == pytest.approx(
+        (52.5 / 50.0) / (66.0 / 60.0))
+
+
+def test_other_traffic_drops_the_servers_figures() -> None:
+    s = Samples([50.0, 50.0], [6.0, 6.0], [6.0], 2)
+    # Three requests' observations for a tool that sent two: someone else's request came.
+    s.clocked_by({"ttft": [0.0, 0], "tpot": [0.0, 0], "itl": [0.0, 0]},
+                 {"ttft": [150.0, 3], "tpot": [18.0, 3], "itl": [18.0, 3]})
+    assert s.server is None
+    # Pooled with a clean round, the tool has no server figures at all, and no paced ratio.
+    pooled = _pooled(_tool([50.0], [6.0], 50.0, 6.0), s)
+    assert pooled.server is None and pooled.server_mean("ttft") is None
+    peer = _pooled(_tool([50.0], [6.0], 50.0, 6.0))
+    assert paced_ratios({"kvbench": pooled, "peer": peer})["peer"]["ttft"] is None
+    # Per-round figures keep what each round had.
+    assert pooled.rounds[0]["server_ttft"] == pytest.approx(50.0)
+    assert pooled.rounds[1]["server_ttft"] is None
