@@ -377,11 +377,8 @@ class _Attention:
             assert self.slot_positions is not None and slots is not None
             visible = visible & (self.slot_positions[slots] <= self.query_positions[rows][:, None])
         if self.pair is not None:
-            x = self.pair.view(-1, batch.unit * self.pair[0].numel()).index_select(
-                0, batch.pair_units).view(self.k_cache.dtype)
-            k, v = (half.view(batch.units.shape[0], -1, *self.k_cache.shape[1:])
-                    for half in x.chunk(2))
-            k, v = self._as_compute(k), self._as_compute(v)
+            k, v = (self._as_compute(half.view(batch.units.shape[0], -1, *half.shape[1:]))
+                    for half in self._pair_units(batch.unit, batch.pair_units))
         else:
             k, v = (
                 self._units(cache, scale, group, batch, slots)
@@ -421,7 +418,7 @@ class _Attention:
         if scale is not None:
             assert slots is not None
             return decode(x, scale[torch.div(slots, group, rounding_mode="floor")][..., None])
-        return x if x.dtype == self.dtype else x.to(self.dtype)
+        return self._as_compute(x)
 
     def sequence(self, sp: SeqPlan) -> tuple[Tensor, Tensor]:
         """One sequence's rows over its pieces: ``[nq, Hq, D]`` output, ``[nq, Hq]``
@@ -459,15 +456,20 @@ class _Attention:
     def _as_compute(self, x: Tensor) -> Tensor:
         return x if x.dtype == self.dtype else x.to(self.dtype)
 
+    def _pair_units(self, unit: int, pair_units: Tensor) -> tuple[Tensor, ...]:
+        """K's and V's copies of the units of ``unit`` slots in ``pair_units``, read by one
+        copy from the pool's K/V pair: two ``[units * unit, Hkv, D]`` in the cache's dtype."""
+        assert self.pair is not None
+        x = self.pair.view(-1, unit * self.pair[0].numel()).index_select(0, pair_units)
+        return x.view(self.k_cache.dtype).view(-1, *self.k_cache.shape[1:]).chunk(2)
+
     def _load_kv(self, piece: Piece) -> tuple[Tensor, Tensor]:
         """K and V of ``piece`` in the compute dtype; a gather from a pool's K/V pair in one
         copy."""
         if self.pair is not None and isinstance(piece, Gather):
-            x = self.pair.view(-1, piece.unit * self.pair[0].numel()).index_select(
-                0, piece.pair_units)
-            k, v = (half.view(-1, *self.k_cache.shape[1:])[: piece.num_keys]
-                    .view(self.k_cache.dtype) for half in x.chunk(2))
-            return self._as_compute(k), self._as_compute(v)
+            k, v = (self._as_compute(half[: piece.num_keys])
+                    for half in self._pair_units(piece.unit, piece.pair_units))
+            return k, v
         return (self._load(self.k_cache, self.k_scale, self.k_group, piece),
                 self._load(self.v_cache, self.v_scale, self.v_group, piece))
 
@@ -489,7 +491,7 @@ class _Attention:
         if scale is not None:
             assert slots is not None
             return decode(x, scale[torch.div(slots, group, rounding_mode="floor")][:, :, None])
-        return x if x.dtype == self.dtype else x.to(self.dtype)
+        return self._as_compute(x)
 
     def _key_positions(self, piece: Piece) -> Tensor:
         assert self.slot_positions is not None

@@ -250,10 +250,9 @@ class _Planner:
             np.repeat(slot // unit, num_units) + offset
         )
         visible = np.arange(width * unit)[None, :] < ctx[:, None]
-        flat = units.ravel()
         return ShortDecodes(in_plan, torch.tensor([cu[b] for b in group]), unit,
                             torch.from_numpy(units), torch.from_numpy(visible),
-                            torch.from_numpy(np.concatenate([flat, flat + self.num_slots // unit])))
+                            torch.from_numpy(self._pair(units.ravel(), unit)))
 
     def sequence(self, nq: int, segs: np.ndarray, ctx: int) -> tuple[tuple[Piece, bool], ...]:
         if self.positions or nq == 1:
@@ -306,7 +305,10 @@ class _Planner:
         ids = np.arange(ends[-1]) + np.repeat(slots // unit - (ends - counts), counts)
         key_ends = np.cumsum(lengths)
         tokens = np.arange(key_ends[-1]) + np.repeat(slots - (key_ends - lengths), lengths)
-        pair = np.concatenate([ids, ids + self.num_slots // unit])
         return Gather(int(key_ends[-1]), unit, torch.from_numpy(ids).to(self.device),
                       torch.from_numpy(tokens).to(self.device),
-                      torch.from_numpy(pair).to(self.device))
+                      torch.from_numpy(self._pair(ids, unit)).to(self.device))
+
+    def _pair(self, ids: np.ndarray, unit: int) -> np.ndarray:
+        """Unit ids ``ids`` of K, then the same units of V stored right after K."""
+        return np.concatenate([ids, ids + self.num_slots // unit])
