@@ -40,6 +40,9 @@ DRAIN_SCRAPES = 10
 DRAIN_WAIT_S = 0.02
 # Readings whose median cost spaces the next ones (see ScrapeCost.typical_s).
 RECENT_SCRAPES = 5
+# A /metrics page rendered late (a server busy streaming answers it after its other work) is
+# still a reading: only one this late, or a server not answering, counts as failed.
+SCRAPE_TIMEOUT_FLOOR_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,7 +297,8 @@ class Client:
         try:
             async with self.session.get(
                 self.config.metrics_url,
-                timeout=aiohttp.ClientTimeout(total=max(1.0, 10 * self.config.scrape_interval_s)),
+                timeout=aiohttp.ClientTimeout(
+                    total=max(SCRAPE_TIMEOUT_FLOOR_S, 10 * self.config.scrape_interval_s)),
             ) as resp:
                 resp.raise_for_status()
                 text = await resp.text()

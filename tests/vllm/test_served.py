@@ -22,6 +22,7 @@ from peers import (
     PeerWorkload,
     Samples,
     bench_serve_tool,
+    by_server_clock,
     interleaved,
     kvbench_tool,
     paced_ratios,
@@ -75,9 +76,8 @@ def _suite(server, tmp: Path, workload: WorkloadSection, engines: list[str],
         ),
         engines={  # type: ignore[arg-type]
             "served": served,
-            # Every 100 ms, or back to back, whatever it costs the server: finer KV curves.
+            # Every 100 ms whatever it costs the server: finer KV curves.
             "served-100ms": {**served, "scrape_max_duty": 1.0},
-            "served-fine": {**served, "scrape_interval_ms": 10.0, "scrape_max_duty": 1.0},
         },
     )
 
@@ -195,10 +195,12 @@ PEER_BOUND = 2.0
 # it measures (GuideLLM's raw TPOT came out 1.46x kvbench's at load 1.5-2.4): its paced
 # ratios are held to the same 10%, its raw ones to a factor of 3.
 SECOND_PEER_BOUND = 3.0
-# A peer whose own chunk gaps are mostly near zero while kvbench's, in the same rounds, are
-# not read the stream late (its client behind, not the server): its TTFT then times its own
-# delay, and the comparison is skipped, saying so.
-LATE_READER_SHARE = 0.5
+# A peer with more of its chunk gaps near zero than kvbench's in the same rounds of the same
+# server read the stream late (its client behind, not the server): its TTFT then times its
+# own delay, and the comparison is skipped, saying so. AIPerf 0.13 on 2 cores: 70-92% of its
+# gaps against kvbench's 0% here; 14% against 0% on another machine, where its mean TTFT
+# came out 1.33x the server's (kvbench's 1.05x) with its median as close as kvbench's.
+LATE_READER_MARGIN = 0.05
 # Where more than this share of either tool's chunk gaps are near zero (the server sent
 # chunks together), the median ITL lands on 0 or on a decode step by chance: the mean ITL
 # is held to the tolerance instead.
@@ -285,10 +287,13 @@ def test_latencies_agree_with_a_second_peer(server, tmp_path, tool) -> None:
         pytest.skip(f"{busy}: the figures above are printed, their agreement not asserted")
     kv, peer = pooled["kvbench"], pooled[tool]
     late, ours = peer.burst_share(), kv.burst_share() or 0.0
-    if late is not None and late > LATE_READER_SHARE > ours:
+    if late is not None and late > ours + LATE_READER_MARGIN:
+        clock = by_server_clock(peer, "ttft")
         pytest.skip(f"{tool} read the stream late: {100 * late:.0f}% of its chunk gaps under "
                     f"{BURST_GAP_MS} ms against kvbench's {100 * ours:.0f}% in the same rounds, "
-                    "so its TTFT times its own client's delay; the figures above are printed")
+                    f"so its TTFT times its own client's delay (its mean TTFT "
+                    f"{'n/a' if clock is None else f'{clock:.2f}x'} the server's); the figures "
+                    "above are printed")
     assert peer.server is not None, f"the server saw other requests than {tool}'s"
     # GuideLLM records no chunk gaps: its ITL is None, and not compared.
     paced = {m: v for m, v in paced_ratios(pooled)[tool].items() if v is not None}
@@ -303,18 +308,23 @@ def test_latencies_agree_with_a_second_peer(server, tmp_path, tool) -> None:
 
 # -- in-process vs served ----------------------------------------------------------------
 
-# Eight requests at once, all running together (max_num_seqs 8): 8 x 6 blocks of KV at the
+# Eight requests at once, all running together (max_num_seqs 8): 8 x 7 blocks of KV at the
 # end, well inside the pool, so neither engine preempts and both hold the same blocks.
-PAIR_REQUESTS, PAIR_PROMPT, PAIR_OUTPUT = 8, 96, 96
+PAIR_REQUESTS, PAIR_PROMPT, PAIR_OUTPUT = 8, 96, 128
 # Peak KV: the served curve is a series of readings, so it may miss the blocks the requests
 # allocate between the last reading and their end. The eight grow in step, one block each
 # per block's decode, so a curve whose readings came up to G ms apart can miss at most
 # 1 + G / (one block's decode) blocks per request: the tolerance follows the run's own
 # reading gaps (a server busy streaming renders /metrics late, up to 416 ms apart against
-# 341 ms per block in one run here).
+# 341 ms per block in one run here). The served run reads /metrics every 100 ms whatever it
+# costs: read back to back, the readings themselves starved the server's API process on a
+# loaded 2-core machine (its gauges and its token stream then came in bursts, 17 readings
+# in 1.3 s, none of them while the KV was held).
 # Time-weighted mean KV usage over the busy period: serving (HTTP, streaming, the readings
 # themselves) stretches prefill and decode differently, and readings quantise the served
-# curve, so the means agree in level, not exactly.
+# curve, so the means agree in level, not exactly; and only where the readings resolve the
+# run (at least MIN_GAPS of the longest gap between two fit into it).
+MIN_GAPS = 3
 MEAN_TOLERANCE = 0.15
 
 
@@ -347,15 +357,15 @@ def test_in_process_and_served_vllm_hold_the_same_kv(server, tmp_path) -> None:
                                     for i in range(PAIR_REQUESTS)], seed=0, source="tests")
     inproc, served = _run(_suite(server, tmp_path, _file(tmp_path, wl), ["vllm", "served"]),
                           tmp_path / "out")
-    [fine] = _run(_suite(server, tmp_path, _file(tmp_path, again), ["served-fine"]),
-                  tmp_path / "fine")
-    for rec in (inproc, served, fine):
+    [read100] = _run(_suite(server, tmp_path, _file(tmp_path, again), ["served-100ms"]),
+                     tmp_path / "read100")
+    for rec in (inproc, served, read100):
         assert rec.status == "ok", rec.error
         assert rec.summary["kv_capacity_bytes"] == KV_MEMORY
         assert rec.summary["preemptions"] == 0
     a, b = inproc.summary, served.summary
-    peak_a, peak_b = a["peak_kv_reserved_bytes"], fine.summary["peak_kv_reserved_bytes"]
-    mean_a, mean_b = _busy_mean_usage(inproc), _busy_mean_usage(fine)
+    peak_a, peak_b = a["peak_kv_reserved_bytes"], read100.summary["peak_kv_reserved_bytes"]
+    mean_a, mean_b = _busy_mean_usage(inproc), _busy_mean_usage(read100)
     print(f"\nin-process vs served vLLM 0.32 ({PAIR_REQUESTS} requests of {PAIR_PROMPT}+"
           f"{PAIR_OUTPUT} tokens at once; served with default scraping):")
     for key in ("duration_s", "median_ttft_ms", "median_tpot_ms", "median_itl_ms",
@@ -363,18 +373,29 @@ def test_in_process_and_served_vllm_hold_the_same_kv(server, tmp_path) -> None:
         print(f"  {key:18s} in-process {a[key]:9.2f}  served {b[key]:9.2f}  "
               f"served/in-process {b[key] / a[key]:5.2f}")
     print(f"  peak KV reserved   in-process {peak_a // BLOCK_BYTES} blocks, served (readings "
-          f"back to back) {peak_b // BLOCK_BYTES} blocks; busy mean usage {mean_a:.3f} vs "
+          f"every 100 ms) {peak_b // BLOCK_BYTES} blocks; busy mean usage {mean_a:.3f} vs "
           f"{mean_b:.3f}")
     assert peak_a == PAIR_REQUESTS * -(-(PAIR_PROMPT + PAIR_OUTPUT) // BLOCK) * BLOCK_BYTES
     # The served peak lasts a few hundred ms; readings of an overloaded server (or client)
     # come seconds apart and miss it.
     if (busy := overloaded(load)) is not None:
         pytest.skip(f"{busy}: the served KV curve is printed, its agreement not asserted")
-    gap_ms, block_ms = _reading_gap_ms(fine), BLOCK * fine.summary["median_tpot_ms"]
+    # The server's engine steps no faster than the same engine in-process: its blocks grow
+    # at most one per BLOCK in-process decode steps (the served stream's own TPOT is no
+    # measure of that where its chunks came in bursts).
+    gap_ms, block_ms = _reading_gap_ms(read100), BLOCK * a["median_tpot_ms"]
     missable = PAIR_REQUESTS * (1 + int(gap_ms // block_ms))
-    print(f"  served readings up to {gap_ms:.0f} ms apart; one block's decode "
+    sc = read100.engine_config["scrapes"]
+    print(f"  served /metrics: {sc['count']} readings, {sc['failed']} failed, mean "
+          f"{sc['mean_ms']:.0f} ms, slowest {sc['max_ms']:.0f} ms; readings up to "
+          f"{gap_ms:.0f} ms apart; one block's decode "
           f"{block_ms:.0f} ms: the served peak may miss up to {missable} blocks")
     assert abs(peak_a - peak_b) <= missable * BLOCK_BYTES
+    run_ms = 1000 * read100.summary["duration_s"]
+    if run_ms < MIN_GAPS * gap_ms:
+        pytest.skip(f"the served run's /metrics readings came up to {gap_ms:.0f} ms apart in a "
+                    f"run of {run_ms:.0f} ms: its KV curve does not resolve the run, and its "
+                    "mean usage is printed, not compared")
     assert abs(mean_a - mean_b) <= MEAN_TOLERANCE
     # Same dummy weights and greedy decoding; batches may differ, so this is reported only.
     digests = {r.id: r.output_digest for r in inproc.requests}
