@@ -93,12 +93,13 @@ class ModalityAccount:
         self._cumulative: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         # Per request id: whether its prompt has image or audio segments.
         self._media: dict[str, bool] = {}
-        # Per live sequence with candidate shared blocks: what they were counted for and
-        # each block with its text, image and audio positions; per candidate block, how many
-        # of those sequences list it and its positions.
-        self._candidates: dict[int, tuple[tuple[int, int, int],
-                                          list[tuple[int, tuple[int, int, int]]]]] = {}
-        self._blocks: dict[int, list[Any]] = {}
+        # Per live sequence with candidate shared blocks: what they were counted for and the
+        # blocks; indexed by block id, how many of those sequences list the block and its
+        # text, image and audio positions (as the first of them to list it counted them).
+        self._candidates: dict[int, tuple[tuple[int, int, int], np.ndarray]] = {}
+        self._listed = np.zeros(0, dtype=np.int64)
+        self._positions = np.zeros((0, 3), dtype=np.int64)
+        self._held: tuple[np.ndarray, list[int]] | None = None  # the listed blocks' ids
 
     def tokens(self, seqs: Iterable[Sequence]) -> tuple[int, int, int]:
         """Tokens of each modality the live ``seqs`` have written, summed (a text-only
@@ -136,33 +137,43 @@ class ModalityAccount:
                 # sample's last one fills (and is copied on write).
                 live[seq.seq_id] = (seq, n, (n, seq.num_computed_tokens if seq.sample_index
                                              else -1, seq.num_preemptions))
-        cache, blocks = self._candidates, self._blocks
+        cache, listed = self._candidates, self._listed
         for sid in [sid for sid, (key, _) in cache.items()
                     if sid not in live or live[sid][2] != key]:
-            for b, _ in cache.pop(sid)[1]:
-                entry = blocks[b]
-                entry[0] -= 1
-                if not entry[0]:
-                    del blocks[b]
+            listed[cache.pop(sid)[1]] -= 1
+            self._held = None
         for sid, (seq, n, key) in live.items():
             if sid in cache:
                 continue
             ids, counts = self._block_counts(seq, block_table(seq)[:n], block_size)
-            pairs = list(zip(ids.tolist(), map(tuple, counts.tolist()), strict=True))
-            cache[sid] = (key, pairs)
-            for b, c in pairs:
-                entry = blocks.get(b)
-                if entry is None:
-                    blocks[b] = [1, c]
-                else:
-                    entry[0] += 1
-        text = image = audio = 0
-        for r, (_, c) in zip(block_refs(list(blocks)), blocks.values(), strict=True):
-            if r > 1:
-                text += (r - 1) * c[0]
-                image += (r - 1) * c[1]
-                audio += (r - 1) * c[2]
-        return text, image, audio
+            if len(ids) and int(ids.max()) >= len(listed):
+                listed = self._room(int(ids.max()) + 1)
+            # A table lists a block once: the fancy-indexed increment counts each.
+            new = listed[ids] == 0
+            self._positions[ids[new]] = counts[new]
+            listed[ids] += 1
+            cache[sid] = (key, ids)
+            self._held = None
+        if self._held is None:
+            held = np.flatnonzero(listed)
+            self._held = (held, held.tolist())
+        held, ids_list = self._held
+        if not ids_list:
+            return 0, 0, 0
+        refs = np.asarray(block_refs(ids_list), dtype=np.int64)
+        over = (np.maximum(refs - 1, 0)[:, None] * self._positions[held]).sum(axis=0)
+        return int(over[0]), int(over[1]), int(over[2])
+
+    def _room(self, size: int) -> np.ndarray:
+        """The per-block arrays grown to hold block ids below ``size`` (at least doubled)."""
+        old = len(self._listed)
+        size = max(size, 2 * old)
+        listed = np.zeros(size, dtype=np.int64)
+        listed[:old] = self._listed
+        positions = np.zeros((size, 3), dtype=np.int64)
+        positions[:old] = self._positions
+        self._listed, self._positions = listed, positions
+        return listed
 
     def _block_counts(self, seq: Sequence, blocks: list[int], block_size: int
                       ) -> tuple[np.ndarray, np.ndarray]:

@@ -318,8 +318,7 @@ class PagedKVManager(KVManager):
 
     def block_refs(self, blocks: list[int]) -> list[int]:
         """How many live sequences hold each of ``blocks``."""
-        ref = self.pool.ref
-        return [ref[b] for b in blocks]
+        return list(map(self.pool.ref.__getitem__, blocks))
 
     def held_blocks(self, seq: Sequence) -> list[int]:
         """The blocks ``seq`` holds: its table past the entries released outside the window."""
