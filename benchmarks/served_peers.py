@@ -36,6 +36,7 @@ from peers import (  # noqa: E402
     by_server_clock,
     interleaved,
     kvbench_tool,
+    mean_ratios,
     paced_ratios,
     paces,
     peer_executable,
@@ -86,6 +87,7 @@ def table(pooled: dict[str, Samples], wl: PeerWorkload, rounds: int, warmup: int
           command: list[str], loads: tuple[str, str], skipped: dict[str, str],
           versions: dict[str, str]) -> str:
     r, pace, paced = ratios(pooled), paces(pooled), paced_ratios(pooled)
+    mean_r = mean_ratios(pooled)
     lines = [
         "# kvbench's served engine vs its peers on one vLLM server",
         "",
@@ -125,13 +127,11 @@ def table(pooled: dict[str, Samples], wl: PeerWorkload, rounds: int, warmup: int
         "kvbench / tool: TTFT | TPOT | ITL | mean ITL |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|",
     ]
-    kv = pooled["kvbench"]
     for name, s in pooled.items():
         ratio = r.get(name, {})
         cells = ["—"] * 4 if name == "kvbench" else [_fmt(ratio[m], ".3f") for m in METRICS]
         if name != "kvbench":
-            a, b = kv.mean("itl"), s.mean("itl")
-            cells.append(_fmt(None if a is None or not b else a / b, ".3f"))
+            cells.append(_fmt(mean_r[name]["itl"], ".3f"))
         burst = s.burst_share()
         lines.append(
             f"| {name} | {versions.get(name, '')} | {s.requests} | {_fmt(s.median('ttft'))} | "

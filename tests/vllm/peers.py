@@ -433,6 +433,12 @@ def ratios(pooled: dict[str, Samples], ours: str = "kvbench"
     return _against_peers(pooled, Samples.median, ours)
 
 
+def mean_ratios(pooled: dict[str, Samples], ours: str = "kvbench"
+                ) -> dict[str, dict[str, float | None]]:
+    """kvbench's mean over each peer's, per metric (None where either has no samples)."""
+    return _against_peers(pooled, Samples.mean, ours)
+
+
 def paces(pooled: dict[str, Samples], ours: str = "kvbench"
           ) -> dict[str, dict[str, float | None]]:
     """By the server's own clock, how much slower it served kvbench's requests than each

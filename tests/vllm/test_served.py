@@ -25,6 +25,7 @@ from peers import (
     by_server_clock,
     interleaved,
     kvbench_tool,
+    mean_ratios,
     paced_ratios,
     paces,
     peer_executable,
@@ -236,9 +237,9 @@ def _burst_itl(pooled: dict[str, Samples], peer: str, r: dict[str, float | None]
     kv, other = pooled["kvbench"], pooled[peer]
     bursts = max(kv.burst_share() or 0.0, other.burst_share() or 0.0)
     if other.itl and bursts > MAX_BURST_SHARE:
-        r["itl"] = (kv.mean("itl") or 0.0) / (other.mean("itl") or 1.0)
+        r["itl"] = mean_ratios(pooled)[peer]["itl"]
         print(f"  {100 * bursts:.0f}% of a tool's chunk gaps under {BURST_GAP_MS} ms: the mean "
-              f"ITL is compared, ratio {r['itl']:.3f}")
+              f"ITL is compared, ratio {_fmt_ratios({'itl': r['itl']})}")
 
 
 def test_latencies_agree_with_vllm_bench_serve(server, tmp_path) -> None:
