@@ -105,3 +105,31 @@ def test_other_traffic_drops_the_servers_figures() -> None:
     # Per-round figures keep what each round had.
     assert pooled.rounds[0]["server_ttft"] == pytest.approx(50.0)
     assert pooled.rounds[1]["server_ttft"] is None
+
+
+def _cutting(monkeypatch: pytest.MonkeyPatch, cut: int) -> tuple[list[int], peers.Tool]:
+    """A tool that cuts its first ``cut`` tries short, and the list of rounds it ran."""
+    _serve(monkeypatch, n0=0, n1=0, ttft0=0, ttft1=0, tpot0=0, tpot1=0, g0=0, itl0=0)
+    ran: list[int] = []
+
+    def tool(server, folder, k: int) -> Samples:
+        ran.append(k)
+        if len(ran) <= cut:
+            raise peers.CutShort("completed 5 of 16 requests")
+        return Samples([50.0], [6.0], [6.0], 1)
+
+    return ran, tool
+
+
+def test_a_round_a_peer_cut_short_is_run_again(monkeypatch, tmp_path) -> None:
+    ran, tool = _cutting(monkeypatch, cut=peers.CUT_SHORT_RETRIES)
+    pooled = peers.interleaved(_Server(), tmp_path, {"peer": tool}, rounds=1, warmup=0)
+    assert ran == [0] * (peers.CUT_SHORT_RETRIES + 1)
+    assert pooled["peer"].ttft == [50.0]
+
+
+def test_a_peer_that_always_cuts_short_fails_the_test(monkeypatch, tmp_path) -> None:
+    ran, tool = _cutting(monkeypatch, cut=peers.CUT_SHORT_RETRIES + 1)
+    with pytest.raises(RuntimeError, match=r"5 of 16 requests, in each of 3 tries"):
+        peers.interleaved(_Server(), tmp_path, {"peer": tool}, rounds=1, warmup=0)
+    assert len(ran) == peers.CUT_SHORT_RETRIES + 1
