@@ -95,3 +95,25 @@ def test_random_logits_are_spread():
     (ids,) = prompts([20])
     logits = Runner(make_model(), "paged", 1).step([(0, ids, 0)])[0]
     assert 0.05 < logits.std().item() < 5.0
+
+
+def test_cpu_float32_matmul_weights_are_column_major():
+    """On the CPU in float32 every weight that goes through ``F.linear`` (fused q/k/v and
+    gate/up included) is stored column-major, the embedding row-major (it is gathered by
+    row); in half precision all stay row-major. The seeded values are the layout's own
+    business: the same model either way."""
+    model = make_model()
+    mats = {n: p for n, p in model.named_parameters() if p.dim() == 2}
+    embed = mats.pop("model.embed_tokens.weight")
+    assert embed.is_contiguous()
+    assert len(mats) == 1 + SMALL.num_layers * 7
+    # Column-major: unit stride down a column (the parts of a fused weight are row ranges
+    # of it, each column's stride the whole's row count).
+    assert [n for n, p in mats.items() if p.stride()[0] != 1] == []
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_weight.stride() == (1, layer.self_attn.qkv_weight.shape[0])
+    assert layer.mlp.gate_up_weight.stride() == (1, layer.mlp.gate_up_weight.shape[0])
+    half = make_model(SMALL.with_dtype("bfloat16"))
+    assert all(p.is_contiguous() for p in half.parameters())
+    for (name, p), (_, h) in zip(model.named_parameters(), half.named_parameters(), strict=True):
+        assert torch.equal(p.to(torch.bfloat16), h), name
