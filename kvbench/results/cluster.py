@@ -67,7 +67,7 @@ def cluster_summary(run: EngineRun, log: ClusterLog) -> dict[str, Any]:
         out["min_replica_max_concurrent_requests"] = int(peaks.min())
         routed = running[:, held]
         mean = routed.mean(axis=1)
-        dt = np.asarray(run.steps.dt_s[:n], dtype=np.float64)
+        dt = np.asarray(run.steps.dt_s, dtype=np.float64)[:n]
         busy = (mean > 0) & (dt > 0)
         if busy.any():
             ratio = routed[busy].max(axis=1) / mean[busy]

@@ -121,10 +121,10 @@ PERCENTILES = (50, 90, 99)
 MODELLED_DEVICE_CURVE = "device_used_bytes"
 
 
-def _dist(prefix: str, values: list[float]) -> dict[str, float | None]:
+def _dist(prefix: str, values: list[float] | np.ndarray) -> dict[str, float | None]:
     keys = [f"mean_{prefix}_ms", f"median_{prefix}_ms"]
     keys += [f"p{p}_{prefix}_ms" for p in PERCENTILES if p != 50]
-    if not values:
+    if not len(values):
         return dict.fromkeys(keys)
     arr = np.asarray(values, dtype=np.float64) * 1000.0
     stats = [arr.mean(), np.median(arr)]
@@ -132,9 +132,10 @@ def _dist(prefix: str, values: list[float]) -> dict[str, float | None]:
     return {k: float(v) for k, v in zip(keys, stats, strict=True)}
 
 
-def latency_samples(run: EngineRun) -> dict[str, list[float]]:
+def latency_samples(run: EngineRun) -> dict[str, list[float] | np.ndarray]:
     """Per-request TTFT, TPOT, E2EL and pooled ITL samples, in seconds."""
-    ttft, tpot, e2el, itl = [], [], [], []
+    ttft, tpot, e2el = [], [], []
+    itl: list[np.ndarray] = []
     for t in run.timings.values():
         if t.finish_s is None or t.first_token_s is None:
             continue
@@ -145,8 +146,10 @@ def latency_samples(run: EngineRun) -> dict[str, list[float]]:
             tpot.append(t.tpot_s)
         times = np.unique(np.asarray(t.token_times_s))
         if len(times) > 1:
-            itl.extend(np.diff(times).tolist())
-    return {"ttft": ttft, "tpot": tpot, "e2el": e2el, "itl": itl}
+            itl.append(np.diff(times))
+    # One array, not a Python float per token: a long replay pools hundreds of millions.
+    pooled = np.concatenate(itl) if itl else np.empty(0)
+    return {"ttft": ttft, "tpot": tpot, "e2el": e2el, "itl": pooled}
 
 
 def meets_slo(run: EngineRun, slo: SLO) -> int:
@@ -226,10 +229,10 @@ def modality_metrics(run: EngineRun) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {}
     for m in MODALITIES:
-        col = s.kv_modality_bytes.get(m, [])
+        col = _full(s.kv_modality_bytes.get(m, []))
         facts = s.kv_modalities.get(m, {})
         out[f"kv_{m}_dtype_bytes"] = facts.get("element_bytes")
-        out[f"peak_kv_{m}_bytes"] = int(max(col)) if col and None not in col else None
+        out[f"peak_kv_{m}_bytes"] = int(col.max()) if col is not None else None
     return out
 
 
@@ -240,9 +243,9 @@ def modal_metrics(run: EngineRun) -> dict[str, Any]:
     (1 - used / reserved over the steps, reserved-weighted). Only keys the run has."""
     s = run.steps
     out: dict[str, Any] = {}
-    enc = [v for v in s.kv_encoder_cache_bytes if v is not None]
-    if enc:
-        out["peak_encoder_cache_bytes"] = int(max(enc))
+    enc = s.kv_encoder_cache_bytes.present()
+    if len(enc):
+        out["peak_encoder_cache_bytes"] = int(enc.max())
         out["mean_encoder_cache_bytes"] = float(np.mean(enc))
     kv = run.last_kv
     if not s.kv_class_bytes or kv is None or kv.classes is None:
@@ -279,9 +282,9 @@ def kv_metrics(run: EngineRun) -> dict[str, Any]:
     s = run.steps
     kv = run.last_kv
     out: dict[str, Any] = {
-        "max_concurrent_requests": max(s.running, default=0),
+        "max_concurrent_requests": int(np.asarray(s.running).max(initial=0)),
         "mean_concurrent_requests": None,
-        "preemptions": int(sum(s.preempted)),
+        "preemptions": int(np.asarray(s.preempted).sum()),
         "kv_capacity_bytes": kv.capacity_bytes if kv else None,
         "peak_kv_reserved_bytes": None,
         "peak_kv_used_bytes": None,

@@ -23,6 +23,7 @@ from kvbench.engines.builtin import BuiltinEngine
 from kvbench.engines.device_memory import DeviceOutOfMemory
 from kvbench.engines.kv.modality import MODALITIES
 from kvbench.run.clocks import Clock, VirtualClock
+from kvbench.run.columns import Column, column_of
 from kvbench.run.signals import interrupt_reason
 from kvbench.run.telemetry import OK, RssProbe, Telemetry
 from kvbench.workloads.model import Request, Workload
@@ -73,44 +74,49 @@ class RequestTiming:
         return (self.finish_s - self.first_token_s) / (out - 1)
 
 
+def _float_column() -> Column:
+    return Column(np.float64)
+
+
 @dataclass(slots=True)
 class StepLog:
-    """Per-step columns (time is the step's end in the clock's seconds)."""
+    """Per-step columns (time is the step's end in the clock's seconds), each a
+    :class:`~kvbench.run.columns.Column`."""
 
-    t_s: list[float] = field(default_factory=list)
-    dt_s: list[float] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)
-    running: list[int] = field(default_factory=list)
-    waiting: list[int] = field(default_factory=list)
-    preempted: list[int] = field(default_factory=list)
-    kv_capacity_bytes: list[int | None] = field(default_factory=list)
-    kv_reserved_bytes: list[int | None] = field(default_factory=list)
-    kv_used_bytes: list[int | None] = field(default_factory=list)
-    kv_reserved_ahead_bytes: list[int | None] = field(default_factory=list)
-    kv_free_bytes: list[int | None] = field(default_factory=list)
-    kv_largest_free_bytes: list[int | None] = field(default_factory=list)
-    kv_shared_bytes: list[int | None] = field(default_factory=list)
-    prefix_hit_tokens: list[int | None] = field(default_factory=list)
-    block_allocs: list[int | None] = field(default_factory=list)
-    block_frees: list[int | None] = field(default_factory=list)
-    kv_copied_bytes: list[int | None] = field(default_factory=list)
-    page_table_entries: list[int | None] = field(default_factory=list)
+    t_s: Column = field(default_factory=_float_column)
+    dt_s: Column = field(default_factory=_float_column)
+    num_tokens: Column = field(default_factory=Column)
+    running: Column = field(default_factory=Column)
+    waiting: Column = field(default_factory=Column)
+    preempted: Column = field(default_factory=Column)
+    kv_capacity_bytes: Column = field(default_factory=Column)
+    kv_reserved_bytes: Column = field(default_factory=Column)
+    kv_used_bytes: Column = field(default_factory=Column)
+    kv_reserved_ahead_bytes: Column = field(default_factory=Column)
+    kv_free_bytes: Column = field(default_factory=Column)
+    kv_largest_free_bytes: Column = field(default_factory=Column)
+    kv_shared_bytes: Column = field(default_factory=Column)
+    prefix_hit_tokens: Column = field(default_factory=Column)
+    block_allocs: Column = field(default_factory=Column)
+    block_frees: Column = field(default_factory=Column)
+    kv_copied_bytes: Column = field(default_factory=Column)
+    page_table_entries: Column = field(default_factory=Column)
     # Admission refusals by the KV manager (KVStats.refused_*): 0 in steps without one.
-    kv_refused_bytes: list[int | None] = field(default_factory=list)
-    kv_refused_free_bytes: list[int | None] = field(default_factory=list)
-    kv_refused_largest_free_bytes: list[int | None] = field(default_factory=list)
+    kv_refused_bytes: Column = field(default_factory=Column)
+    kv_refused_free_bytes: Column = field(default_factory=Column)
+    kv_refused_largest_free_bytes: Column = field(default_factory=Column)
     # Encoder outputs kept for reuse (KVStats.encoder_cache_bytes), and per page class of a
     # modality-aware pool ``<class>_<reserved|used|capacity>_bytes``.
-    kv_encoder_cache_bytes: list[int | None] = field(default_factory=list)
-    kv_class_bytes: dict[str, list[int]] = field(default_factory=dict)
+    kv_encoder_cache_bytes: Column = field(default_factory=Column)
+    kv_class_bytes: dict[str, Column] = field(default_factory=dict)
     # Used KV bytes by the modality of the tokens held (``text``, ``image``, ``audio``; None
     # in steps where the engine cannot attribute them), and the facts of where each
     # modality is stored (KVStats.modalities without the per-step counts).
-    kv_modality_bytes: dict[str, list[int | None]] = field(default_factory=dict)
+    kv_modality_bytes: dict[str, Column] = field(default_factory=dict)
     kv_modalities: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Modelled device memory at each step's peak (engines that model it: the simulator),
     # one column per DeviceMemory component, summed over the tensor-parallel ranks.
-    device: dict[str, list[int]] = field(default_factory=dict)
+    device: dict[str, Column] = field(default_factory=dict)
     device_ranks: int = 1
 
     def __len__(self) -> int:
@@ -378,25 +384,27 @@ def _fast_forward(run: EngineRun, engine: BuiltinEngine, clock: VirtualClock,
     t1 = ends[1 : k + 1]
     t_end = t1.tolist()
     s = run.steps
-    s.t_s.extend(t_end)
-    s.dt_s.extend((t1 - ends[:k]).tolist())
-    s.num_tokens.extend([plan.num_seqs] * k)
-    s.running.extend([out.num_running] * k)
-    s.waiting.extend([out.num_waiting] * k)
-    s.preempted.extend([0] * k)
+    s.t_s.extend(t1)
+    s.dt_s.extend(t1 - ends[:k])
+    s.num_tokens.repeat(plan.num_seqs, k)
+    s.running.repeat(out.num_running, k)
+    s.waiting.repeat(out.num_waiting, k)
+    s.preempted.repeat(0, k)
     for column, name in _KV_LOG.items():
         getattr(s, column).extend(out.kv[name])
     for m in MODALITIES:
-        s.kv_modality_bytes.setdefault(m, []).extend(out.kv[f"modality:{m}"])
+        column_of(s.kv_modality_bytes, m).extend(out.kv[f"modality:{m}"])
     _modality_facts(s, out.last_kv)
     # Decode steps encode nothing: the encoder outputs held are the modelled device's.
     encoder = out.device.get("encoder") if out.device else None
-    s.kv_encoder_cache_bytes.extend(
-        encoder if encoder is not None else [out.last_kv.encoder_cache_bytes] * k)
+    if encoder is not None:
+        s.kv_encoder_cache_bytes.extend(encoder)
+    else:
+        s.kv_encoder_cache_bytes.repeat(out.last_kv.encoder_cache_bytes, k)
     if out.device:
         s.device_ranks = out.device_ranks
         for name, values in out.device.items():
-            s.device.setdefault(name, []).extend(values)
+            column_of(s.device, name).extend(values)
     run.last_kv = out.last_kv
     timings = run.timings
     for rid, count in out.tokens.items():
@@ -424,19 +432,19 @@ def _log_quiet(run: EngineRun, block: Any, clock: Clock) -> None:
     s.num_tokens.extend(block.num_tokens)
     s.running.extend(block.running)
     s.waiting.extend(block.waiting)
-    s.preempted.extend([0] * k)
+    s.preempted.repeat(0, k)
     columns = dict(zip(block.kv_fields, zip(*block.kv, strict=True), strict=True))
     for column, name in _KV_LOG.items():
         getattr(s, column).extend(columns[name])
     s.kv_encoder_cache_bytes.extend(columns["encoder_cache_bytes"])
     # A cluster's KV is not split by modality (its KVStats.modalities is None).
     for m in MODALITIES:
-        s.kv_modality_bytes.setdefault(m, []).extend([None] * k)
+        column_of(s.kv_modality_bytes, m).repeat(None, k)
     run.last_kv = KVStats(**dict(zip(block.kv_fields, block.kv[-1], strict=True)))
     s.device_ranks = block.device_ranks
     for name, values in zip(DeviceMemory.COMPONENTS, zip(*block.device, strict=True),
                             strict=True):
-        s.device.setdefault(name, []).extend(values)
+        column_of(s.device, name).extend(values)
     timings = run.timings
     for tokens, t1 in zip(block.tokens, ends, strict=True):
         for rid, count in tokens.items():
@@ -525,10 +533,10 @@ def _log_step(run: EngineRun, report: StepReport, t0: float, t1: float) -> None:
         if kv.classes is not None:
             for name, c in kv.classes.items():
                 for key in ("reserved_bytes", "used_bytes", "capacity_bytes"):
-                    s.kv_class_bytes.setdefault(f"{name}_{key}", []).append(c[key])
+                    column_of(s.kv_class_bytes, f"{name}_{key}").append(c[key])
         mods = kv.modalities
         for m in MODALITIES:
-            s.kv_modality_bytes.setdefault(m, []).append(
+            column_of(s.kv_modality_bytes, m).append(
                 None if mods is None else mods[m]["used_bytes"])
         _modality_facts(s, kv)
     device = report.device
@@ -536,4 +544,4 @@ def _log_step(run: EngineRun, report: StepReport, t0: float, t1: float) -> None:
         s.device_ranks = device.tp
         columns = s.device
         for name, value in device.components().items():
-            columns.setdefault(name, []).append(value)
+            column_of(columns, name).append(value)

@@ -1,0 +1,59 @@
+"""The step log's columns: numpy storage that reads like the lists it replaced."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvbench.run.columns import Column, column_of
+
+
+def test_values_and_none_survive_growth() -> None:
+    col = Column()
+    expected: list[int | None] = []
+    for i in range(1000):
+        value = None if i % 97 == 5 else i * 3
+        col.append(value)
+        expected.append(value)
+    col.extend(np.arange(10, dtype=np.int64))
+    col.extend([None, 7])
+    col.repeat(4, 3)
+    col.repeat(None, 2)
+    expected += list(range(10)) + [None, 7, 4, 4, 4, None, None]
+    assert len(col) == len(expected)
+    assert col.tolist() == expected and col == expected
+    assert col[-1] is None and col[1] == 3 and col[5] is None
+    assert col[3:8] == expected[3:8]
+    assert None in col and 21 in col and -1 not in col
+    assert col.present().tolist() == [v for v in expected if v is not None]
+    with pytest.raises(IndexError):
+        col[len(expected)]
+
+
+def test_no_none_reads_as_an_array_view() -> None:
+    col = Column(np.float64, [0.5, 1.25])
+    col.append(2)
+    arr = np.asarray(col)
+    assert arr.dtype == np.float64 and arr.tolist() == [0.5, 1.25, 2.0]
+    assert not col.has_none and None not in col
+    with pytest.raises(ValueError):
+        arr[0] = 9.0  # a view of the log is read-only
+    assert np.asarray(col, dtype=np.int64).tolist() == [0, 1, 2]
+
+
+def test_an_integer_column_refuses_fractions() -> None:
+    col = Column()
+    col.append(3.0)
+    col.extend([4.0, 5])
+    with pytest.raises(TypeError, match="fractional"):
+        col.append(2.5)
+    with pytest.raises(TypeError, match="fractional"):
+        col.extend(np.array([1.0, 1.5]))
+    assert col.tolist() == [3, 4, 5]
+
+
+def test_column_of_adds_once() -> None:
+    columns: dict[str, Column] = {}
+    column_of(columns, "a").append(1)
+    column_of(columns, "a").append(2)
+    assert list(columns) == ["a"] and columns["a"] == [1, 2]
