@@ -19,7 +19,7 @@ def test_values_and_none_survive_growth() -> None:
     col.extend([None, 7])
     col.repeat(4, 3)
     col.repeat(None, 2)
-    expected += list(range(10)) + [None, 7, 4, 4, 4, None, None]
+    expected += [*range(10), None, 7, 4, 4, 4, None, None]
     assert len(col) == len(expected)
     assert col.tolist() == expected and col == expected
     assert col[-1] is None and col[1] == 3 and col[5] is None
@@ -28,6 +28,8 @@ def test_values_and_none_survive_growth() -> None:
     assert col.present().tolist() == [v for v in expected if v is not None]
     with pytest.raises(IndexError):
         col[len(expected)]
+    col.repeat(9, 5000)
+    assert len(col) == len(expected) + 5000 and col[-1] == 9 and col[len(expected) - 1] is None
 
 
 def test_no_none_reads_as_an_array_view() -> None:
@@ -45,11 +47,12 @@ def test_an_integer_column_refuses_fractions() -> None:
     col = Column()
     col.append(3.0)
     col.extend([4.0, 5])
-    with pytest.raises(TypeError, match="fractional"):
-        col.append(2.5)
+    assert col.tolist() == [3, 4, 5]
     with pytest.raises(TypeError, match="fractional"):
         col.extend(np.array([1.0, 1.5]))
-    assert col.tolist() == [3, 4, 5]
+    col.append(2.5)  # refused when it joins the array: at the next read at the latest
+    with pytest.raises(TypeError, match="fractional"):
+        col.tolist()
 
 
 def test_column_of_adds_once() -> None:

@@ -15,127 +15,117 @@ from typing import Any
 import numpy as np
 
 _FIRST_CAPACITY = 64
+# Values appended one at a time wait in a list and join the array this many at a time: a
+# list append is several times cheaper than setting one element of an array.
+_FLUSH = 4096
 
 
 class Column:
     """Growable values of one dtype (``int64`` unless told), some possibly None."""
 
-    __slots__ = ("_data", "_missing", "_size")
+    __slots__ = ("_data", "_missing", "_pending", "_size")
 
     def __init__(self, dtype: type = np.int64, values: Iterable[Any] = ()) -> None:
         self._data = np.empty(_FIRST_CAPACITY, dtype=dtype)
         self._size = 0
-        # Where a None was appended (the array holds 0 there); None while there is none.
+        # Where a None was stored (the array holds 0 there); None while there is none.
         self._missing: np.ndarray | None = None
+        self._pending: list[Any] = []
         self.extend(values)
 
     @property
     def dtype(self) -> np.dtype:
         return self._data.dtype
 
-    def _reserve(self, extra: int) -> None:
-        need = self._size + extra
-        if need <= len(self._data):
+    def append(self, value: Any) -> None:
+        pending = self._pending
+        pending.append(value)
+        if len(pending) >= _FLUSH:
+            self._flush()
+
+    def extend(self, values: Iterable[Any]) -> None:
+        if isinstance(values, np.ndarray):
+            self._flush()
+            self._store(values)
             return
-        capacity = max(need, len(self._data) * 3 // 2)
-        data = np.empty(capacity, dtype=self._data.dtype)
-        data[: self._size] = self._data[: self._size]
-        self._data = data
-        if self._missing is not None:
-            missing = np.zeros(capacity, dtype=bool)
-            missing[: self._size] = self._missing[: self._size]
-            self._missing = missing
+        pending = self._pending
+        pending.extend(values.tolist() if isinstance(values, Column) else values)
+        if len(pending) >= _FLUSH:
+            self._flush()
 
-    def _mark_missing(self, start: int, flags: np.ndarray) -> None:
-        if self._missing is None:
-            self._missing = np.zeros(len(self._data), dtype=bool)
-        self._missing[start : start + len(flags)] = flags
+    def _flush(self) -> None:
+        pending = self._pending
+        if not pending:
+            return
+        arr = np.asarray(pending) if None not in pending else None
+        if arr is None or arr.dtype == object:
+            flags = np.fromiter((v is None for v in pending), bool, len(pending))
+            self._store(np.asarray([0 if v is None else v for v in pending]), flags)
+        else:
+            self._store(arr)
+        self._pending = []
 
-    def _check(self, values: np.ndarray) -> np.ndarray:
-        """``values`` as this column's dtype; a fraction in an integer column is refused
-        rather than cut."""
+    def _store(self, values: np.ndarray, missing: np.ndarray | None = None) -> None:
+        """Append ``values`` (``missing``: which of them stand for None) to the array; a
+        fraction in an integer column is refused rather than cut."""
         integer = self._data.dtype.kind in "iu"
         if integer and values.dtype.kind == "f" and not np.all(np.mod(values, 1) == 0):
             raise TypeError(f"an integer column cannot hold fractional values {values[:4]}")
-        return values
-
-    def append(self, value: Any) -> None:
-        self._reserve(1)
-        i = self._size
-        if value is None:
-            self._size += 1
-            self._data[i] = 0
-            self._mark_missing(i, np.ones(1, dtype=bool))
-            return
-        if isinstance(value, float) and self._data.dtype.kind in "iu" and not value.is_integer():
-            raise TypeError(f"an integer column cannot hold the fractional value {value}")
-        self._data[i] = value
-        self._size += 1
-
-    def extend(self, values: Iterable[Any]) -> None:
-        if isinstance(values, Column):
-            values = values.tolist() if values._missing is not None else values.view()
-        if isinstance(values, np.ndarray):
-            arr = self._check(values)
-            flags = None
-        else:
-            items = values if isinstance(values, list) else list(values)
-            if not items:
-                return
-            try:
-                arr = self._check(np.asarray(items))
-                flags = None
-            except (TypeError, ValueError):
-                arr = None
-            if arr is None or arr.dtype == object:
-                flags = np.fromiter((v is None for v in items), bool, len(items))
-                arr = self._check(np.asarray([0 if v is None else v for v in items]))
-        n = len(arr)
-        if not n:
-            return
-        self._reserve(n)
-        start = self._size
-        self._data[start : start + n] = arr
-        self._size += n
-        if flags is not None and flags.any():
-            self._mark_missing(start, flags)
+        n = len(values)
+        start = end = self._size
+        end += n
+        if end > len(self._data):
+            capacity = max(end, len(self._data) * 3 // 2)
+            data = np.empty(capacity, dtype=self._data.dtype)
+            data[:start] = self._data[:start]
+            self._data = data
+            if self._missing is not None:
+                self._missing = np.concatenate(
+                    [self._missing[:start], np.zeros(capacity - start, dtype=bool)])
+        self._data[start:end] = values
+        self._size = end
+        if missing is not None and missing.any():
+            if self._missing is None:
+                self._missing = np.zeros(len(self._data), dtype=bool)
+            self._missing[start:end] = missing
 
     def repeat(self, value: Any, count: int) -> None:
         """Append ``value`` ``count`` times."""
-        if count <= 0:
+        if count < 64 or value is None:
+            self.extend([value] * count)
             return
-        if value is None:
-            self.extend([None] * count)
-            return
-        self._reserve(count)
-        self._data[self._size : self._size + count] = value
-        self._size += count
+        self._flush()
+        self._store(np.full(count, value, dtype=self._data.dtype))
 
     def view(self) -> np.ndarray:
         """The values as an array (no copy; where None was appended it holds 0)."""
+        self._flush()
         return self._data[: self._size]
 
     def present(self) -> np.ndarray:
         """The values that are not None, in order."""
+        self._flush()
         if self._missing is None:
             return self.view()
         return self.view()[~self._missing[: self._size]]
 
     @property
     def has_none(self) -> bool:
+        self._flush()
         return self._missing is not None and bool(self._missing[: self._size].any())
 
     def tolist(self) -> list[Any]:
-        out = self.view().tolist()
+        out = self.view().tolist()  # flushes
         if self._missing is not None:
             for i in np.flatnonzero(self._missing[: self._size]).tolist():
                 out[i] = None
         return out
 
     def __len__(self) -> int:
-        return self._size
+        return self._size + len(self._pending)
 
     def __getitem__(self, key: int | slice) -> Any:
+        self._flush()
         if isinstance(key, slice):
             if self._missing is None:
                 return self.view()[key].tolist()
