@@ -94,28 +94,9 @@ def build_curves(
     curves: dict[str, list[float]] = {}
     t = np.asarray(steps.t_s, dtype=np.float64)
     curves["t_s"] = t[edges[1:] - 1].tolist()
-    cols: dict[str, np.ndarray] = {}
-    for name in (*_MAX_COLS, *_MIN_COLS, *_SUM_COLS):
-        col = _column(getattr(steps, name))
-        if col is not None:
-            cols[name] = col
-    cols.update(device_columns(steps))
-    # Per page class of a modality-aware pool: kv_<class>_<reserved|used|capacity>_bytes.
-    cols.update({f"kv_{name}": np.asarray(v, dtype=np.float64)
-                 for name, v in steps.kv_class_bytes.items()})
-    # Used KV by modality of the tokens held: kv_<text|image|audio>_bytes, where every step
-    # attributes it.
-    for name, v in steps.kv_modality_bytes.items():
-        col = _column(v)
-        if col is not None:
-            cols[f"kv_{name}_bytes"] = col
-    free, largest = cols.get("kv_free_bytes"), cols.get("kv_largest_free_bytes")
-    if free is not None and largest is not None:
-        cols["frag_index"] = frag_index(free, largest)
-    need, need_free = _column(steps.kv_refused_bytes), _column(steps.kv_refused_free_bytes)
-    if need is not None and need_free is not None:
-        cols["fragmentation_wait_bytes"] = np.where(fragmentation_waits(need, need_free), need, 0)
-    for name, col in cols.items():
+
+    def put(name: str, col: np.ndarray) -> None:
+        # Each column is reduced as soon as it is read: a long replay's columns are large.
         if name in _SUM_COLS:
             agg = np.add.reduceat(col, starts)
         elif name in _MIN_COLS or name == "frag_index":
@@ -123,6 +104,29 @@ def build_curves(
         else:
             agg = np.maximum.reduceat(col, starts)
         curves[name] = agg.tolist()
+
+    for name in (*_MAX_COLS, *_MIN_COLS, *_SUM_COLS):
+        col = _column(getattr(steps, name))
+        if col is not None:
+            put(name, col)
+    for name, col in device_columns(steps).items():
+        put(name, col)
+    # Per page class of a modality-aware pool: kv_<class>_<reserved|used|capacity>_bytes.
+    for name, v in steps.kv_class_bytes.items():
+        put(f"kv_{name}", np.asarray(v, dtype=np.float64))
+    # Used KV by modality of the tokens held: kv_<text|image|audio>_bytes, where every step
+    # attributes it.
+    for name, v in steps.kv_modality_bytes.items():
+        col = _column(v)
+        if col is not None:
+            put(f"kv_{name}_bytes", col)
+    free, largest = _column(steps.kv_free_bytes), _column(steps.kv_largest_free_bytes)
+    if free is not None and largest is not None:
+        put("frag_index", frag_index(free, largest))
+    del free, largest
+    need, need_free = _column(steps.kv_refused_bytes), _column(steps.kv_refused_free_bytes)
+    if need is not None and need_free is not None:
+        put("fragmentation_wait_bytes", np.where(fragmentation_waits(need, need_free), need, 0))
     if telemetry is not None:
         for samples in telemetry.samples.values():
             if samples.steps:
