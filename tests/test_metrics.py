@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from helpers import make_workload, text_request
@@ -172,3 +173,15 @@ def test_paged_wastes_less_and_shares_prefixes() -> None:
     assert paged["prefix_hit_rate"] > 0 and paged["shared_block_ratio"] > 0
     assert contig["prefix_hit_rate"] is None and contig["shared_block_ratio"] == 0
     assert paged["max_concurrent_requests"] > contig["max_concurrent_requests"]
+
+
+def test_token_steps_merge_into_runs_and_read_as_step_times() -> None:
+    t = RequestTiming(text_request("a", 10, 9, 0.0))
+    t.add_steps(3, 4, 1)
+    t.add_steps(4, 7, 1)  # follows on: the same run
+    t.add_steps(7, 8, 2)  # two samples' tokens a step: a run of its own
+    t.add_steps(10, 11, 2)  # after a gap (preempted)
+    assert t.token_steps == [3, 7, 1, 7, 8, 2, 10, 11, 2]
+    assert t.output_tokens_emitted == 8
+    step_end_s = np.arange(12) * 0.5
+    assert t.token_times(step_end_s).tolist() == [1.5, 2.0, 2.5, 3.0, 3.5, 3.5, 5.0, 5.0]

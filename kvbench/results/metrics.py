@@ -136,6 +136,7 @@ def latency_samples(run: EngineRun) -> dict[str, list[float] | np.ndarray]:
     """Per-request TTFT, TPOT, E2EL and pooled ITL samples, in seconds."""
     ttft, tpot, e2el = [], [], []
     itl: list[np.ndarray] = []
+    step_end_s = np.asarray(run.steps.t_s, dtype=np.float64)
     for t in run.timings.values():
         if t.finish_s is None or t.first_token_s is None:
             continue
@@ -144,7 +145,7 @@ def latency_samples(run: EngineRun) -> dict[str, list[float] | np.ndarray]:
         e2el.append(t.finish_s - arrival)
         if t.tpot_s is not None:
             tpot.append(t.tpot_s)
-        times = np.unique(np.asarray(t.token_times_s))
+        times = np.unique(t.token_times(step_end_s))
         if len(times) > 1:
             itl.append(np.diff(times))
     # One array, not a Python float per token: a long replay pools hundreds of millions.

@@ -41,10 +41,17 @@ WARMUP_FRACTION = 0.1
 
 @dataclass(slots=True)
 class RequestTiming:
+    """One request's timings. Its output tokens' times are ``token_times_s`` where the
+    engine stamped them, and otherwise the end times of the steps in ``token_steps``: runs
+    ``start, stop, count`` (flat, three ints a run) of consecutive steps that each emitted
+    ``count`` of its tokens, so a long replay holds a few ints per request, not a float per
+    token (see :meth:`token_times`)."""
+
     request: Request
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
+    token_steps: list[int] = field(default_factory=list)
     finish_s: float | None = None
     preemptions: int = 0
     cached_tokens: int | None = 0
@@ -62,7 +69,28 @@ class RequestTiming:
 
     @property
     def output_tokens_emitted(self) -> int:
-        return len(self.token_times_s)
+        runs = self.token_steps
+        return len(self.token_times_s) + sum(
+            (runs[i + 1] - runs[i]) * runs[i + 2] for i in range(0, len(runs), 3))
+
+    def add_steps(self, start: int, stop: int, count: int) -> None:
+        """``count`` tokens emitted in each of steps ``start .. stop - 1``."""
+        runs = self.token_steps
+        if runs and runs[-2] == start and runs[-1] == count:
+            runs[-2] = stop
+        else:
+            runs += (start, stop, count)
+
+    def token_times(self, step_end_s: np.ndarray) -> np.ndarray:
+        """Every output token's time, in order: the stamped ones, then those of the steps
+        that emitted them (``step_end_s``: the step log's ``t_s``)."""
+        runs = self.token_steps
+        parts = [np.asarray(self.token_times_s, dtype=np.float64)]
+        for i in range(0, len(runs), 3):
+            start, stop, count = runs[i : i + 3]
+            times = step_end_s[start:stop]
+            parts.append(times if count == 1 else np.repeat(times, count))
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     @property
     def tpot_s(self) -> float | None:
@@ -407,9 +435,9 @@ def _fast_forward(run: EngineRun, engine: BuiltinEngine, clock: VirtualClock,
             column_of(s.device, name).extend(values)
     run.last_kv = out.last_kv
     timings = run.timings
+    first = len(s) - k
     for rid, count in out.tokens.items():
-        times = timings[rid].token_times_s
-        times.extend(t_end if count == 1 else np.repeat(t1, count).tolist())
+        timings[rid].add_steps(first, first + k, count)
     clock.advance_to(t_end[-1])
     run.fast_forward_steps += k
     return k
@@ -446,13 +474,9 @@ def _log_quiet(run: EngineRun, block: Any, clock: Clock) -> None:
                             strict=True):
         column_of(s.device, name).extend(values)
     timings = run.timings
-    for tokens, t1 in zip(block.tokens, ends, strict=True):
+    for step, tokens in enumerate(block.tokens, len(s) - k):
         for rid, count in tokens.items():
-            times = timings[rid].token_times_s
-            if count == 1:
-                times.append(t1)
-            else:
-                times.extend([t1] * count)
+            timings[rid].add_steps(step, step + 1, count)
     clock.advance_to(t)
 
 
@@ -471,12 +495,13 @@ def _record_requests(
             timing.request = dataclasses.replace(timing.request, arrival_s=clock.at_perf(t))
     for rid in report.scheduled_first:
         timings[rid].first_scheduled_s = t0
+    # The step about to be logged (at t1): its index in the step log.
+    step = len(run.steps)
     for rid, count in report.tokens.items():
-        times = timings[rid].token_times_s
         if stamps is None:
-            times.extend([t1] * count)
+            timings[rid].add_steps(step, step + 1, count)
         else:
-            times.extend(clock.at_perf(t) for t in stamps.tokens[rid])
+            timings[rid].token_times_s.extend(clock.at_perf(t) for t in stamps.tokens[rid])
     for rid in report.first_token:
         timings[rid].first_token_s = t1 if stamps is None else timings[rid].token_times_s[0]
     for rid in report.preempted_ids:
