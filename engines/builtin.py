@@ -46,14 +46,14 @@ class DecodeSteps:
     """What ``steps`` decode steps taken in one go report, as one step after another would:
     every step emits ``tokens`` (by request) with the same queue sizes; ``kv`` and
     ``device`` hold each step's values of the KVStats fields (``modality:<m>``: the used
-    bytes of modality ``m``) and device-memory components; ``last_kv`` is the last step's
-    snapshot."""
+    bytes of modality ``m``; int64 arrays, or lists where some are None) and device-memory
+    components; ``last_kv`` is the last step's snapshot."""
 
     steps: int
     tokens: dict[str, int]
     num_running: int
     num_waiting: int
-    kv: dict[str, list[int | None]]
+    kv: dict[str, np.ndarray | list[int | None]]
     device: dict[str, list[int]]
     device_ranks: int
     last_kv: KVStats
@@ -229,15 +229,15 @@ class BuiltinEngine:
                                     executor.encoder_cache_bytes())
         for name in _KV_COLUMNS:
             col = columns.get(name)
-            kv_cols[name] = col.tolist() if col is not None else [getattr(last, name)] * steps
+            kv_cols[name] = col if col is not None else _steady(getattr(last, name), steps)
         if need is None:
-            zeros = [0] * steps
+            zeros = np.zeros(steps, dtype=np.int64)
             kv_cols["refused_bytes"] = zeros
             kv_cols["refused_free_bytes"] = zeros
             kv_cols["refused_largest_free_bytes"] = zeros
             last.refused_bytes = last.refused_free_bytes = last.refused_largest_free_bytes = 0
         else:
-            kv_cols["refused_bytes"] = [need] * steps
+            kv_cols["refused_bytes"] = _steady(need, steps)
             kv_cols["refused_free_bytes"] = kv_cols["free_bytes"]
             kv_cols["refused_largest_free_bytes"] = kv_cols["largest_free_bytes"]
             last.refused_bytes = need
@@ -253,8 +253,8 @@ class BuiltinEngine:
             memory.tp, last,
         )
 
-    def _modality_columns(self, last: KVStats, num_seqs: int, steps: int,
-                          used: np.ndarray | None) -> dict[str, list[int | None]]:
+    def _modality_columns(self, last: KVStats, num_seqs: int, steps: int, used: np.ndarray | None
+                          ) -> dict[str, np.ndarray | list[int | None]]:
         """Per-step used bytes of each modality over ``steps`` decode steps of ``num_seqs``
         sequences ending at ``last`` (whose ``modalities`` this fills): each step adds one
         text token per sequence; a step whose tokens do not account for its used bytes gets
@@ -269,11 +269,12 @@ class BuiltinEngine:
             known[-1] = True
         else:
             known = (t + image + audio) * bpt["text"] == used
-        out: dict[str, list[int | None]] = {}
+        out: dict[str, np.ndarray | list[int | None]] = {}
+        every = bool(known.all())
         for m, n in (("text", t), ("image", image), ("audio", audio)):
-            col = (np.broadcast_to(n, steps) * bpt[m]).tolist()
-            out[f"modality:{m}"] = col if known.all() else [
-                v if k else None for v, k in zip(col, known.tolist(), strict=True)]
+            col = n * bpt[m] if m == "text" else np.full(steps, n * bpt[m], dtype=np.int64)
+            out[f"modality:{m}"] = col if every else [
+                v if k else None for v, k in zip(col.tolist(), known.tolist(), strict=True)]
         return out
 
     def _modality_tokens(self, stats: KVStats) -> tuple[int, int, int]:
@@ -329,6 +330,11 @@ _KV_COLUMNS = (
     "largest_free_bytes", "shared_bytes", "prefix_hit_tokens", "block_allocs", "block_frees",
     "copied_bytes", "page_table_entries",
 )
+
+
+def _steady(value: int | None, steps: int) -> np.ndarray | list[int | None]:
+    """A KVStats field that stays ``value`` over ``steps`` decode steps, as a column."""
+    return [None] * steps if value is None else np.full(steps, value, dtype=np.int64)
 
 
 def batch_shape(

@@ -723,7 +723,8 @@ class ClusterEngine:
         # each step; device memory read once when every step's is alike.
         stats = dataclasses.replace(done.last_kv)
         # Per-modality figures are not summed over replicas (see _KV_FIELDS).
-        columns = {k: v for k, v in done.kv.items() if not k.startswith("modality:")}
+        columns = {k: v.tolist() if isinstance(v, np.ndarray) else v
+                   for k, v in done.kv.items() if not k.startswith("modality:")}
         encoder = done.device.get("encoder")
         if encoder is not None:
             columns["encoder_cache_bytes"] = encoder

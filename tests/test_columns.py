@@ -43,16 +43,14 @@ def test_no_none_reads_as_an_array_view() -> None:
     assert np.asarray(col, dtype=np.int64).tolist() == [0, 1, 2]
 
 
-def test_an_integer_column_refuses_fractions() -> None:
+def test_an_integer_column_keeps_fractions_as_floats() -> None:
     col = Column()
     col.append(3.0)
     col.extend([4.0, 5])
-    assert col.tolist() == [3, 4, 5]
-    with pytest.raises(TypeError, match="fractional"):
-        col.extend(np.array([1.0, 1.5]))
-    col.append(2.5)  # refused when it joins the array: at the next read at the latest
-    with pytest.raises(TypeError, match="fractional"):
-        col.tolist()
+    assert col.tolist() == [3, 4, 5] and col.dtype == np.int64
+    col.extend(np.array([1.0, 1.5]))
+    col.append(7)
+    assert col.tolist() == [3, 4, 5, 1, 1.5, 7] and col.dtype == np.float64
 
 
 def test_column_of_adds_once() -> None:

@@ -15,15 +15,18 @@ from typing import Any
 import numpy as np
 
 _FIRST_CAPACITY = 64
-# Values appended one at a time wait in a list and join the array this many at a time: a
-# list append is several times cheaper than setting one element of an array.
+# Values appended one at a time wait in a list, and arrays in a queue, until this many are
+# waiting: then they join the array in one copy (a list append is several times cheaper
+# than setting one element of an array).
 _FLUSH = 4096
 
 
 class Column:
-    """Growable values of one dtype (``int64`` unless told), some possibly None."""
+    """Growable values of one dtype (``int64`` unless told: fractions make it ``float64``),
+    some possibly None. An array
+    passed to :meth:`extend` is queued as it is: it must not change afterwards."""
 
-    __slots__ = ("_data", "_missing", "_pending", "_size")
+    __slots__ = ("_data", "_missing", "_pending", "_queue", "_queued", "_size")
 
     def __init__(self, dtype: type = np.int64, values: Iterable[Any] = ()) -> None:
         self._data = np.empty(_FIRST_CAPACITY, dtype=dtype)
@@ -31,6 +34,9 @@ class Column:
         # Where a None was stored (the array holds 0 there); None while there is none.
         self._missing: np.ndarray | None = None
         self._pending: list[Any] = []
+        # Arrays waiting, in order, each with its None flags (or None: no None in it).
+        self._queue: list[tuple[np.ndarray, np.ndarray | None]] = []
+        self._queued = 0
         self.extend(values)
 
     @property
@@ -44,33 +50,51 @@ class Column:
             self._flush()
 
     def extend(self, values: Iterable[Any]) -> None:
-        if isinstance(values, np.ndarray):
-            self._flush()
-            self._store(values)
-            return
-        pending = self._pending
-        pending.extend(values.tolist() if isinstance(values, Column) else values)
-        if len(pending) >= _FLUSH:
+        if type(values) is np.ndarray:
+            if self._pending:
+                self._queue_pending()
+            self._queue.append((values, None))
+            self._queued += len(values)
+        else:
+            self._pending.extend(values.tolist() if isinstance(values, Column) else values)
+        if self._queued + len(self._pending) >= _FLUSH:
             self._flush()
 
-    def _flush(self) -> None:
-        pending = self._pending
-        if not pending:
-            return
+    def _queue_pending(self) -> None:
+        """Move the values appended one at a time to the queue, as one array."""
+        pending, self._pending = self._pending, []
         arr = np.asarray(pending) if None not in pending else None
+        flags = None
         if arr is None or arr.dtype == object:
             flags = np.fromiter((v is None for v in pending), bool, len(pending))
-            self._store(np.asarray([0 if v is None else v for v in pending]), flags)
-        else:
-            self._store(arr)
-        self._pending = []
+            arr = np.asarray([0 if v is None else v for v in pending])
+        self._queue.append((arr, flags))
+        self._queued += len(arr)
 
-    def _store(self, values: np.ndarray, missing: np.ndarray | None = None) -> None:
-        """Append ``values`` (``missing``: which of them stand for None) to the array; a
-        fraction in an integer column is refused rather than cut."""
-        integer = self._data.dtype.kind in "iu"
-        if integer and values.dtype.kind == "f" and not np.all(np.mod(values, 1) == 0):
-            raise TypeError(f"an integer column cannot hold fractional values {values[:4]}")
+    def _flush(self) -> None:
+        if self._pending:
+            self._queue_pending()
+        queue = self._queue
+        if not queue:
+            return
+        if len(queue) == 1:
+            values, missing = queue[0]
+        else:
+            values = np.concatenate([v for v, _ in queue])
+            missing = None
+            if any(f is not None for _, f in queue):
+                missing = np.concatenate([np.zeros(len(v), bool) if f is None else f
+                                          for v, f in queue])
+        self._store(values, missing)
+        self._queue = []
+        self._queued = 0
+
+    def _store(self, values: np.ndarray, missing: np.ndarray | None) -> None:
+        """Append ``values`` (``missing``: which of them stand for None) to the array. An
+        integer column given a fraction becomes a float one rather than cut it."""
+        if (values.dtype.kind == "f" and self._data.dtype.kind in "iu"
+                and not np.all(np.mod(values, 1) == 0)):
+            self._data = self._data.astype(np.float64)
         n = len(values)
         start = end = self._size
         end += n
@@ -94,8 +118,7 @@ class Column:
         if count < 64 or value is None:
             self.extend([value] * count)
             return
-        self._flush()
-        self._store(np.full(count, value, dtype=self._data.dtype))
+        self.extend(np.full(count, value, dtype=self._data.dtype))
 
     def view(self) -> np.ndarray:
         """The values as an array (no copy; where None was appended it holds 0)."""
@@ -122,7 +145,7 @@ class Column:
         return out
 
     def __len__(self) -> int:
-        return self._size + len(self._pending)
+        return self._size + self._queued + len(self._pending)
 
     def __getitem__(self, key: int | slice) -> Any:
         self._flush()

@@ -410,7 +410,6 @@ def _fast_forward(run: EngineRun, engine: BuiltinEngine, clock: VirtualClock,
         return 0
     k = out.steps
     t1 = ends[1 : k + 1]
-    t_end = t1.tolist()
     s = run.steps
     s.t_s.extend(t1)
     s.dt_s.extend(t1 - ends[:k])
@@ -438,7 +437,7 @@ def _fast_forward(run: EngineRun, engine: BuiltinEngine, clock: VirtualClock,
     first = len(s) - k
     for rid, count in out.tokens.items():
         timings[rid].add_steps(first, first + k, count)
-    clock.advance_to(t_end[-1])
+    clock.advance_to(float(t1[-1]))
     run.fast_forward_steps += k
     return k
 
