@@ -10,6 +10,9 @@
   decode fast-forward and step by step: simulated steps per wall second and simulated
   seconds per wall second, each the median of three replays (higher is better: their units
   say so).
+- ``SimMemory.track_*``: what a long simulated replay keeps for its record (step log and
+  request timings), in bytes per simulated step and per request, counted by tracemalloc:
+  deterministic for a given Python and numpy, so a step in the graph is a code change.
 - ``Attention.time_*``: the torch reference attention kernels on small shapes.
 - ``peakmem_*``: peak process memory of a short real-compute run.
 - ``TraceImport.time_import``: importing the full public traces.
@@ -26,8 +29,10 @@ so): a drop in those graphs is the regression.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
+import tracemalloc
 from typing import Any
 
 from kvbench.engines.costmodel import CostModel
@@ -186,6 +191,49 @@ class SimSpeed:
         return cache[f"{engine}/{fast_forward}"][1]
 
     track_realtime_factor.unit = "x real time (higher is better)"  # type: ignore[attr-defined]
+
+
+class SimMemory:
+    params = (ENGINES,)
+    param_names = ("engine",)
+    timeout = 600
+    NUM_REQUESTS = 2000
+
+    def setup_cache(self) -> dict[str, tuple[float, float]]:
+        """Bytes the engine run holds when the replay ends (the engine itself released),
+        per step and per request, of ``NUM_REQUESTS`` ``quick-sim`` requests on a
+        simulated H200 (its default KV budget) with decode fast-forward."""
+        suite, base = load_suite("quick-sim")
+        suite.workload.num_requests = self.NUM_REQUESTS
+        suite.run.device = "sim:h200"
+        suite.run.kv_memory = None
+        plan = plan_run(suite, base, None, "asv quick-sim on sim:h200")
+        out = {}
+        for engine in ENGINES:
+            eng = _engine(plan, engine)
+            clock = VirtualClock(CostModel(plan.preset, plan.device.hardware, plan.device.tp))
+            gc.collect()
+            tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                run = run_engine(eng, plan.workload, clock)
+                del eng
+                gc.collect()
+                held = tracemalloc.get_traced_memory()[0] - before
+            finally:
+                tracemalloc.stop()
+            out[engine] = (held / len(run.steps), held / len(run.timings))
+        return out
+
+    def track_bytes_per_step(self, cache, engine):
+        return cache[engine][0]
+
+    track_bytes_per_step.unit = "bytes per simulated step"  # type: ignore[attr-defined]
+
+    def track_bytes_per_request(self, cache, engine):
+        return cache[engine][1]
+
+    track_bytes_per_request.unit = "bytes per request"  # type: ignore[attr-defined]
 
 
 class Attention:

@@ -148,9 +148,10 @@ def test_asv_config_and_benchmark_module() -> None:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    tracks = [getattr(module.KVMetrics, n) for n in dir(module.KVMetrics) if n.startswith("track_")]
-    assert tracks and all(getattr(t, "unit", "") for t in tracks)
-    for cls in (module.KVMetrics, module.EngineStep, module.Attention):
+    for cls in (module.KVMetrics, module.SimSpeed, module.SimMemory):
+        tracks = [getattr(cls, n) for n in dir(cls) if n.startswith("track_")]
+        assert tracks and all(getattr(t, "unit", "") for t in tracks), cls
+    for cls in (module.KVMetrics, module.EngineStep, module.Attention, module.SimMemory):
         assert len(cls.params) == len(cls.param_names)
     assert any(n.startswith("time_") for n in dir(module.EngineStep))
     assert module.peakmem_cpu_run.params == module.ENGINES
