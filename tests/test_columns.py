@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvbench.run.columns import Column, column_of
+from kvbench.run.columns import Column, _Flat, _Runs, column_of
 
 
 def test_values_and_none_survive_growth() -> None:
@@ -58,3 +58,25 @@ def test_column_of_adds_once() -> None:
     column_of(columns, "a").append(1)
     column_of(columns, "a").append(2)
     assert list(columns) == ["a"] and columns["a"] == [1, 2]
+
+
+def test_event_columns_stay_runs_and_varying_ones_turn_flat() -> None:
+    rng = np.random.default_rng(0)
+    steady, varying = Column(), Column(np.float64)
+    expected_steady: list[int | None] = []
+    for start in range(0, 20_000, 37):  # a value that changes every 37 steps, some None
+        value = None if start % 5 == 0 else start // 37 % 4
+        if start % 2:
+            steady.repeat(value, 37)
+        else:
+            for _ in range(37):
+                steady.append(value)
+        expected_steady += [value] * 37
+        varying.extend(rng.random(37))
+    assert isinstance(steady._store, _Runs) and isinstance(varying._store, _Flat)
+    assert steady.tolist() == expected_steady and len(steady) == len(expected_steady)
+    for i in (0, 36, 37, 5000, -1):
+        assert steady[i] == expected_steady[i]
+    assert steady.present().tolist() == [v for v in expected_steady if v is not None]
+    arr = np.asarray(varying)
+    assert len(arr) == len(steady) and not varying.has_none and arr.max() < 1.0

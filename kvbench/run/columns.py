@@ -1,10 +1,13 @@
-"""A per-step column of a run's step log, held in a numpy array.
+"""A per-step column of a run's step log, held in numpy arrays.
 
-A long simulated replay logs tens of millions of steps; as Python lists of ints and floats
-its columns took about 650 bytes a step, here 8 bytes a value. A value an engine cannot give
-(None) is kept in a mask beside the array. Columns read like the lists they replace (length,
-indexing, slicing into lists, iteration, ``None in column``, equality with a list), and
-``numpy.asarray(column)`` is a view of the values, without copying.
+A long simulated replay logs tens of millions of steps. As Python lists of ints and floats
+its step log took some 650 bytes a step; here a column that changes at most steps holds
+8 bytes a value, and one that changes only at events (queue sizes, capacity, counters that
+move at arrivals and finishes, most device-memory components) holds its runs of equal
+values: 17 bytes a run. A value an engine cannot give (None) is flagged beside it.
+
+Columns read like the lists they replace (length, indexing, slicing into lists, iteration,
+``None in column``, equality with a list), and ``numpy.asarray(column)`` gives the values.
 """
 
 from __future__ import annotations
@@ -16,23 +19,125 @@ import numpy as np
 
 _FIRST_CAPACITY = 64
 # Values appended one at a time wait in a list, and arrays in a queue, until this many are
-# waiting: then they join the array in one copy (a list append is several times cheaper
+# waiting: then they join the storage in one go (a list append is several times cheaper
 # than setting one element of an array).
 _FLUSH = 4096
 
 
+def _grown(arr: np.ndarray, used: int, need: int) -> np.ndarray:
+    """``arr`` (its first ``used`` entries kept) with room for ``need`` entries."""
+    if need <= len(arr):
+        return arr
+    out = np.zeros(max(need, len(arr) * 3 // 2), dtype=arr.dtype)
+    out[:used] = arr[:used]
+    return out
+
+
+class _Flat:
+    """Every value in one array, and where a None was stored (the array holds 0 there)."""
+
+    __slots__ = ("data", "missing", "size")
+
+    def __init__(self, data: np.ndarray, missing: np.ndarray | None, size: int) -> None:
+        self.data, self.missing, self.size = data, missing, size
+
+    def add(self, values: np.ndarray, missing: np.ndarray | None) -> None:
+        start, end = self.size, self.size + len(values)
+        self.data = _grown(self.data, start, end)
+        self.data[start:end] = values
+        if missing is not None and missing.any():
+            if self.missing is None:
+                self.missing = np.zeros(len(self.data), dtype=bool)
+            self.missing = _grown(self.missing, start, len(self.data))
+            self.missing[start:end] = missing
+        elif self.missing is not None:
+            self.missing = _grown(self.missing, start, len(self.data))
+            self.missing[start:end] = False
+        self.size = end
+
+    def values(self) -> np.ndarray:
+        return self.data[: self.size]
+
+    def nones(self) -> np.ndarray | None:
+        return None if self.missing is None else self.missing[: self.size]
+
+    def item(self, i: int) -> Any:
+        if self.missing is not None and self.missing[i]:
+            return None
+        return self.data[i].item()
+
+    def as_float(self) -> _Flat:
+        return _Flat(self.data.astype(np.float64), self.missing, self.size)
+
+
+class _Runs:
+    """Runs of equal values: each run's value, whether it stands for None, and its end (one
+    past its last index)."""
+
+    __slots__ = ("count", "end", "none", "size", "value")
+
+    def __init__(self, dtype: type) -> None:
+        self.value = np.zeros(_FIRST_CAPACITY, dtype=dtype)
+        self.none = np.zeros(_FIRST_CAPACITY, dtype=bool)
+        self.end = np.zeros(_FIRST_CAPACITY, dtype=np.int64)
+        self.count = self.size = 0
+
+    def add(self, values: np.ndarray, missing: np.ndarray | None) -> None:
+        n = len(values)
+        if not n:
+            return
+        flags = np.zeros(n, dtype=bool) if missing is None else missing
+        new = np.ones(n, dtype=bool)
+        new[1:] = (values[1:] != values[:-1]) | (flags[1:] != flags[:-1])
+        starts = np.flatnonzero(new)
+        value, none = values[starts], flags[starts]
+        end = np.append(starts[1:], n) + self.size
+        c = self.count
+        if c and self.value[c - 1] == value[0] and self.none[c - 1] == none[0]:
+            # The first new run goes on from the last stored one.
+            self.end[c - 1] = end[0]
+            value, none, end = value[1:], none[1:], end[1:]
+        k = c + len(value)
+        self.value = _grown(self.value, c, k)
+        self.none = _grown(self.none, c, k)
+        self.end = _grown(self.end, c, k)
+        self.value[c:k], self.none[c:k], self.end[c:k] = value, none, end
+        self.count, self.size = k, self.size + n
+
+    def _lengths(self) -> np.ndarray:
+        return np.diff(self.end[: self.count], prepend=0)
+
+    def values(self) -> np.ndarray:
+        return np.repeat(self.value[: self.count], self._lengths())
+
+    def nones(self) -> np.ndarray | None:
+        none = self.none[: self.count]
+        return np.repeat(none, self._lengths()) if none.any() else None
+
+    def item(self, i: int) -> Any:
+        r = int(np.searchsorted(self.end[: self.count], i, side="right"))
+        return None if self.none[r] else self.value[r].item()
+
+    def as_float(self) -> _Runs:
+        out = _Runs(np.float64)
+        out.value, out.none, out.end = self.value.astype(np.float64), self.none, self.end
+        out.count, out.size = self.count, self.size
+        return out
+
+    def flat(self) -> _Flat:
+        return _Flat(self.values(), self.nones(), self.size)
+
+
 class Column:
     """Growable values of one dtype (``int64`` unless told: fractions make it ``float64``),
-    some possibly None. An array
-    passed to :meth:`extend` is queued as it is: it must not change afterwards."""
+    some possibly None, held as runs of equal values until runs would take more room than
+    the values. An array passed to :meth:`extend` is queued as it is: it must not change
+    afterwards."""
 
-    __slots__ = ("_data", "_missing", "_pending", "_queue", "_queued", "_size")
+    __slots__ = ("_pending", "_queue", "_queued", "_store")
 
     def __init__(self, dtype: type = np.int64, values: Iterable[Any] = ()) -> None:
-        self._data = np.empty(_FIRST_CAPACITY, dtype=dtype)
-        self._size = 0
-        # Where a None was stored (the array holds 0 there); None while there is none.
-        self._missing: np.ndarray | None = None
+        self._store: _Runs | _Flat = _Runs(dtype)
         self._pending: list[Any] = []
         # Arrays waiting, in order, each with its None flags (or None: no None in it).
         self._queue: list[tuple[np.ndarray, np.ndarray | None]] = []
@@ -41,7 +146,8 @@ class Column:
 
     @property
     def dtype(self) -> np.dtype:
-        return self._data.dtype
+        store = self._store
+        return store.value.dtype if isinstance(store, _Runs) else store.data.dtype
 
     def append(self, value: Any) -> None:
         pending = self._pending
@@ -59,6 +165,13 @@ class Column:
             self._pending.extend(values.tolist() if isinstance(values, Column) else values)
         if self._queued + len(self._pending) >= _FLUSH:
             self._flush()
+
+    def repeat(self, value: Any, count: int) -> None:
+        """Append ``value`` ``count`` times."""
+        if count < 64 or value is None:
+            self.extend([value] * count)
+        else:
+            self.extend(np.full(count, value, dtype=self.dtype))
 
     def _queue_pending(self) -> None:
         """Move the values appended one at a time to the queue, as one array."""
@@ -85,81 +198,55 @@ class Column:
             if any(f is not None for _, f in queue):
                 missing = np.concatenate([np.zeros(len(v), bool) if f is None else f
                                           for v, f in queue])
-        self._store(values, missing)
-        self._queue = []
-        self._queued = 0
-
-    def _store(self, values: np.ndarray, missing: np.ndarray | None) -> None:
-        """Append ``values`` (``missing``: which of them stand for None) to the array. An
-        integer column given a fraction becomes a float one rather than cut it."""
-        if (values.dtype.kind == "f" and self._data.dtype.kind in "iu"
+        self._queue, self._queued = [], 0
+        store = self._store
+        if (values.dtype.kind == "f" and self.dtype.kind in "iu"
                 and not np.all(np.mod(values, 1) == 0)):
-            self._data = self._data.astype(np.float64)
-        n = len(values)
-        start = end = self._size
-        end += n
-        if end > len(self._data):
-            capacity = max(end, len(self._data) * 3 // 2)
-            data = np.empty(capacity, dtype=self._data.dtype)
-            data[:start] = self._data[:start]
-            self._data = data
-            if self._missing is not None:
-                self._missing = np.concatenate(
-                    [self._missing[:start], np.zeros(capacity - start, dtype=bool)])
-        self._data[start:end] = values
-        self._size = end
-        if missing is not None and missing.any():
-            if self._missing is None:
-                self._missing = np.zeros(len(self._data), dtype=bool)
-            self._missing[start:end] = missing
-
-    def repeat(self, value: Any, count: int) -> None:
-        """Append ``value`` ``count`` times."""
-        if count < 64 or value is None:
-            self.extend([value] * count)
-            return
-        self.extend(np.full(count, value, dtype=self._data.dtype))
+            store = store.as_float()
+        store.add(values, missing)
+        # A run takes about the room of two values: past that, keep the values.
+        if isinstance(store, _Runs) and store.size >= _FLUSH and 2 * store.count > store.size:
+            store = store.flat()
+        self._store = store
 
     def view(self) -> np.ndarray:
-        """The values as an array (no copy; where None was appended it holds 0)."""
+        """The values as an array (where None was appended it holds 0); a view of a column
+        held as values, a new array of one held as runs."""
         self._flush()
-        return self._data[: self._size]
+        return self._store.values()
 
     def present(self) -> np.ndarray:
         """The values that are not None, in order."""
-        self._flush()
-        if self._missing is None:
-            return self.view()
-        return self.view()[~self._missing[: self._size]]
+        values = self.view()
+        nones = self._store.nones()
+        return values if nones is None else values[~nones]
 
     @property
     def has_none(self) -> bool:
         self._flush()
-        return self._missing is not None and bool(self._missing[: self._size].any())
+        nones = self._store.nones()
+        return nones is not None and bool(nones.any())
 
     def tolist(self) -> list[Any]:
-        out = self.view().tolist()  # flushes
-        if self._missing is not None:
-            for i in np.flatnonzero(self._missing[: self._size]).tolist():
+        out = self.view().tolist()
+        nones = self._store.nones()
+        if nones is not None:
+            for i in np.flatnonzero(nones).tolist():
                 out[i] = None
         return out
 
     def __len__(self) -> int:
-        return self._size + self._queued + len(self._pending)
+        return self._store.size + self._queued + len(self._pending)
 
     def __getitem__(self, key: int | slice) -> Any:
         self._flush()
         if isinstance(key, slice):
-            if self._missing is None:
-                return self.view()[key].tolist()
             return self.tolist()[key]
-        n = self._size
+        n = self._store.size
         i = key + n if key < 0 else key
         if not 0 <= i < n:
             raise IndexError(f"step {key} of a column of {n}")
-        if self._missing is not None and self._missing[i]:
-            return None
-        return self._data[i].item()
+        return self._store.item(i)
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.tolist())
@@ -184,7 +271,7 @@ class Column:
             return out.astype(dtype)
         if copy:
             return out.copy()
-        out.flags.writeable = False  # a view of the log: reading it must not change it
+        out.flags.writeable = False  # the log's own values: reading must not change them
         return out
 
     def __repr__(self) -> str:
