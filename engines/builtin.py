@@ -272,7 +272,7 @@ class BuiltinEngine:
         out: dict[str, np.ndarray | list[int | None]] = {}
         every = bool(known.all())
         for m, n in (("text", t), ("image", image), ("audio", audio)):
-            col = n * bpt[m] if m == "text" else np.full(steps, n * bpt[m], dtype=np.int64)
+            col = np.full(steps, n * bpt[m], dtype=np.int64)
             out[f"modality:{m}"] = col if every else [
                 v if k else None for v, k in zip(col.tolist(), known.tolist(), strict=True)]
         return out

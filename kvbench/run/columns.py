@@ -45,14 +45,11 @@ class _Flat:
         start, end = self.size, self.size + len(values)
         self.data = _grown(self.data, start, end)
         self.data[start:end] = values
-        if missing is not None and missing.any():
-            if self.missing is None:
-                self.missing = np.zeros(len(self.data), dtype=bool)
+        if self.missing is None and missing is not None and missing.any():
+            self.missing = np.zeros(len(self.data), dtype=bool)
+        if self.missing is not None:
             self.missing = _grown(self.missing, start, len(self.data))
-            self.missing[start:end] = missing
-        elif self.missing is not None:
-            self.missing = _grown(self.missing, start, len(self.data))
-            self.missing[start:end] = False
+            self.missing[start:end] = False if missing is None else missing
         self.size = end
 
     def values(self) -> np.ndarray:
