@@ -178,6 +178,13 @@ class ActivationModel:
         name, parts = max(phases.items(), key=lambda kv: sum(kv[1].values()))
         return ActivationPeak(name, whole | parts)
 
+    def peak_key(self, shape: ForwardShape) -> object:
+        """What :meth:`peak` reads of ``shape`` under this kernel: a fused kernel keeps no
+        workspace that grows with the context, so its peak is that of the token counts."""
+        if self.attention == "fused":
+            return shape.num_tokens, shape.num_sampled
+        return shape
+
     def encoder_peak(self, tower: EncoderShape, segment_tokens: list[int]) -> int:
         """Peak of one encoder forward over the segments encoded in a step (batched: their
         tokens side by side; attention per segment): the residual, the normed input and the

@@ -54,7 +54,7 @@ class DecodeSteps:
     num_running: int
     num_waiting: int
     kv: dict[str, np.ndarray | list[int | None]]
-    device: dict[str, list[int]]
+    device: dict[str, np.ndarray]
     device_ranks: int
     last_kv: KVStats
 
@@ -210,11 +210,13 @@ class BuiltinEngine:
         executor.decode_tokens(seqs, steps)
         if avoid:
             steps = kv.decode_stop(seqs, steps, avoid)
-        device: dict[str, list[int]] = {}
+        device: dict[str, np.ndarray] = {}
         reserved = 0
         if steps:
             memory.begin_decode()
-            steps, device, reserved = memory.decode_steps(len(seqs), longest, steps)
+            steps, by_step, reserved = memory.decode_steps(len(seqs), longest, steps)
+            device = {name: v if isinstance(v, np.ndarray) else _steady(v, steps)
+                      for name, v in by_step.items()}
         for seq, length in zip(seqs, lengths, strict=True):
             del seq.output_ids[length + steps :]
         if not steps:
@@ -225,7 +227,7 @@ class BuiltinEngine:
         last = self.kv.stats()
         kv_cols = self._modality_columns(last, len(seqs), steps, columns.get("used_bytes"))
         encoder = device.get("encoder")
-        last.encoder_cache_bytes = (encoder[-1] if encoder else
+        last.encoder_cache_bytes = (int(encoder[-1]) if encoder is not None else
                                     executor.encoder_cache_bytes())
         for name in _KV_COLUMNS:
             col = columns.get(name)

@@ -727,7 +727,7 @@ class ClusterEngine:
                    for k, v in done.kv.items() if not k.startswith("modality:")}
         encoder = done.device.get("encoder")
         if encoder is not None:
-            columns["encoder_cache_bytes"] = encoder
+            columns["encoder_cache_bytes"] = encoder.tolist()
         varying = {}
         for name, column in columns.items():
             if column.count(column[0]) == k:
@@ -736,8 +736,8 @@ class ClusterEngine:
                 varying[name] = column
         rows: list[DeviceMemory] | None = None
         if done.device:
-            values = list(zip(*(done.device[name] for name in DeviceMemory.COMPONENTS),
-                              strict=True))
+            values = list(zip(*(done.device[name].tolist()
+                                for name in DeviceMemory.COMPONENTS), strict=True))
             rows = ([DeviceMemory(done.device_ranks, *values[0])]
                     if values.count(values[0]) == k else
                     [DeviceMemory(done.device_ranks, *v) for v in values])

@@ -48,6 +48,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 from kvbench.engines.activations import (
     AUDIO_TOWER,
     VISION_TOWER,
@@ -71,6 +73,8 @@ KVAllocation = Literal["preallocated", "on-demand"]
 # loaded torch's kernels (CUDA_MODULE_LOADING=LAZY) shows 300-600 MiB in nvidia-smi on
 # A100/H100-class devices before allocating a tensor; the middle of that range.
 NON_TORCH_BYTES = 512 * 2**20
+# Activation peaks kept for recurring forward shapes (cleared when full).
+_PEAKS_KEPT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +159,12 @@ class DeviceMemoryModel:
         # The reading before departed sequences were freed, when that was done ahead of the
         # step (decode fast-forward).
         self._in_use_before: int | None = None
+        self._peaks: dict[object, tuple[int, int]] = {}
+
+    @property
+    def activations(self) -> ActivationModel:
+        assert self._activations is not None, "start() first"
+        return self._activations
 
     @property
     def on_demand(self) -> bool:
@@ -184,17 +194,12 @@ class DeviceMemoryModel:
         """The device memory at the peak of ``batch``; raises :class:`DeviceOutOfMemory` when
         it does not fit even after the allocator released its free segments."""
         assert self._activations is not None, "start() first"
-        in_use = self._in_use_before
-        if in_use is None:
-            in_use = self._snapshot(0, 0, 0).used_bytes // self.tp
-        self._in_use_before = None
-        self._release_departed()
+        in_use = self._begin_step()
         if self.on_demand:
             self._grow_kv(batch)
         encoded = self._encoder.acquire(batch.items, self._encoder_token_bytes)
-        peak = self._activations.peak(forward_shape(batch.items))
-        decoder = peak.total
-        activation, attention = decoder - peak.attention, peak.attention
+        activation, attention = self._peak(forward_shape(batch.items))
+        decoder = activation + attention
         if encoded:
             # One forward per tower over its segments, before the decoder's, with their
             # outputs already cached.
@@ -208,6 +213,37 @@ class DeviceMemoryModel:
         snapshot = self._fit(activation, attention, encoder, in_use)
         self._encoder.release_done(batch.items)
         return snapshot
+
+    def step_shape(self, shape: ForwardShape) -> DeviceMemory:
+        """:meth:`step` of a batch of that forward shape whose prompts are all text, with
+        KV preallocated: the shape is all the model needs of it."""
+        assert self._activations is not None and not self.on_demand
+        in_use = self._begin_step()
+        return self._fit(*self._peak(shape), self._encoder.nbytes, in_use)
+
+    def _begin_step(self) -> int:
+        """Free what departed sequences held; returns the memory in use per rank before (or
+        before the decode steps taken in one go ahead of this one)."""
+        in_use = self._in_use_before
+        if in_use is None:
+            in_use = self._snapshot(0, 0, 0).used_bytes // self.tp
+        self._in_use_before = None
+        self._release_departed()
+        return in_use
+
+    def _peak(self, shape: ForwardShape) -> tuple[int, int]:
+        """The decoder's activations and attention workspace at the peak of ``shape``, kept
+        for shapes that recur (every decode step of a batch of the same size)."""
+        acts = self._activations
+        assert acts is not None
+        key = acts.peak_key(shape)
+        out = self._peaks.get(key)
+        if out is None:
+            if len(self._peaks) >= _PEAKS_KEPT:
+                self._peaks.clear()
+            peak = acts.peak(shape)
+            out = self._peaks[key] = (peak.total - peak.attention, peak.attention)
+        return out
 
     def idle(self) -> DeviceMemory:
         """The device memory of a step that computed nothing."""
@@ -223,38 +259,37 @@ class DeviceMemoryModel:
         self._release_departed()
 
     def decode_steps(self, num_seqs: int, longest: int, steps: int
-                     ) -> tuple[int, dict[str, list[int]], int]:
+                     ) -> tuple[int, dict[str, int | np.ndarray], int]:
         """The device memory of up to ``steps`` consecutive steps that each decode one token
         of ``num_seqs`` sequences, the longest reading ``longest + j`` keys at step ``j``, as
         :meth:`step` would report them one at a time, changing nothing; fewer steps when one
         would not fit (that step runs on its own). Returns the steps, each component's
-        per-step values, and the workspace the allocator keeps after the last of them (for
-        :meth:`end_decode`)."""
+        per-step values (an int where it holds at every step), and the workspace the
+        allocator keeps after the last of them (for :meth:`end_decode`)."""
         assert self._activations is not None, "start() first"
         encoder = self._encoder.nbytes
-        acts = self._activations
-        columns: dict[str, list[int]] = {name: [] for name in DeviceMemory.COMPONENTS}
-        fixed = acts.attention == "fused"  # its workspace does not depend on the context
+        fixed = self._activations.attention == "fused"  # its workspace ignores the context
         reserved = self._workspace_reserved
-        values: dict[str, int] | None = None
-        taken = 0
+        rows: list[tuple[int, ...]] = []
         for j in range(1 if fixed else steps):
-            peak = acts.peak(ForwardShape(num_seqs, num_seqs, (), num_seqs, longest + j))
-            activation, attention = peak.total - peak.attention, peak.attention
+            activation, attention = self._peak(
+                ForwardShape(num_seqs, num_seqs, (), num_seqs, longest + j))
             kept = max(reserved, _segments_up(activation + attention + encoder))
             snapshot = self._snapshot_with(kept, activation, attention, encoder)
             if snapshot.used_bytes // self.tp > self.memory_bytes:
                 break
-            reserved, values = kept, snapshot.components()
-            for name, value in values.items():
-                columns[name].append(value)
-            taken += 1
-        if fixed and taken:
+            reserved = kept
+            rows.append(tuple(snapshot.components().values()))
+        if not rows:
+            return 0, {}, reserved
+        if fixed:
             # Every step alike: the first step's reading holds for all of them.
-            assert values is not None
-            taken = steps
-            columns = {name: [value] * steps for name, value in values.items()}
-        return taken, columns, reserved
+            return steps, dict(zip(DeviceMemory.COMPONENTS, rows[0], strict=True)), reserved
+        values = np.asarray(rows, dtype=np.int64)
+        columns: dict[str, int | np.ndarray] = {}
+        for name, col in zip(DeviceMemory.COMPONENTS, values.T, strict=True):
+            columns[name] = int(col[0]) if col.min() == col.max() else col
+        return len(rows), columns, reserved
 
     def end_decode(self, workspace_reserved: int) -> None:
         """Take the state :meth:`decode_steps` computed for the steps taken."""

@@ -28,6 +28,18 @@ def synthetic_token(request_id: str, position: int, vocab_size: int) -> int:
     return (h ^ (h >> 29)) % vocab_size
 
 
+def synthetic_tokens(keys: np.ndarray | np.uint64, positions: np.ndarray,
+                     vocab_size: int) -> np.ndarray:
+    """:func:`synthetic_token` of requests whose ids hash to ``keys`` at ``positions``
+    (broadcast together; uint64 arithmetic wraps as the masked integer one does)."""
+    with np.errstate(over="ignore"):
+        h = positions * np.uint64(_GOLDEN)
+        h += keys
+        h ^= h >> np.uint64(29)
+        h %= np.uint64(vocab_size)
+    return h
+
+
 class SimExecutor(Executor):
     device = "sim"
 
@@ -61,11 +73,8 @@ class SimExecutor(Executor):
         first = np.fromiter((s.num_prompt_tokens + len(s.output_ids) for s in seqs),
                             np.uint64, len(seqs))
         keys = np.fromiter((key_hash(s.request.id) for s in seqs), np.uint64, len(seqs))
-        with np.errstate(over="ignore"):
-            h = (first[:, None] + np.arange(1, steps + 1, dtype=np.uint64)) * np.uint64(_GOLDEN)
-            h += keys[:, None]
-            h ^= h >> np.uint64(29)
-            h %= np.uint64(self.vocab_size)
+        positions = first[:, None] + np.arange(1, steps + 1, dtype=np.uint64)
+        h = synthetic_tokens(keys[:, None], positions, self.vocab_size)
         for seq, ids in zip(seqs, h.tolist(), strict=True):
             seq.output_ids.extend(ids)
 

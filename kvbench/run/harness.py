@@ -22,6 +22,14 @@ from kvbench.engines.base import DeviceMemory, Engine, KVStats, StepReport
 from kvbench.engines.builtin import BuiltinEngine
 from kvbench.engines.device_memory import DeviceOutOfMemory
 from kvbench.engines.kv.modality import MODALITIES
+from kvbench.engines.replay import (
+    COLUMNS,
+    Arrivals,
+    EventReplay,
+    StepBlock,
+    event_replay,
+    replay_blocker,
+)
 from kvbench.run.clocks import Clock, VirtualClock
 from kvbench.run.columns import Column, column_of
 from kvbench.run.signals import interrupt_reason
@@ -243,7 +251,12 @@ def run_engine(
     ff = (_fast_forward_mode(engine, clock, waves == 1 and max_concurrency is None)
           if fast_forward else None)
     run.fast_forward = "off" if not fast_forward else "on" if ff is None else ff
-    bulk = fast_forward and ff is None and inside is None
+    replay: EventReplay | None = None
+    if (fast_forward and inside is None and isinstance(clock, VirtualClock)
+            and replay_blocker(engine, workload.requests) is None):
+        replay = event_replay(engine, clock.cost)  # type: ignore[arg-type]
+        run.fast_forward = "on"
+    bulk = fast_forward and ff is None and inside is None and replay is None
     # A cluster's steps in which only replicas' decode runs go on, taken in one call.
     quiet = getattr(engine, "quiet_steps", None) if fast_forward and ff is None else None
     done = idle = in_flight = 0
@@ -256,6 +269,11 @@ def run_engine(
             for r in requests:
                 timings[r.id].request = r
             n, idx = len(requests), 0
+            if replay is not None:
+                arrivals = Arrivals(requests, limit, send_late=max_concurrency is not None)
+                done = _replay_wave(run, replay, clock, arrivals,  # type: ignore[arg-type]
+                                    done, warmup_done, on_progress)
+                idx = n
             while idx < n or engine.has_unfinished():
                 now = clock.now()
                 while idx < n and requests[idx].arrival_s <= now and in_flight < limit:
@@ -343,6 +361,11 @@ def run_engine(
     finally:
         if inside is not None:
             run.fast_forward_steps = getattr(engine, "fast_forward_steps", 0)
+        if replay is not None:
+            # Requests still emitting tokens when the run stopped: their runs so far.
+            for rid, start in replay.open_runs():
+                if start < len(steps):
+                    timings[rid].add_steps(start, len(steps), 1)
         run.duration_s = clock.now()
         run.wall_time_s = time.perf_counter() - wall0
         if steps.t_s and run.status != "ok":
@@ -440,6 +463,98 @@ def _fast_forward(run: EngineRun, engine: BuiltinEngine, clock: VirtualClock,
     clock.advance_to(float(t1[-1]))
     run.fast_forward_steps += k
     return k
+
+
+def _replay_wave(run: EngineRun, replay: EventReplay, clock: VirtualClock, arrivals: Arrivals,
+                 done: int, warmup_done: int, on_progress: Callable[[int], None] | None) -> int:
+    """Drive one wave through an event replay, block by block, logging each as the harness
+    logs steps taken one at a time; returns the requests ended so far."""
+    tel = run.telemetry
+    assert tel is not None
+    while arrivals.idx < len(arrivals.requests) or replay.has_unfinished():
+        w0 = time.perf_counter()
+        block = replay.advance(clock.now(), arrivals)
+        w1 = time.perf_counter()
+        ended = _log_block(run, block, clock)
+        last = len(run.steps) - 1
+        if done < warmup_done <= done + ended:
+            run.warmup_step = _crossing(block, warmup_done - done)
+            tel.sample(run.warmup_step, w1, force=True)
+        if last >= 0 and w1 >= tel.next_due_s:
+            tel.sample(last, w1)
+        done += ended
+        w2 = time.perf_counter()
+        run.step_wall_s += w2 - w0
+        run.telemetry_wall_s += w2 - w1
+        if on_progress is not None:
+            on_progress(done)
+        if block.error is not None:
+            raise block.error
+    return done
+
+
+def _block_columns(s: StepLog) -> list[Column]:
+    """The step log's columns in the order of a replayed step's values
+    (:data:`~kvbench.engines.replay.COLUMNS`)."""
+    kv = {field: column for column, field in _KV_LOG.items()}
+    kv["encoder_cache_bytes"] = "kv_encoder_cache_bytes"
+    out = []
+    for name in COLUMNS:
+        group, _, key = name.partition(":")
+        if group == "modality":
+            out.append(column_of(s.kv_modality_bytes, key))
+        elif group == "device":
+            out.append(column_of(s.device, key))
+        else:
+            out.append(getattr(s, kv.get(name, name)))
+    return out
+
+
+def _log_block(run: EngineRun, block: StepBlock, clock: VirtualClock) -> int:
+    """Log the steps of an event replay's ``block`` as :func:`_log_step` and
+    :func:`_record_requests` log them one at a time; returns the requests that ended."""
+    s = run.steps
+    if block.first_step != len(s):
+        raise RuntimeError(f"replayed steps start at {block.first_step}, the log at {len(s)}")
+    if block.steps:
+        for column, name in zip(_block_columns(s), COLUMNS, strict=True):
+            column.extend(block.columns[name])
+    timings = run.timings
+    for request in block.sent:
+        # Sent later than it arrived (the concurrency limit held it): its record says when.
+        timings[request.id].request = request
+    for rid, t in block.scheduled:
+        timings[rid].first_scheduled_s = t
+    for rid, start, stop in block.runs:
+        timings[rid].add_steps(start, stop, 1)
+    for rid, t in block.first_tokens:
+        timings[rid].first_token_s = t
+    for rid in block.preempted:
+        timings[rid].preemptions += 1
+    for fin, t in block.finished:
+        timing = timings[fin.request_id]
+        if fin.rejected is not None:
+            timing.rejected = fin.rejected
+            continue
+        timing.finish_s = t
+        timing.output_digest = fin.output_digest
+        timing.cached_tokens = fin.cached_tokens
+    if block.last_kv is not None:
+        run.last_kv = block.last_kv
+        _modality_facts(s, block.last_kv)
+    s.device_ranks = block.device_ranks
+    run.fast_forward_steps += block.bulk_steps
+    clock.advance_to(block.t_end)
+    return sum(count for _, count in block.ended)
+
+
+def _crossing(block: StepBlock, remaining: int) -> int:
+    """The step of ``block`` in which ``remaining`` more requests have ended."""
+    for step, count in block.ended:
+        remaining -= count
+        if remaining <= 0:
+            return step
+    raise AssertionError("the block ends fewer requests")
 
 
 def _log_quiet(run: EngineRun, block: Any, clock: Clock) -> None:

@@ -1,0 +1,59 @@
+"""Event replay of built-in engines on simulated devices (:mod:`.engine`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvbench.engines.builtin import BuiltinEngine
+from kvbench.engines.costmodel import CostModel
+from kvbench.engines.kv.contiguous import ContiguousKVManager
+from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.replay.block import COLUMNS, KV_FIELDS, Arrivals, StepBlock
+from kvbench.engines.replay.contiguous import ContiguousBook
+from kvbench.engines.replay.engine import EventReplay
+from kvbench.engines.replay.paged import PagedBook
+from kvbench.engines.sim_executor import SimExecutor
+from kvbench.workloads.model import Request
+
+__all__ = ["COLUMNS", "KV_FIELDS", "Arrivals", "EventReplay", "StepBlock", "event_replay",
+           "replay_blocker"]
+
+
+def replay_blocker(engine: object, requests: Iterable[Request]) -> str | None:
+    """Why ``engine`` cannot be replayed by events over ``requests`` (None: it can)."""
+    if not isinstance(engine, BuiltinEngine):
+        return "not a built-in engine"
+    executor = engine.executor
+    if not isinstance(executor, SimExecutor):
+        return "real compute runs every step"
+    if executor.memory.on_demand:
+        return "on-demand KV tensors grow every step"
+    kv = engine.kv
+    if type(kv) is PagedKVManager:
+        if kv.sliding_window is not None:
+            return "blocks outside the sliding window are released as sequences advance"
+        if kv.leak_finished:
+            return "finished sequences' blocks leak"
+    elif type(kv) is not ContiguousKVManager:
+        return f"the {type(kv).__name__} policy"
+    config = engine.scheduler.config
+    if config.max_num_batched_tokens <= config.max_num_seqs:
+        return "the token budget may not cover every running sequence's decode"
+    for r in requests:
+        if r.n != 1:
+            return "parallel samples (n > 1)"
+        if any(s.kind != "text" for s in r.segments):
+            return "image or audio segments"
+    return None
+
+
+def event_replay(engine: BuiltinEngine, cost: CostModel) -> EventReplay:
+    """The event replay of ``engine`` (see :func:`replay_blocker`), timed by ``cost``."""
+    kv = engine.kv
+    book: PagedBook | ContiguousBook
+    if isinstance(kv, PagedKVManager):
+        book = PagedBook(kv, engine.preset.vocab_size)
+    else:
+        assert isinstance(kv, ContiguousKVManager)
+        book = ContiguousBook(kv)
+    return EventReplay(engine, cost, book)

@@ -1,0 +1,343 @@
+"""Paged KV bookkeeping of the event replay: the paged manager's
+(:mod:`kvbench.engines.kv.paged`) block tables, pool and prefix cache, with decoding
+sequences held lazily.
+
+A decoding sequence takes a block when the position it computes starts one (``s + c`` a
+multiple of the block size) and fills one a step before the next starts, so the decoders
+are grouped by ``c`` modulo the block size: the group of step ``s`` is all that step's
+allocations, and the group before it all its prefix-cache entries. Groups keep the running
+order (a sequence joins when its prefill ends, and prefills end in admission order).
+
+A block a decoder fills holds tokens the simulator sampled for that request, which no other
+request's tokens match (they are drawn from its id), so only that request could ever find
+it again, and only after a preemption. Such a block is cached under a placeholder key (its
+id, negated: unique and never looked up) and gets its content's key when its sequence is
+preempted, before anyone can look it up; hashing every generated block would cost more than
+the rest of its bookkeeping.
+
+Only what the replay supports is kept: one sample per request (no forks, so no
+copy-on-write and a block is shared only through a prefix hit), no sliding-window release,
+no leaking fault."""
+
+from __future__ import annotations
+
+from itertools import islice
+
+import numpy as np
+
+from kvbench.engines.base import KVStats
+from kvbench.engines.kv.block_pool import BlockPool
+from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
+from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.replay.seq import Seq
+from kvbench.kernels.slot_copy import SlotCopy
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedBook:
+    def __init__(self, manager: PagedKVManager, vocab_size: int) -> None:
+        self.bs = bs = manager.block_size
+        self.bpt = manager.bytes_per_token
+        self.num_blocks = manager.num_blocks
+        self.caching = manager.enable_prefix_caching
+        self.block_bytes = bs * self.bpt
+        self.capacity = self.num_blocks * self.block_bytes
+        self.vocab = vocab_size
+        self.footprint = manager.footprint
+        self.pool = BlockPool(manager.num_blocks, bs, manager.eviction)
+        self.hasher = BlockHasher(bs)
+        self.used = self.sum_limit = self.sum_committed = self.entries = 0
+        self.hit_tokens = self.query_tokens = 0
+        self.groups: list[dict[Seq, None]] = [{} for _ in range(bs)]
+
+    # --- decoding sequences ------------------------------------------------------------
+
+    def join(self, seq: Seq) -> None:
+        seq.phase = seq.c % self.bs
+        self.groups[seq.phase][seq] = None
+
+    def leave(self, seq: Seq) -> None:
+        del self.groups[seq.phase][seq]
+
+    def grows_at(self, step: int) -> list[Seq]:
+        """The decoders whose position at ``step`` starts a block, in running order."""
+        g = self.groups[-step % self.bs]
+        return list(g) if g else []
+
+    def grow_decoders(self, seqs: list[Seq]) -> None:
+        """One block each (the caller checked they are free)."""
+        bs = self.bs
+        for seq, block in zip(seqs, self.pool.take(len(seqs)), strict=True):
+            table = seq.table
+            assert table is not None
+            m = len(table)
+            table.append(block)
+            f = seq.final_len
+            self.sum_limit += min((m + 1) * bs, f) - min(m * bs, f)
+        self.entries += len(seqs)
+
+    def advance(self, tokens: int) -> None:
+        """Decoders wrote ``tokens`` more KV slots (one each a step)."""
+        self.used += tokens
+        self.sum_committed += tokens
+
+    def fill_decoders(self, step: int) -> None:
+        """Cache the blocks decoders filled at ``step``, in running order."""
+        g = self.groups[(-step - 1) % self.bs]
+        if g and self.caching:
+            self._cache_fills(list(g))
+
+    def _cache_fills(self, seqs: list[Seq]) -> None:
+        """Cache the next block of each of ``seqs`` (full now), under a placeholder key
+        unless its content's key is already known."""
+        blocks, keys = [], []
+        for seq in seqs:
+            b, hashes = seq.indexed, seq.hashes
+            block = seq.table[b]  # type: ignore[index]
+            blocks.append(block)
+            keys.append(hashes[b] if hashes is not None and b < len(hashes) else ~block)
+            seq.indexed = b + 1
+        self.pool.cache(blocks, keys, 0, len(blocks))
+
+    # --- prefill, admission and release ------------------------------------------------
+
+    def fresh(self, seq: Seq, pos: int, num_new: int) -> int:
+        return max(_cdiv(pos + num_new, self.bs) - len(seq.table), 0)  # type: ignore[arg-type]
+
+    def fits(self, blocks: int) -> bool:
+        return blocks <= self.pool.num_free
+
+    def grow(self, seq: Seq, pos: int, num_new: int) -> bool:
+        table = seq.table
+        assert table is not None
+        bs = self.bs
+        num_fresh = _cdiv(pos + num_new, bs) - len(table)
+        if num_fresh <= 0:
+            return True
+        if num_fresh > self.pool.num_free:
+            return False
+        f = seq.final_len
+        before = min(len(table) * bs, f)
+        table += self.pool.take(num_fresh)
+        self.entries += num_fresh
+        self.sum_limit += min(len(table) * bs, f) - before
+        return True
+
+    def lookup(self, seq: Seq) -> tuple[int, list[int]]:
+        """Cached leading tokens of ``seq`` and the blocks holding them."""
+        if not self.caching:
+            return 0, []
+        n = seq.num_tokens
+        hashes = self._hashes_upto(seq, n // self.bs)
+        hits = self.pool.lookup(islice(hashes, (n - 1) // self.bs))
+        return len(hits) * self.bs, hits
+
+    def would_admit(self, seq: Seq, cached: int, hits: list[int], num_new: int) -> bool:
+        num_fresh = _cdiv(cached + num_new, self.bs) - len(hits)
+        return num_fresh + self.pool.count_free(hits) <= self.pool.num_free
+
+    def allocate(self, seq: Seq, cached: int, hits: list[int], num_new: int, step: int) -> bool:
+        bs, pool = self.bs, self.pool
+        num_fresh = _cdiv(cached + num_new, bs) - len(hits)
+        if num_fresh + pool.count_free(hits) > pool.num_free:
+            return False
+        self.used += pool.touch(hits) * bs
+        table = hits + pool.take(num_fresh)
+        seq.table = table
+        seq.indexed = len(hits)
+        self.entries += len(table)
+        self.sum_limit += min(len(table) * bs, seq.final_len)
+        self.sum_committed += cached
+        if self.caching:
+            self.hit_tokens += cached
+            self.query_tokens += seq.num_tokens
+        return True
+
+    def commit(self, seq: Seq, before: int, after: int) -> None:
+        """``seq`` (not decoding) computed tokens ``[before, after)``."""
+        self.used += after - before
+        self.sum_committed += after - before
+        if self.caching:
+            full = after // self.bs
+            if full > seq.indexed:
+                hashes = self._hashes_upto(seq, full)
+                self.pool.cache(seq.table, hashes, seq.indexed, full)  # type: ignore[arg-type]
+                seq.indexed = full
+
+    def free(self, seq: Seq, finished: bool, committed: int, step: int) -> None:
+        table = seq.table
+        assert table is not None
+        if finished:
+            seq.hashes = None
+        elif self.caching:
+            # Preempted: it may look its blocks up again, so they get their content's keys.
+            known = len(seq.hashes) if seq.hashes is not None else 0
+            if seq.indexed > known:
+                hashes = self._hashes_upto(seq, seq.indexed)
+                blocks = table[known : seq.indexed]
+                self.pool.rekey(blocks, [~b for b in blocks], hashes[known:])
+        self.sum_limit -= min(len(table) * self.bs, seq.final_len)
+        self.sum_committed -= committed
+        self.entries -= len(table)
+        self.used -= self.pool.release(table, committed)
+        seq.table = None
+
+    def take_copies(self) -> list[SlotCopy]:
+        return []
+
+    def copies_pending(self) -> bool:
+        return False
+
+    # --- snapshots -----------------------------------------------------------------------
+
+    def values(self) -> tuple[int, ...]:
+        """The KVStats fields a step logs, from capacity to page-table entries."""
+        pool, bpt = self.pool, self.bpt
+        free = pool.num_free * self.block_bytes
+        return (
+            self.capacity, self.capacity - free, self.used * bpt,
+            (self.sum_limit - self.sum_committed) * bpt, free, free,
+            pool.num_shared * self.block_bytes, self.hit_tokens if self.caching else None,
+            pool.num_allocs, pool.num_frees, 0, self.entries,
+        )
+
+    def stats(self) -> KVStats:
+        v = self.values()
+        caching = self.caching
+        return KVStats(
+            capacity_bytes=v[0], used_bytes=v[2], reserved_bytes=v[1],
+            reserved_ahead_bytes=v[3], free_bytes=v[4], largest_free_bytes=v[5],
+            shared_bytes=v[6], prefix_hit_tokens=v[7],
+            prefix_query_tokens=self.query_tokens if caching else None,
+            block_allocs=v[8], block_frees=v[9], copied_bytes=v[10], page_table_entries=v[11],
+            evictions=self.pool.num_evictions if caching else None,
+        )
+
+    def free_now(self) -> tuple[int, int]:
+        """Free bytes and the largest run of them (any free block serves any request)."""
+        free = self.pool.num_free * self.block_bytes
+        return free, free
+
+    def shared_tokens(self) -> int:
+        """Token slots live sequences hold more than once: a block held by ``r`` tables
+        counts ``r - 1`` extra times, and with one sample per request only full blocks (a
+        prefix hit's) are shared."""
+        return self.bs * (self.entries - (self.num_blocks - self.pool.num_free))
+
+    def waiting_hashes(self, seq: Seq) -> set[int] | None:
+        if not self.caching:
+            return None
+        return set(self._hashes_upto(seq, seq.num_tokens // self.bs))
+
+    # --- quiet stretches -----------------------------------------------------------------
+
+    def room(self, step: int, max_steps: int, keep_cached: bool) -> int:
+        """Steps, up to ``max_steps``, whose allocations the free blocks cover (with
+        ``keep_cached``, the plain ones: evicting a cached block could change what the
+        request waiting at the head of the queue hits)."""
+        counts = np.fromiter(map(len, self.groups), np.int64, self.bs)
+        per_step = counts[-(step + np.arange(max_steps, dtype=np.int64)) % self.bs]
+        room = self.pool.num_plain_free if keep_cached else self.pool.num_free
+        return int(np.searchsorted(np.cumsum(per_step), room, side="right"))
+
+    def _fills(self, step: int, steps: int) -> list[Seq]:
+        """The decoders filling a block in each of ``steps`` steps from ``step``, in step
+        and running order."""
+        fills: list[Seq] = []
+        if self.caching:
+            bs, groups = self.bs, self.groups
+            for j in range(steps):
+                g = groups[(-(step + j) - 1) % bs]
+                if g:
+                    fills += g
+        return fills
+
+    def fill_stop(self, step: int, steps: int, avoid: set[int]) -> int:
+        """The first of ``steps`` steps that would make findable a block whose key is in
+        ``avoid`` (only a block whose content's key is known can be), or ``steps``."""
+        bs, groups = self.bs, self.groups
+        nth: dict[Seq, int] = {}
+        for j in range(steps):
+            for seq in groups[(-(step + j) - 1) % bs]:
+                b = nth.get(seq, seq.indexed)
+                nth[seq] = b + 1
+                hashes = seq.hashes
+                if hashes is not None and b < len(hashes) and hashes[b] in avoid:
+                    return j
+        return steps
+
+    def quiet(self, step: int, steps: int, n: int) -> dict[str, np.ndarray]:
+        """Apply ``steps`` steps of ``n`` decoders (within :meth:`room`); the KVStats fields
+        that change, per step."""
+        bs, pool, groups = self.bs, self.pool, self.groups
+        free_before, allocs_before = pool.num_free, pool.num_allocs
+        takers: list[Seq] = []
+        counts = np.zeros(steps, dtype=np.int64)
+        for j in range(steps):
+            g = groups[-(step + j) % bs]
+            if g:
+                takers += g
+                counts[j] = len(g)
+        fills = self._fills(step, steps)
+        delta = np.zeros(steps, dtype=np.int64)
+        if takers and fills and any(s.hashes is not None and s.indexed < len(s.hashes)
+                                    for s in fills):
+            # A block filled here has its content's key, which a cached block might hold
+            # that a take evicts first: keep each step's takes before its fills.
+            for j in range(steps):
+                self._take(list(groups[-(step + j) % bs]), delta, j)
+                self.fill_decoders(step + j)
+        else:
+            self._take(takers, delta, np.repeat(np.arange(steps), counts).tolist())
+            if fills:
+                self._cache_fills(fills)
+        taken = np.cumsum(counts)
+        written = n * np.arange(1, steps + 1, dtype=np.int64)
+        free = (free_before - taken) * self.block_bytes
+        bpt = self.bpt
+        limits = self.sum_limit + np.cumsum(delta)
+        columns = {
+            "used_bytes": (self.used + written) * bpt,
+            "reserved_bytes": self.capacity - free,
+            "reserved_ahead_bytes": (limits - (self.sum_committed + written)) * bpt,
+            "free_bytes": free,
+            "largest_free_bytes": free,
+            "block_allocs": allocs_before + taken,
+            "page_table_entries": self.entries + taken,
+        }
+        self.sum_limit = int(limits[-1])
+        self.entries += int(taken[-1])
+        self.advance(n * steps)
+        return columns
+
+    def _take(self, seqs: list[Seq], delta: np.ndarray, steps: list[int] | int) -> None:
+        """A block for each of ``seqs`` (taking blocks in a row hands them out exactly as
+        one take of them all), adding to ``delta`` at each one's step what its sequence's
+        slots to be written grow by."""
+        if not seqs:
+            return
+        bs = self.bs
+        at = [steps] * len(seqs) if isinstance(steps, int) else steps
+        for seq, block, j in zip(seqs, self.pool.take(len(seqs)), at, strict=True):
+            table = seq.table
+            m = len(table)  # type: ignore[arg-type]
+            table.append(block)  # type: ignore[union-attr]
+            f = seq.final_len
+            delta[j] += min((m + 1) * bs, f) - min(m * bs, f)
+
+    # --- hashes --------------------------------------------------------------------------
+
+    def _hashes_upto(self, seq: Seq, num_blocks: int) -> list[int]:
+        hashes = seq.hashes
+        if hashes is None:
+            hashes = seq.hashes = []
+        have = len(hashes)
+        if have < num_blocks:
+            bs = self.bs
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes += self.hasher.chain(parent, seq.token_ids(have * bs, num_blocks * bs,
+                                                              self.vocab))
+        return hashes
