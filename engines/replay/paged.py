@@ -29,6 +29,7 @@ from kvbench.engines.base import KVStats
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
 from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.replay.pool import ArrayPool
 from kvbench.engines.replay.seq import Seq
 from kvbench.kernels.slot_copy import SlotCopy
 
@@ -47,7 +48,9 @@ class PagedBook:
         self.capacity = self.num_blocks * self.block_bytes
         self.vocab = vocab_size
         self.footprint = manager.footprint
-        self.pool = BlockPool(manager.num_blocks, bs, manager.eviction)
+        self.pool: ArrayPool | BlockPool = (
+            ArrayPool(manager.num_blocks, bs) if manager.eviction == "lru"
+            else BlockPool(manager.num_blocks, bs, manager.eviction))
         self.hasher = BlockHasher(bs)
         self.used = self.sum_limit = self.sum_committed = self.entries = 0
         self.hit_tokens = self.query_tokens = 0

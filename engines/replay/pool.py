@@ -1,0 +1,248 @@
+"""The block pool of :class:`~kvbench.engines.kv.block_pool.BlockPool` with LRU eviction,
+held in numpy arrays: the replay hands it a prompt's or a finished sequence's blocks in one
+call, where per-block Python work would dominate the replay.
+
+It hands out the same block ids, keeps the same keys and counters and evicts in the same
+order as ``BlockPool`` (``tests/test_replay_pool.py`` runs both through random operation
+sequences and compares them after every call). The differences are internal:
+
+- free blocks holding cached content wait in a FIFO array (least recently freed first); a
+  prefix hit that takes one back leaves a hole that eviction skips;
+- the key index is not cleaned when a block is evicted or re-keyed: an entry counts only
+  while its block still holds that key, and stale entries are dropped when they outnumber
+  the blocks;
+- a key below zero is a placeholder (:mod:`~kvbench.engines.replay.paged`): the block counts
+  as cached, but nothing can find it until :meth:`rekey` gives it its content's key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from itertools import takewhile
+
+import numpy as np
+
+
+class ArrayPool:
+    __slots__ = (
+        "_by_key", "_hit", "_key", "_keyed", "_plain", "_q", "_qhead", "_qholes", "_qpos",
+        "_qtail", "_real", "_top", "block_size", "num_allocs", "num_blocks", "num_evictions",
+        "num_frees", "num_shared", "ref",
+    )
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        n = num_blocks
+        self.num_blocks, self.block_size = n, block_size
+        self.ref = np.zeros(n, dtype=np.int64)
+        self._hit = np.zeros(n, dtype=bool)
+        # Cached content: a key (``_keyed``), findable when it is a content key (``_real``,
+        # the key in ``_key`` and indexed in ``_by_key``), else a placeholder.
+        self._keyed = np.zeros(n, dtype=bool)
+        self._real = np.zeros(n, dtype=bool)
+        self._key = np.zeros(n, dtype=np.uint64)
+        self._by_key: dict[int, int] = {}
+        # Plain free blocks: a stack whose top (the end) is block 0 in a fresh pool.
+        self._plain = np.arange(n - 1, -1, -1, dtype=np.int64)
+        self._top = n
+        # Cached free blocks, least recently freed first, from _qhead to _qtail; -1 marks a
+        # block taken back by a hit. _qpos: each queued block's place.
+        self._q = np.full(2 * n + 64, -1, dtype=np.int64)
+        self._qpos = np.full(n, -1, dtype=np.int64)
+        self._qhead = self._qtail = self._qholes = 0
+        self.num_shared = self.num_allocs = self.num_evictions = self.num_frees = 0
+
+    @property
+    def num_free(self) -> int:
+        return self._top + self._qtail - self._qhead - self._qholes
+
+    @property
+    def num_plain_free(self) -> int:
+        return self._top
+
+    def take(self, n: int) -> list[int]:
+        """Hand out ``n`` blocks (the caller checked ``num_free``), each with one reference."""
+        k = min(n, self._top)
+        top = self._top
+        out = self._plain[top - k : top][::-1]
+        self._top = top - k
+        if k < n:
+            evicted = self._evict(n - k)
+            self._keyed[evicted] = False
+            self._real[evicted] = False
+            self.num_evictions += len(evicted)
+            out = np.concatenate([out, evicted])
+        self.ref[out] = 1
+        self.num_allocs += n
+        return out.tolist()
+
+    def _evict(self, n: int) -> np.ndarray:
+        """The ``n`` least recently freed cached blocks, out of the queue."""
+        head = self._qhead
+        window = self._q[head : head + n + self._qholes]
+        live = np.flatnonzero(window >= 0)[:n]
+        out = window[live]
+        passed = int(live[-1]) + 1
+        self._qholes -= passed - n
+        self._qhead = head + passed
+        self._qpos[out] = -1
+        return out
+
+    def _queue(self, blocks: np.ndarray) -> None:
+        tail, m = self._qtail, len(blocks)
+        if tail + m > len(self._q):
+            live = self._q[self._qhead : tail]
+            live = live[live >= 0]
+            self._q[: len(live)] = live
+            self._q[len(live) :] = -1
+            self._qpos[live] = np.arange(len(live))
+            self._qhead, self._qholes, tail = 0, 0, len(live)
+        self._q[tail : tail + m] = blocks
+        self._qpos[blocks] = np.arange(tail, tail + m)
+        self._qtail = tail + m
+
+    def lookup(self, keys: Iterable[int]) -> list[int]:
+        """Blocks caching the longest leading run of ``keys``."""
+        keys = list(keys)
+        found = list(takewhile(_is_block, map(self._by_key.get, keys)))
+        if not found:
+            return found
+        blocks = np.asarray(found, dtype=np.int64)
+        ok = self._real[blocks] & (self._key[blocks] == np.asarray(keys[: len(found)],
+                                                                    dtype=np.uint64))
+        if ok.all():
+            return found
+        return found[: int(np.argmin(ok))]
+
+    def any_cached(self, keys: list[int]) -> bool:
+        """Whether a block already caches one of ``keys``."""
+        by_key, real, key = self._by_key, self._real, self._key
+        for k in keys:
+            b = by_key.get(k)
+            if b is not None and real[b] and int(key[b]) == k:
+                return True
+        return False
+
+    def count_free(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` sit in the free queue (a hit on them consumes free space)."""
+        return int((self.ref[blocks] == 0).sum()) if blocks else 0
+
+    def touch(self, blocks: list[int]) -> int:
+        """Reference cached ``blocks`` for a prefix hit; returns how many were free before."""
+        if not blocks:
+            return 0
+        b = np.asarray(blocks, dtype=np.int64)
+        r = self.ref[b]
+        free = b[r == 0]
+        if len(free):
+            pos = self._qpos[free]
+            self._q[pos] = -1
+            self._qpos[free] = -1
+            self._qholes += len(free)
+        self.num_shared += int((~self._hit[b] & (r <= 1)).sum())
+        self.ref[b] = r + 1
+        self._hit[b] = True
+        self.num_allocs += len(free)
+        return len(free)
+
+    def share(self, blocks: list[int]) -> None:
+        raise NotImplementedError("the replay has no forks")
+
+    def cache(self, blocks: list[int], keys: list[int], start: int, end: int) -> None:
+        """Make full ``blocks[start:end]`` findable by ``keys[start:end]`` (a placeholder
+        key: cached but not findable); a key another block already caches keeps that block,
+        the duplicate staying uncached."""
+        blocks, keys = blocks[start:end], keys[start:end]
+        if len(blocks) != len(keys):
+            raise ValueError("cache() needs one key per block")
+        if not blocks:
+            return
+        placeholders = [b for b, k in zip(blocks, keys, strict=True) if k < 0]
+        if placeholders:
+            self._keyed[placeholders] = True
+            self._real[placeholders] = False
+            if len(placeholders) == len(blocks):
+                return
+            pairs = [(b, k) for b, k in zip(blocks, keys, strict=True) if k >= 0]
+            blocks = [b for b, _ in pairs]
+            keys = [k for _, k in pairs]
+        self._index(blocks, keys)
+
+    def _index(self, blocks: list[int], keys: list[int]) -> None:
+        by_key, real, key = self._by_key, self._real, self._key
+        owners = list(map(by_key.get, keys))
+        if owners.count(None) == len(owners) and len(set(keys)) == len(keys):
+            # The common case: every key new.
+            by_key.update(zip(keys, blocks, strict=True))
+            b = np.asarray(blocks, dtype=np.int64)
+            key[b] = np.asarray(keys, dtype=np.uint64)
+            real[b] = True
+            self._keyed[b] = True
+        else:
+            for b, k in zip(blocks, keys, strict=True):
+                owner = by_key.get(k)
+                if owner is not None and real[owner] and int(key[owner]) == k:
+                    continue
+                by_key[k] = b
+                key[b] = k
+                real[b] = self._keyed[b] = True
+        if len(by_key) > 2 * self.num_blocks + 1024:
+            self._drop_stale()
+
+    def rekey(self, blocks: list[int], old: list[int], new: list[int]) -> None:
+        """Give ``blocks`` (held, cached under placeholder keys ``old``) their content's keys
+        ``new``, as :meth:`cache` would have cached them under ``new`` in the first place."""
+        by_key, real, key = self._by_key, self._real, self._key
+        for b, k in zip(blocks, new, strict=True):
+            owner = by_key.get(k)
+            if owner is not None and owner != b and real[owner] and int(key[owner]) == k:
+                self._keyed[b] = False
+                continue
+            by_key[k] = b
+            key[b] = k
+            real[b] = True
+
+    def release(self, blocks: list[int], num_filled: int) -> int:
+        """Drop one reference to each block of a table whose first ``num_filled`` token slots
+        hold KV; returns the filled slots no table references any more. Freed blocks queue
+        tail first."""
+        if not blocks:
+            return 0
+        b = np.asarray(blocks[::-1], dtype=np.int64)
+        r = self.ref[b] - 1
+        self.ref[b] = r
+        hit = self._hit[b]
+        if not r.any():
+            dead = b
+            self.num_shared -= int(hit.sum())
+            filled = num_filled
+        else:
+            alive = r > 0
+            self.num_shared -= int(((r == 1) & ~hit).sum()) + int((hit & ~alive).sum())
+            dead = b[~alive]
+            bs = self.block_size
+            num_full = num_filled // bs
+            idx = (len(blocks) - 1) - np.flatnonzero(~alive)
+            filled = int((idx < num_full).sum()) * bs
+            if num_full < len(blocks) and not alive[len(blocks) - 1 - num_full]:
+                filled += num_filled - num_full * bs
+        self._hit[dead] = False
+        keyed = self._keyed[dead]
+        plain = dead[~keyed]
+        if len(plain):
+            top = self._top
+            self._plain[top : top + len(plain)] = plain
+            self._top = top + len(plain)
+        cached = dead[keyed]
+        if len(cached):
+            self._queue(cached)
+        self.num_frees += len(dead)
+        return filled
+
+    def _drop_stale(self) -> None:
+        """Drop key entries whose block no longer holds that key."""
+        real, key = self._real, self._key
+        self._by_key = {k: b for k, b in self._by_key.items() if real[b] and int(key[b]) == k}
+
+
+def _is_block(b: int | None) -> bool:
+    return b is not None

@@ -1,0 +1,104 @@
+"""The event replay's numpy block pool behaves as the paged manager's block pool (LRU): the
+same block ids handed out, the same lookups, release results, counters and eviction order,
+after every operation of random sequences of the calls the replay makes."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbench.engines.kv.block_pool import BlockPool
+from kvbench.engines.replay.pool import ArrayPool
+
+BS = 4
+
+
+def _counters(pool: BlockPool | ArrayPool) -> tuple[int, ...]:
+    return (pool.num_free, pool.num_plain_free, pool.num_shared, pool.num_allocs,
+            pool.num_frees, pool.num_evictions)
+
+
+@settings(max_examples=150, deadline=None)
+@given(num_blocks=st.integers(4, 24), data=st.data())
+def test_array_pool_matches_block_pool(num_blocks: int, data: st.DataObject) -> None:
+    ref, arr = BlockPool(num_blocks, BS, "lru"), ArrayPool(num_blocks, BS)
+    # Live tables: blocks, keys cached per block (None: not yet), slots filled.
+    tables: list[tuple[list[int], list[int | None], int]] = []
+    # Keys from a small range, so that duplicates across tables and hits happen; within a
+    # table keys differ (they chain every token before them).
+    key = st.integers(0, 12)
+    for _ in range(data.draw(st.integers(1, 40))):
+        op = data.draw(st.sampled_from(["admit", "cache", "release", "rekey", "grow"]))
+        if op == "admit":
+            # A sequence looks up a prefix, hits what it can, and takes fresh blocks.
+            keys = data.draw(st.lists(key, max_size=5, unique=True))
+            hits = ref.lookup(keys)
+            assert arr.lookup(keys) == hits
+            fresh = data.draw(st.integers(0, 4))
+            if fresh + ref.count_free(hits) > ref.num_free:
+                assert fresh + arr.count_free(hits) > arr.num_free
+                continue
+            assert arr.count_free(hits) == ref.count_free(hits)
+            assert arr.touch(hits) == ref.touch(hits)
+            got = ref.take(fresh)
+            assert arr.take(fresh) == got
+            blocks = hits + got
+            cached: list[int | None] = [keys[i] for i in range(len(hits))]
+            tables.append((blocks, cached + [None] * fresh, len(hits) * BS))
+        elif op == "grow" and tables and ref.num_free:
+            i = data.draw(st.integers(0, len(tables) - 1))
+            blocks, cached, filled = tables[i]
+            got = ref.take(1)
+            assert arr.take(1) == got
+            tables[i] = (blocks + got, [*cached, None], filled)
+        elif op == "cache" and tables:
+            # Fill the next uncached blocks of a table with KV and cache them: content keys
+            # or placeholders (a block's id, negated).
+            i = data.draw(st.integers(0, len(tables) - 1))
+            blocks, cached, filled = tables[i]
+            todo = [j for j, c in enumerate(cached) if c is None]
+            if not todo:
+                continue
+            take = todo[: data.draw(st.integers(1, len(todo)))]
+            used = {c for c in cached if c is not None}
+            keys = []
+            for j in take:
+                k = data.draw(key) if data.draw(st.booleans()) else ~blocks[j]
+                keys.append(~blocks[j] if k in used else k)
+                used.add(keys[-1])
+            sel = [blocks[j] for j in take]
+            ref.cache(sel, keys, 0, len(sel))
+            arr.cache(sel, keys, 0, len(sel))
+            for j, k in zip(take, keys, strict=True):
+                cached[j] = k
+            tables[i] = (blocks, cached, max(filled, (take[-1] + 1) * BS))
+        elif op == "rekey" and tables:
+            i = data.draw(st.integers(0, len(tables) - 1))
+            blocks, cached, filled = tables[i]
+            held = [j for j, c in enumerate(cached) if c is not None and c < 0]
+            if not held:
+                continue
+            used = {c for c in cached if c is not None and c >= 0}
+            unused = [k for k in range(13) if k not in used]
+            if len(unused) < len(held):
+                continue
+            new = data.draw(st.lists(st.sampled_from(unused), min_size=len(held),
+                                     max_size=len(held), unique=True))
+            sel = [blocks[j] for j in held]
+            ref.rekey(sel, [cached[j] for j in held], new)  # type: ignore[misc]
+            arr.rekey(sel, [cached[j] for j in held], new)  # type: ignore[misc]
+            for j, k in zip(held, new, strict=True):
+                cached[j] = k
+        elif op == "release" and tables:
+            i = data.draw(st.integers(0, len(tables) - 1))
+            blocks, _, filled = tables.pop(i)
+            filled = min(filled + data.draw(st.integers(0, BS - 1)), len(blocks) * BS)
+            assert arr.release(blocks, filled) == ref.release(blocks, filled)
+        assert _counters(arr) == _counters(ref)
+        probe = data.draw(st.lists(key, max_size=4))
+        assert arr.lookup(probe) == ref.lookup(probe)
+    # Everything handed back: the same blocks come out in the same order.
+    for blocks, _, filled in tables:
+        assert arr.release(blocks, filled) == ref.release(blocks, filled)
+    assert arr.take(num_blocks) == ref.take(num_blocks)
+    assert _counters(arr) == _counters(ref)
