@@ -178,6 +178,25 @@ class ActivationModel:
         name, parts = max(phases.items(), key=lambda kv: sum(kv[1].values()))
         return ActivationPeak(name, whole | parts)
 
+    def split(self, shape: ForwardShape) -> tuple[int, int]:
+        """:meth:`peak`'s total less its attention part, and that part (the same sums, taken
+        without naming the tensors: device memory asks for every step's)."""
+        p, b = self.preset, self.preset.dtype_bytes
+        t, s, h = shape.num_tokens, shape.num_sampled, p.hidden_size
+        if t == 0:
+            return 0, 0
+        held = self._held_masks(shape)
+        whole = 3 * t * INT64 + s * INT64 + t * p.head_dim * FP32 + t * h * b
+        workspace = self._workspace(shape)
+        attention = (2 * t * h * b + t * (2 * self._hq + 2 * self._hk) * p.head_dim * b
+                     + workspace)
+        mlp = 3 * t * h * b + 3 * t * self._inter * b
+        logits = t * h * b + 2 * s * h * b + s * p.vocab_size * (b + (FP32 if b != FP32 else 0))
+        # The first of equal phases wins, as max() over the phases in order picks it.
+        if attention >= mlp and attention >= logits:
+            return whole + attention - workspace, held + workspace
+        return whole + max(mlp, logits), held
+
     def peak_key(self, shape: ForwardShape) -> object:
         """What :meth:`peak` reads of ``shape`` under this kernel: a fused kernel keeps no
         workspace that grows with the context, so its peak is that of the token counts."""

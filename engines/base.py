@@ -118,7 +118,13 @@ class DeviceMemory:
         return self.reserved_bytes + self.non_torch_bytes
 
     def components(self) -> dict[str, int]:
-        return {name: getattr(self, f"{name}_bytes") for name in self.COMPONENTS}
+        return dict(zip(self.COMPONENTS, self.row(), strict=True))
+
+    def row(self) -> tuple[int, ...]:
+        """The components' bytes, in ``COMPONENTS`` order."""
+        return (self.weights_bytes, self.kv_bytes, self.activation_bytes, self.attention_bytes,
+                self.encoder_bytes, self.kv_cached_bytes, self.workspace_cached_bytes,
+                self.non_torch_bytes)
 
 
 def causal_pairs(start: int, num_tokens: int, window: int | None = None) -> int:

@@ -67,8 +67,12 @@ def test_array_pool_matches_block_pool(num_blocks: int, data: st.DataObject) -> 
                 keys.append(~blocks[j] if k in used else k)
                 used.add(keys[-1])
             sel = [blocks[j] for j in take]
-            ref.cache(sel, keys, 0, len(sel))
-            arr.cache(sel, keys, 0, len(sel))
+            if all(k < 0 for k in keys) and data.draw(st.booleans()):
+                ref.cache_placeholders(sel)
+                arr.cache_placeholders(sel)
+            else:
+                ref.cache(sel, keys, 0, len(sel))
+                arr.cache(sel, keys, 0, len(sel))
             for j, k in zip(take, keys, strict=True):
                 cached[j] = k
             tables[i] = (blocks, cached, max(filled, (take[-1] + 1) * BS))

@@ -177,6 +177,11 @@ class BlockPool:
             if owner == b:
                 block_hash[b] = h
 
+    def cache_placeholders(self, blocks: list[int]) -> None:
+        """Cache ``blocks`` under placeholder keys: each its id, negated (no content key is
+        negative), so they count as cached but nothing finds them until :meth:`rekey`."""
+        self.cache(blocks, [~b for b in blocks], 0, len(blocks))
+
     def rekey(self, blocks: list[int], old: list[int], new: list[int]) -> None:
         """Cache ``blocks`` (held, cached under the keys ``old``) under ``new`` instead, as
         :meth:`cache` would have cached them under ``new`` in the first place: a block whose

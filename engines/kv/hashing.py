@@ -76,6 +76,29 @@ class BlockHasher:
         sums = np.cumsum(digests * q_pows) + np.uint64(parent * _P & _MASK)
         return (p_pows * sums).tolist()
 
+    def chain_each(self, ids: np.ndarray, offsets: np.ndarray, blocks: np.ndarray
+                   ) -> list[list[int]]:
+        """``chain(ROOT_HASH, ...)`` of many sequences in one pass: sequence ``i``'s
+        ``blocks[i]`` full blocks start at ``ids[offsets[i]]``. Each sequence's sum of
+        digests restarts where it starts (a cumulative sum over all of them, less its value
+        before the sequence)."""
+        bs, m = self.block_size, len(blocks)
+        total = int(blocks.sum())
+        if not total:
+            return [[] for _ in range(m)]
+        first = np.cumsum(blocks) - blocks
+        local = np.arange(total, dtype=np.int64) - np.repeat(first, blocks)
+        starts = np.repeat(offsets, blocks) + local * bs
+        tokens = ids[starts[:, None] + np.arange(bs, dtype=np.int64)].astype(np.uint64)
+        digests = _splitmix_np(tokens @ self._weights + np.uint64(_GOLDEN))
+        p_pows, q_pows = self._powers(int(blocks.max()))
+        sums = np.cumsum(digests * q_pows[local])
+        before = np.concatenate((np.zeros(1, dtype=np.uint64), sums))[np.repeat(first, blocks)]
+        # uint64 arithmetic wraps, which is exactly mod 2**64.
+        hashes = (p_pows[local] * (sums - before + np.uint64(ROOT_HASH * _P & _MASK))).tolist()
+        ends = (first + blocks).tolist()
+        return [hashes[a:b] for a, b in zip(first.tolist(), ends, strict=True)]
+
     def _chain_py(self, parent: int, ids: list[int]) -> list[int]:
         bs, weights = self.block_size, self._weights_list
         out = []

@@ -79,11 +79,11 @@ class StepBlock:
     last_kv: KVStats | None = None
     device_ranks: int = 1
     error: BaseException | None = None
-    # Segments of steps: each one's values at its first step, its length, and the columns
-    # that vary along it (offset in the block, length, {column index: values}).
+    # Segments of steps: each one's values at its first step and its length; and per column,
+    # where segments along which it varies start and their values.
     _rows: list[tuple[Any, ...]] = field(default_factory=list)
     _lengths: list[int] = field(default_factory=list)
-    _varying: list[tuple[int, int, dict[int, Any]]] = field(default_factory=list)
+    _varying: dict[int, tuple[list[int], list[np.ndarray]]] = field(default_factory=dict)
 
     def row(self, values: tuple[Any, ...]) -> None:
         """One step's values, in :data:`COLUMNS` order."""
@@ -94,7 +94,13 @@ class StepBlock:
     def stretch(self, values: tuple[Any, ...], steps: int, varying: dict[int, Any]) -> None:
         """``steps`` steps taken in one go: every column holds its value in ``values`` at
         each of them but those in ``varying`` (by column index), which hold one per step."""
-        self._varying.append((self.steps, steps, varying))
+        by_column = self._varying
+        for i, v in varying.items():
+            entry = by_column.get(i)
+            if entry is None:
+                entry = by_column[i] = ([], [])
+            entry[0].append(self.steps)
+            entry[1].append(v)
         self._rows.append(values)
         self._lengths.append(steps)
         self.steps += steps
@@ -112,10 +118,13 @@ class StepBlock:
             else:
                 col = np.repeat(np.asarray(values), lengths)
             out.append(col)
-        for start, n, varying in self._varying:
-            for i, v in varying.items():
-                out[i][start : start + n] = v
+        for i, (starts, arrays) in self._varying.items():
+            values = np.concatenate(arrays)
+            n = np.fromiter(map(len, arrays), np.int64, len(arrays))
+            # Each value's step: its segment's start plus its place in the segment.
+            at = np.arange(len(values)) + np.repeat(np.asarray(starts) - (np.cumsum(n) - n), n)
+            out[i][at] = values
         self.columns = {name: col.tolist() if col.dtype == object else col
                         for name, col in zip(COLUMNS, out, strict=True)}
-        self._rows, self._lengths, self._varying = [], [], []
+        self._rows, self._lengths, self._varying = [], [], {}
         return self

@@ -145,6 +145,9 @@ class ContiguousBook:
     def shared_tokens(self) -> int:
         return 0
 
+    def prepare(self, seqs: list[Seq]) -> None:
+        """Nothing: no prefix cache to look prompts up in."""
+
     def waiting_hashes(self, seq: Seq) -> set[int] | None:
         return None
 

@@ -54,6 +54,10 @@ from kvbench.workloads.model import Request
 MAX_IDLE_STEPS = 1000
 # A block returns after this much wall time, so that progress and interrupts are timely.
 BLOCK_WALL_S = 0.25
+# Requests whose sequences are made (and their prompts keyed) together ahead of arriving,
+# at most this many, or this many prompt tokens.
+PREPARE_REQUESTS = 256
+PREPARE_TOKENS = 1 << 20
 
 
 class Book(Protocol):
@@ -85,6 +89,7 @@ class Book(Protocol):
     def stats(self) -> KVStats: ...
     def free_now(self) -> tuple[int, int]: ...
     def shared_tokens(self) -> int: ...
+    def prepare(self, seqs: list[Seq]) -> None: ...
     def waiting_hashes(self, seq: Seq) -> set[int] | None: ...
     def room(self, step: int, max_steps: int, keep_cached: bool) -> int: ...
     def fill_stop(self, step: int, steps: int, avoid: set[int]) -> int: ...
@@ -115,6 +120,7 @@ class EventReplay:
         self.running: list[Seq] = []
         self.waiting: deque[Seq] = deque()
         self.rejected: list[Finished] = []
+        self._ready: dict[str, Seq] = {}
         self.step = 0
         self._order = 0
         # Decoders: how many, the sum of their offsets c, and when each samples its last
@@ -122,6 +128,8 @@ class EventReplay:
         # that are not decoding.
         self.n_dec = 0
         self.sum_c = 0
+        # The last step's refusal, encoder outputs and text KV bytes (for its snapshot).
+        self._last: tuple[tuple[int, int, int], int, int | None] = (_NO_REFUSAL, 0, None)
         self._finishes: list[tuple[int, int, Seq]] = []
         self.sum_partial = 0
         self.idle = 0
@@ -129,11 +137,24 @@ class EventReplay:
     # --- the Engine side ---------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        seq = self._ready.pop(request.id, None)
         reason = self.rejection(request)
         if reason is not None:
             self.rejected.append(Finished(request.id, rejected=reason))
             return
-        self.waiting.append(Seq(request))
+        self.waiting.append(seq if seq is not None else Seq(request))
+
+    def _prepare(self, requests: list[Request], idx: int) -> None:
+        """Make the sequences of ``requests[idx:]`` (some of them) ahead of their arrival."""
+        seqs: list[Seq] = []
+        tokens = 0
+        for request in requests[idx : idx + PREPARE_REQUESTS]:
+            seqs.append(Seq(request))
+            tokens += seqs[-1].num_prompt
+            if tokens >= PREPARE_TOKENS:
+                break
+        self.book.prepare(seqs)
+        self._ready = {s.rid: s for s in seqs}
 
     def has_unfinished(self) -> bool:
         return bool(self.rejected or self.waiting or self.running)
@@ -150,12 +171,15 @@ class EventReplay:
         nothing left."""
         block = StepBlock(self.step, t)
         deadline = time.perf_counter() + BLOCK_WALL_S
+        before: KVStats | None = None
         requests, n = arrivals.requests, len(arrivals.requests)
         try:
             while True:
                 while (arrivals.idx < n and requests[arrivals.idx].arrival_s <= t
                        and arrivals.in_flight < arrivals.limit):
                     request = requests[arrivals.idx]
+                    if request.id not in self._ready:
+                        self._prepare(requests, arrivals.idx)
                     if arrivals.send_late and request.arrival_s < t:
                         request = dataclasses.replace(request, arrival_s=t)
                         block.sent.append(request)
@@ -170,6 +194,8 @@ class EventReplay:
                 due = arrivals.due()
                 t_quiet = self._quiet(block, t, due)
                 if t_quiet is None:
+                    # The snapshot so far, should this step fail half-way (out of memory).
+                    before = self.book.stats()
                     t, ended = self._event_step(block, t)
                     arrivals.in_flight -= ended
                 else:
@@ -178,6 +204,8 @@ class EventReplay:
                     break
         except BaseException as exc:  # what stopped it comes back with the steps taken
             block.error = exc
+        if block.steps:
+            block.last_kv = self._last_kv(before if block.error is not None else None)
         block.t_end = t
         return block.close()
 
@@ -292,7 +320,7 @@ class EventReplay:
         block.row((
             t1, t1 - t0, num_tokens, n_run, len(self.waiting), len(preempted), *values, *refusal,
             encoder, text, *((0, 0) if text is not None else (None, None)),
-            *device.components().values(),
+            *device.row(),
         ))
         block.runs += runs
         block.scheduled += [(rid, t0) for rid in scheduled]
@@ -301,7 +329,7 @@ class EventReplay:
         block.finished += finished
         if finished:
             block.ended.append((s, len(finished)))
-        block.last_kv = self._last_kv(values, refusal, encoder, text)
+        self._last = (refusal, encoder, text)
         block.device_ranks = device.tp
         self.step = s + 1
         if num_tokens == 0 and not finished:
@@ -443,9 +471,11 @@ class EventReplay:
         held = self.n_dec * s + self.sum_c + self.sum_partial - self.book.shared_tokens()
         return held * self.bpt if held * self.bpt == used else None
 
-    def _last_kv(self, values: tuple[Any, ...], refusal: tuple[int, int, int],
-                 encoder: int, text: int | None) -> KVStats:
-        kv = self.book.stats()
+    def _last_kv(self, kv: KVStats | None = None) -> KVStats:
+        """The KV snapshot after the last step: the book's now (as that step left it), or
+        ``kv``, taken before a step that failed."""
+        refusal, encoder, text = self._last
+        kv = self.book.stats() if kv is None else kv
         kv.refused_bytes, kv.refused_free_bytes, kv.refused_largest_free_bytes = refusal
         kv.encoder_cache_bytes = encoder
         if text is not None:
@@ -546,8 +576,7 @@ class EventReplay:
             0 if known else None, *((0, 0) if known else (None, None)), *first,
         ), k, varying)
         self.step = s + k
-        block.last_kv = self._last_kv(values, refusal, last[_ENCODER],
-                                      int(text[-1]) if known else None)
+        self._last = (refusal, last[_ENCODER], int(text[-1]) if known else None)
         block.device_ranks = memory.tp
         return float(ends[k])
 

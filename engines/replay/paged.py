@@ -32,6 +32,7 @@ from kvbench.engines.kv.paged import PagedKVManager
 from kvbench.engines.replay.pool import ArrayPool
 from kvbench.engines.replay.seq import Seq
 from kvbench.kernels.slot_copy import SlotCopy
+from kvbench.workloads.model import prompts_token_ids
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -97,13 +98,21 @@ class PagedBook:
         """Cache the next block of each of ``seqs`` (full now), under a placeholder key
         unless its content's key is already known."""
         blocks, keys = [], []
+        known = False
         for seq in seqs:
             b, hashes = seq.indexed, seq.hashes
             block = seq.table[b]  # type: ignore[index]
             blocks.append(block)
-            keys.append(hashes[b] if hashes is not None and b < len(hashes) else ~block)
+            if hashes is not None and b < len(hashes):
+                keys.append(hashes[b])
+                known = True
+            else:
+                keys.append(~block)
             seq.indexed = b + 1
-        self.pool.cache(blocks, keys, 0, len(blocks))
+        if known:
+            self.pool.cache(blocks, keys, 0, len(blocks))
+        else:
+            self.pool.cache_placeholders(blocks)
 
     # --- prefill, admission and release ------------------------------------------------
 
@@ -229,6 +238,20 @@ class PagedBook:
         counts ``r - 1`` extra times, and with one sample per request only full blocks (a
         prefix hit's) are shared."""
         return self.bs * (self.entries - (self.num_blocks - self.pool.num_free))
+
+    def prepare(self, seqs: list[Seq]) -> None:
+        """Key the prompt blocks of sequences about to arrive, all in one pass: their
+        admission looks them up, and one numpy pass per prompt costs more than the rest of
+        its bookkeeping."""
+        todo = [s for s in seqs if s.hashes is None]
+        if not self.caching or not todo:
+            return
+        ids = prompts_token_ids([s.request for s in todo], self.vocab)
+        lengths = np.fromiter((s.num_prompt for s in todo), np.int64, len(todo))
+        offsets = np.cumsum(lengths) - lengths
+        for seq, hashes in zip(todo, self.hasher.chain_each(ids, offsets, lengths // self.bs),
+                               strict=True):
+            seq.hashes = hashes
 
     def waiting_hashes(self, seq: Seq) -> set[int] | None:
         if not self.caching:

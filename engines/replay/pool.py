@@ -8,15 +8,13 @@ sequences and compares them after every call). The differences are internal:
 
 - free blocks holding cached content wait in a FIFO array (least recently freed first); a
   prefix hit that takes one back leaves a hole that eviction skips;
-- the key index is not cleaned when a block is evicted or re-keyed: an entry counts only
-  while its block still holds that key, and stale entries are dropped when they outnumber
-  the blocks;
 - a key below zero is a placeholder (:mod:`~kvbench.engines.replay.paged`): the block counts
   as cached, but nothing can find it until :meth:`rekey` gives it its content's key.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from itertools import takewhile
 
@@ -25,8 +23,8 @@ import numpy as np
 
 class ArrayPool:
     __slots__ = (
-        "_by_key", "_hit", "_key", "_keyed", "_plain", "_q", "_qhead", "_qholes", "_qpos",
-        "_qtail", "_real", "_top", "block_size", "num_allocs", "num_blocks", "num_evictions",
+        "_by_key", "_hit", "_key", "_plain", "_q", "_qhead", "_qholes", "_qpos", "_qtail",
+        "_state", "_top", "block_size", "num_allocs", "num_blocks", "num_evictions",
         "num_frees", "num_shared", "ref",
     )
 
@@ -35,10 +33,9 @@ class ArrayPool:
         self.num_blocks, self.block_size = n, block_size
         self.ref = np.zeros(n, dtype=np.int64)
         self._hit = np.zeros(n, dtype=bool)
-        # Cached content: a key (``_keyed``), findable when it is a content key (``_real``,
-        # the key in ``_key`` and indexed in ``_by_key``), else a placeholder.
-        self._keyed = np.zeros(n, dtype=bool)
-        self._real = np.zeros(n, dtype=bool)
+        # What a block caches: nothing, content under a placeholder key, or content under
+        # its key (in ``_key``, indexed in ``_by_key``).
+        self._state = np.zeros(n, dtype=np.int8)
         self._key = np.zeros(n, dtype=np.uint64)
         self._by_key: dict[int, int] = {}
         # Plain free blocks: a stack whose top (the end) is block 0 in a fresh pool.
@@ -67,10 +64,13 @@ class ArrayPool:
         self._top = top - k
         if k < n:
             evicted = self._evict(n - k)
-            self._keyed[evicted] = False
-            self._real[evicted] = False
+            keyed = self._state[evicted] == _KEYED
+            if keyed.any():
+                keys = self._key[evicted[keyed]].tolist()
+                deque(map(self._by_key.__delitem__, keys), maxlen=0)
+            self._state[evicted] = _NONE
             self.num_evictions += len(evicted)
-            out = np.concatenate([out, evicted])
+            out = np.concatenate([out, evicted]) if k else evicted
         self.ref[out] = 1
         self.num_allocs += n
         return out.tolist()
@@ -78,11 +78,15 @@ class ArrayPool:
     def _evict(self, n: int) -> np.ndarray:
         """The ``n`` least recently freed cached blocks, out of the queue."""
         head = self._qhead
-        window = self._q[head : head + n + self._qholes]
-        live = np.flatnonzero(window >= 0)[:n]
-        out = window[live]
-        passed = int(live[-1]) + 1
-        self._qholes -= passed - n
+        if self._qholes:
+            window = self._q[head : head + n + self._qholes]
+            live = np.flatnonzero(window >= 0)[:n]
+            out = window[live]
+            passed = int(live[-1]) + 1
+            self._qholes -= passed - n
+        else:
+            out = self._q[head : head + n].copy()
+            passed = n
         self._qhead = head + passed
         self._qpos[out] = -1
         return out
@@ -102,25 +106,11 @@ class ArrayPool:
 
     def lookup(self, keys: Iterable[int]) -> list[int]:
         """Blocks caching the longest leading run of ``keys``."""
-        keys = list(keys)
-        found = list(takewhile(_is_block, map(self._by_key.get, keys)))
-        if not found:
-            return found
-        blocks = np.asarray(found, dtype=np.int64)
-        ok = self._real[blocks] & (self._key[blocks] == np.asarray(keys[: len(found)],
-                                                                    dtype=np.uint64))
-        if ok.all():
-            return found
-        return found[: int(np.argmin(ok))]
+        return list(takewhile(_is_block, map(self._by_key.get, keys)))
 
     def any_cached(self, keys: list[int]) -> bool:
         """Whether a block already caches one of ``keys``."""
-        by_key, real, key = self._by_key, self._real, self._key
-        for k in keys:
-            b = by_key.get(k)
-            if b is not None and real[b] and int(key[b]) == k:
-                return True
-        return False
+        return not self._by_key.keys().isdisjoint(keys)
 
     def count_free(self, blocks: list[int]) -> int:
         """How many of ``blocks`` sit in the free queue (a hit on them consumes free space)."""
@@ -147,6 +137,11 @@ class ArrayPool:
     def share(self, blocks: list[int]) -> None:
         raise NotImplementedError("the replay has no forks")
 
+    def cache_placeholders(self, blocks: list[int]) -> None:
+        """:meth:`cache` of ``blocks`` under placeholder keys (cached, not findable). A block
+        not cached holds no key, so marking it is all there is to do."""
+        self._state[blocks] = _PLACEHOLDER
+
     def cache(self, blocks: list[int], keys: list[int], start: int, end: int) -> None:
         """Make full ``blocks[start:end]`` findable by ``keys[start:end]`` (a placeholder
         key: cached but not findable); a key another block already caches keeps that block,
@@ -158,8 +153,7 @@ class ArrayPool:
             return
         placeholders = [b for b, k in zip(blocks, keys, strict=True) if k < 0]
         if placeholders:
-            self._keyed[placeholders] = True
-            self._real[placeholders] = False
+            self._state[placeholders] = _PLACEHOLDER
             if len(placeholders) == len(blocks):
                 return
             pairs = [(b, k) for b, k in zip(blocks, keys, strict=True) if k >= 0]
@@ -168,38 +162,25 @@ class ArrayPool:
         self._index(blocks, keys)
 
     def _index(self, blocks: list[int], keys: list[int]) -> None:
-        by_key, real, key = self._by_key, self._real, self._key
-        owners = list(map(by_key.get, keys))
-        if owners.count(None) == len(owners) and len(set(keys)) == len(keys):
-            # The common case: every key new.
-            by_key.update(zip(keys, blocks, strict=True))
-            b = np.asarray(blocks, dtype=np.int64)
-            key[b] = np.asarray(keys, dtype=np.uint64)
-            real[b] = True
-            self._keyed[b] = True
-        else:
-            for b, k in zip(blocks, keys, strict=True):
-                owner = by_key.get(k)
-                if owner is not None and real[owner] and int(key[owner]) == k:
-                    continue
-                by_key[k] = b
-                key[b] = k
-                real[b] = self._keyed[b] = True
-        if len(by_key) > 2 * self.num_blocks + 1024:
-            self._drop_stale()
+        held = list(map(self._by_key.setdefault, keys, blocks))
+        if held != blocks:  # a key another block caches: the duplicate stays uncached
+            pairs = [(b, k) for b, k, h in zip(blocks, keys, held, strict=True) if h == b]
+            blocks = [b for b, _ in pairs]
+            keys = [k for _, k in pairs]
+        b = np.asarray(blocks, dtype=np.int64)
+        self._key[b] = np.asarray(keys, dtype=np.uint64)
+        self._state[b] = _KEYED
 
     def rekey(self, blocks: list[int], old: list[int], new: list[int]) -> None:
         """Give ``blocks`` (held, cached under placeholder keys ``old``) their content's keys
         ``new``, as :meth:`cache` would have cached them under ``new`` in the first place."""
-        by_key, real, key = self._by_key, self._real, self._key
+        by_key = self._by_key
         for b, k in zip(blocks, new, strict=True):
-            owner = by_key.get(k)
-            if owner is not None and owner != b and real[owner] and int(key[owner]) == k:
-                self._keyed[b] = False
-                continue
-            by_key[k] = b
-            key[b] = k
-            real[b] = True
+            if by_key.setdefault(k, b) == b:
+                self._key[b] = k
+                self._state[b] = _KEYED
+            else:
+                self._state[b] = _NONE
 
     def release(self, blocks: list[int], num_filled: int) -> int:
         """Drop one reference to each block of a table whose first ``num_filled`` token slots
@@ -226,7 +207,7 @@ class ArrayPool:
             if num_full < len(blocks) and not alive[len(blocks) - 1 - num_full]:
                 filled += num_filled - num_full * bs
         self._hit[dead] = False
-        keyed = self._keyed[dead]
+        keyed = self._state[dead] != _NONE
         plain = dead[~keyed]
         if len(plain):
             top = self._top
@@ -238,10 +219,8 @@ class ArrayPool:
         self.num_frees += len(dead)
         return filled
 
-    def _drop_stale(self) -> None:
-        """Drop key entries whose block no longer holds that key."""
-        real, key = self._real, self._key
-        self._by_key = {k: b for k, b in self._by_key.items() if real[b] and int(key[b]) == k}
+
+_NONE, _PLACEHOLDER, _KEYED = 0, 1, 2
 
 
 def _is_block(b: int | None) -> bool:
