@@ -51,12 +51,9 @@ def segment_token_ids(key: str, n: int, vocab_size: int, start: int = 0) -> np.n
     return _token_ids([key_hash(key)], [n], vocab_size, start)
 
 
-def prompts_token_ids(requests: list[Request], vocab_size: int) -> np.ndarray:
-    """The prompt token ids of ``requests`` one after another, as each one's
-    :meth:`Request.prompt_token_ids`, in one pass."""
-    segments = [s for r in requests for s in r.segments]
-    return _token_ids([key_hash(s.key) for s in segments], [s.tokens for s in segments],
-                      vocab_size)
+def contents_token_ids(keys: list[str], counts: list[int], vocab_size: int) -> np.ndarray:
+    """The first ``counts[i]`` token ids of each content ``keys[i]``, one after another."""
+    return _token_ids([key_hash(k) for k in keys], counts, vocab_size)
 
 
 def _token_ids(bases: list[int], counts: list[int], vocab_size: int,

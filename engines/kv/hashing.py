@@ -76,21 +76,21 @@ class BlockHasher:
         sums = np.cumsum(digests * q_pows) + np.uint64(parent * _P & _MASK)
         return (p_pows * sums).tolist()
 
-    def chain_each(self, ids: np.ndarray, offsets: np.ndarray, blocks: np.ndarray
-                   ) -> list[list[int]]:
-        """``chain(ROOT_HASH, ...)`` of many sequences in one pass: sequence ``i``'s
-        ``blocks[i]`` full blocks start at ``ids[offsets[i]]``. Each sequence's sum of
-        digests restarts where it starts (a cumulative sum over all of them, less its value
-        before the sequence)."""
-        bs, m = self.block_size, len(blocks)
+    def digests(self, ids: np.ndarray) -> np.ndarray:
+        """Each full block's digest (``ids`` a multiple of the block size long)."""
+        blocks = np.ascontiguousarray(ids, dtype=np.uint64).reshape(-1, self.block_size)
+        return _splitmix_np(blocks @ self._weights + np.uint64(_GOLDEN))
+
+    def chain_each(self, digests: np.ndarray, blocks: np.ndarray) -> list[list[int]]:
+        """``chain(ROOT_HASH, ...)`` of many sequences in one pass, from their blocks'
+        :meth:`digests`, one sequence's (``blocks[i]`` of them) after another's. Each
+        sequence's sum restarts where it starts: a cumulative sum over all of them, less its
+        value before the sequence."""
         total = int(blocks.sum())
         if not total:
-            return [[] for _ in range(m)]
+            return [[] for _ in range(len(blocks))]
         first = np.cumsum(blocks) - blocks
         local = np.arange(total, dtype=np.int64) - np.repeat(first, blocks)
-        starts = np.repeat(offsets, blocks) + local * bs
-        tokens = ids[starts[:, None] + np.arange(bs, dtype=np.int64)].astype(np.uint64)
-        digests = _splitmix_np(tokens @ self._weights + np.uint64(_GOLDEN))
         p_pows, q_pows = self._powers(int(blocks.max()))
         sums = np.cumsum(digests * q_pows[local])
         before = np.concatenate((np.zeros(1, dtype=np.uint64), sums))[np.repeat(first, blocks)]

@@ -121,6 +121,7 @@ class EventReplay:
         self.waiting: deque[Seq] = deque()
         self.rejected: list[Finished] = []
         self._ready: dict[str, Seq] = {}
+        self._ready_upto: tuple[list[Request] | None, int] = (None, 0)
         self.step = 0
         self._order = 0
         # Decoders: how many, the sum of their offsets c, and when each samples its last
@@ -145,16 +146,22 @@ class EventReplay:
         self.waiting.append(seq if seq is not None else Seq(request))
 
     def _prepare(self, requests: list[Request], idx: int) -> None:
-        """Make the sequences of ``requests[idx:]`` (some of them) ahead of their arrival."""
+        """Make the sequences of the next of ``requests`` from ``idx`` on ahead of their
+        arrival (not of those that will be rejected)."""
         seqs: list[Seq] = []
         tokens = 0
-        for request in requests[idx : idx + PREPARE_REQUESTS]:
-            seqs.append(Seq(request))
-            tokens += seqs[-1].num_prompt
-            if tokens >= PREPARE_TOKENS:
-                break
+        end = min(idx + PREPARE_REQUESTS, len(requests))
+        for i in range(idx, end):
+            request = requests[i]
+            if self.rejection(request) is None:
+                seqs.append(Seq(request))
+                tokens += seqs[-1].num_prompt
+                if tokens >= PREPARE_TOKENS:
+                    end = i + 1
+                    break
         self.book.prepare(seqs)
         self._ready = {s.rid: s for s in seqs}
+        self._ready_upto = (requests, end)
 
     def has_unfinished(self) -> bool:
         return bool(self.rejected or self.waiting or self.running)
@@ -178,7 +185,7 @@ class EventReplay:
                 while (arrivals.idx < n and requests[arrivals.idx].arrival_s <= t
                        and arrivals.in_flight < arrivals.limit):
                     request = requests[arrivals.idx]
-                    if request.id not in self._ready:
+                    if self._ready_upto[0] is not requests or arrivals.idx >= self._ready_upto[1]:
                         self._prepare(requests, arrivals.idx)
                     if arrivals.send_late and request.arrival_s < t:
                         request = dataclasses.replace(request, arrival_s=t)

@@ -32,7 +32,10 @@ from kvbench.engines.kv.paged import PagedKVManager
 from kvbench.engines.replay.pool import ArrayPool
 from kvbench.engines.replay.seq import Seq
 from kvbench.kernels.slot_copy import SlotCopy
-from kvbench.workloads.model import prompts_token_ids
+from kvbench.workloads.model import contents_token_ids
+
+# Segments whose block digests are kept for the next prompts that share them.
+_DIGESTS_KEPT = 1 << 16
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -56,6 +59,7 @@ class PagedBook:
         self.used = self.sum_limit = self.sum_committed = self.entries = 0
         self.hit_tokens = self.query_tokens = 0
         self.groups: list[dict[Seq, None]] = [{} for _ in range(bs)]
+        self._digests: dict[str, np.ndarray] = {}
 
     # --- decoding sequences ------------------------------------------------------------
 
@@ -242,16 +246,44 @@ class PagedBook:
     def prepare(self, seqs: list[Seq]) -> None:
         """Key the prompt blocks of sequences about to arrive, all in one pass: their
         admission looks them up, and one numpy pass per prompt costs more than the rest of
-        its bookkeeping."""
+        its bookkeeping. A prompt whose segments all start at block boundaries (a Mooncake
+        trace's 512-token blocks) takes its blocks' digests from its segments', kept by
+        segment key: requests sharing segments hash them once."""
         todo = [s for s in seqs if s.hashes is None]
         if not self.caching or not todo:
             return
-        ids = prompts_token_ids([s.request for s in todo], self.vocab)
-        lengths = np.fromiter((s.num_prompt for s in todo), np.int64, len(todo))
-        offsets = np.cumsum(lengths) - lengths
-        for seq, hashes in zip(todo, self.hasher.chain_each(ids, offsets, lengths // self.bs),
-                               strict=True):
+        bs, kept = self.bs, self._digests
+        aligned = [not any(g.tokens % bs for g in s.request.segments[:-1]) for s in todo]
+        # The segments whose digests are not kept yet, at their longest here.
+        need: dict[str, int] = {}
+        for seq, ok in zip(todo, aligned, strict=True):
+            if ok:
+                for g in seq.request.segments:
+                    n = g.tokens // bs
+                    if n > need.get(g.key, 0) and (g.key not in kept or len(kept[g.key]) < n):
+                        need[g.key] = n
+        if need:
+            keys = list(need)
+            digests = self.hasher.digests(
+                contents_token_ids(keys, [need[k] * bs for k in keys], self.vocab))
+            ends = np.cumsum([need[k] for k in keys]).tolist()
+            for key, a, b in zip(keys, [0, *ends[:-1]], ends, strict=True):
+                kept[key] = digests[a:b]
+        parts: list[np.ndarray] = []
+        counts = []
+        for seq, ok in zip(todo, aligned, strict=True):
+            n = seq.num_prompt // bs
+            if ok:
+                parts += [kept[g.key][: g.tokens // bs] for g in seq.request.segments
+                          if g.tokens >= bs]
+            else:
+                parts.append(self.hasher.digests(seq.token_ids(0, n * bs, self.vocab)))
+            counts.append(n)
+        for seq, hashes in zip(todo, self.hasher.chain_each(
+                np.concatenate(parts), np.asarray(counts, dtype=np.int64)), strict=True):
             seq.hashes = hashes
+        if len(kept) > _DIGESTS_KEPT:
+            kept.clear()
 
     def waiting_hashes(self, seq: Seq) -> set[int] | None:
         if not self.caching:
