@@ -117,10 +117,6 @@ class BlockPool:
         # Asked again every step a long prompt waits for room: kept to C-level loops.
         return list(takewhile(_IS_BLOCK, map(self._by_hash.get, hashes)))
 
-    def any_cached(self, hashes: list[int]) -> bool:
-        """Whether a block already caches one of ``hashes``."""
-        return not self._by_hash.keys().isdisjoint(hashes)
-
     def count_free(self, blocks: list[int]) -> int:
         """How many of ``blocks`` sit in the free queue (a hit on them consumes free space)."""
         return list(map(self.ref.__getitem__, blocks)).count(0)
@@ -176,20 +172,6 @@ class BlockPool:
         for h, b, owner in zip(new_hashes, new_blocks, held, strict=True):
             if owner == b:
                 block_hash[b] = h
-
-    def cache_placeholders(self, blocks: list[int]) -> None:
-        """Cache ``blocks`` under placeholder keys: each its id, negated (no content key is
-        negative), so they count as cached but nothing finds them until :meth:`rekey`."""
-        self.cache(blocks, [~b for b in blocks], 0, len(blocks))
-
-    def rekey(self, blocks: list[int], old: list[int], new: list[int]) -> None:
-        """Cache ``blocks`` (held, cached under the keys ``old``) under ``new`` instead, as
-        :meth:`cache` would have cached them under ``new`` in the first place: a block whose
-        new key another block already caches stays unindexed."""
-        by_hash, block_hash = self._by_hash, self._hash
-        for b, o, h in zip(blocks, old, new, strict=True):
-            del by_hash[o]
-            block_hash[b] = h if by_hash.setdefault(h, b) == b else None
 
     def release(self, blocks: list[int], num_filled: int) -> int:
         """Drop one reference to each block of a table whose first ``num_filled`` token slots

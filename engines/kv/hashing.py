@@ -81,23 +81,22 @@ class BlockHasher:
         blocks = np.ascontiguousarray(ids, dtype=np.uint64).reshape(-1, self.block_size)
         return _splitmix_np(blocks @ self._weights + np.uint64(_GOLDEN))
 
-    def chain_each(self, digests: np.ndarray, blocks: np.ndarray) -> list[list[int]]:
+    def chain_each(self, digests: np.ndarray, blocks: np.ndarray) -> list[np.ndarray]:
         """``chain(ROOT_HASH, ...)`` of many sequences in one pass, from their blocks'
         :meth:`digests`, one sequence's (``blocks[i]`` of them) after another's. Each
         sequence's sum restarts where it starts: a cumulative sum over all of them, less its
         value before the sequence."""
         total = int(blocks.sum())
         if not total:
-            return [[] for _ in range(len(blocks))]
+            return [np.zeros(0, dtype=np.uint64) for _ in range(len(blocks))]
         first = np.cumsum(blocks) - blocks
         local = np.arange(total, dtype=np.int64) - np.repeat(first, blocks)
         p_pows, q_pows = self._powers(int(blocks.max()))
         sums = np.cumsum(digests * q_pows[local])
         before = np.concatenate((np.zeros(1, dtype=np.uint64), sums))[np.repeat(first, blocks)]
         # uint64 arithmetic wraps, which is exactly mod 2**64.
-        hashes = (p_pows[local] * (sums - before + np.uint64(ROOT_HASH * _P & _MASK))).tolist()
-        ends = (first + blocks).tolist()
-        return [hashes[a:b] for a, b in zip(first.tolist(), ends, strict=True)]
+        hashes = p_pows[local] * (sums - before + np.uint64(ROOT_HASH * _P & _MASK))
+        return np.split(hashes, np.cumsum(blocks)[:-1])
 
     def _chain_py(self, parent: int, ids: list[int]) -> list[int]:
         bs, weights = self.block_size, self._weights_list

@@ -34,6 +34,8 @@ def replay_blocker(engine: object, requests: Iterable[Request]) -> str | None:
             return "blocks outside the sliding window are released as sequences advance"
         if kv.leak_finished:
             return "finished sequences' blocks leak"
+        if kv.eviction != "lru":
+            return f"{kv.eviction} eviction of cached blocks"
     elif type(kv) is not ContiguousKVManager:
         return f"the {type(kv).__name__} policy"
     config = engine.scheduler.config

@@ -21,12 +21,9 @@ no leaking fault."""
 
 from __future__ import annotations
 
-from itertools import islice
-
 import numpy as np
 
 from kvbench.engines.base import KVStats
-from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
 from kvbench.engines.kv.paged import PagedKVManager
 from kvbench.engines.replay.pool import ArrayPool
@@ -52,9 +49,7 @@ class PagedBook:
         self.capacity = self.num_blocks * self.block_bytes
         self.vocab = vocab_size
         self.footprint = manager.footprint
-        self.pool: ArrayPool | BlockPool = (
-            ArrayPool(manager.num_blocks, bs) if manager.eviction == "lru"
-            else BlockPool(manager.num_blocks, bs, manager.eviction))
+        self.pool = ArrayPool(manager.num_blocks, bs)
         self.hasher = BlockHasher(bs)
         self.used = self.sum_limit = self.sum_committed = self.entries = 0
         self.hit_tokens = self.query_tokens = 0
@@ -101,21 +96,19 @@ class PagedBook:
     def _cache_fills(self, seqs: list[Seq]) -> None:
         """Cache the next block of each of ``seqs`` (full now), under a placeholder key
         unless its content's key is already known."""
-        blocks, keys = [], []
-        known = False
+        blocks, known = [], []
         for seq in seqs:
             b, hashes = seq.indexed, seq.hashes
             block = seq.table[b]  # type: ignore[index]
-            blocks.append(block)
             if hashes is not None and b < len(hashes):
-                keys.append(hashes[b])
-                known = True
+                known.append((block, hashes[b]))
             else:
-                keys.append(~block)
+                blocks.append(block)
             seq.indexed = b + 1
         if known:
-            self.pool.cache(blocks, keys, 0, len(blocks))
-        else:
+            # A block its own earlier run filled before a preemption: its key is known.
+            self.pool.cache([b for b, _ in known], [k for _, k in known], 0, len(known))
+        if blocks:
             self.pool.cache_placeholders(blocks)
 
     # --- prefill, admission and release ------------------------------------------------
@@ -148,7 +141,7 @@ class PagedBook:
             return 0, []
         n = seq.num_tokens
         hashes = self._hashes_upto(seq, n // self.bs)
-        hits = self.pool.lookup(islice(hashes, (n - 1) // self.bs))
+        hits = self.pool.lookup(hashes[: (n - 1) // self.bs])
         return len(hits) * self.bs, hits
 
     def would_admit(self, seq: Seq, cached: int, hits: list[int], num_new: int) -> bool:
@@ -193,8 +186,7 @@ class PagedBook:
             known = len(seq.hashes) if seq.hashes is not None else 0
             if seq.indexed > known:
                 hashes = self._hashes_upto(seq, seq.indexed)
-                blocks = table[known : seq.indexed]
-                self.pool.rekey(blocks, [~b for b in blocks], hashes[known:])
+                self.pool.rekey(table[known : seq.indexed], hashes[known:])
         self.sum_limit -= min(len(table) * self.bs, seq.final_len)
         self.sum_committed -= committed
         self.entries -= len(table)
@@ -288,7 +280,7 @@ class PagedBook:
     def waiting_hashes(self, seq: Seq) -> set[int] | None:
         if not self.caching:
             return None
-        return set(self._hashes_upto(seq, seq.num_tokens // self.bs))
+        return set(self._hashes_upto(seq, seq.num_tokens // self.bs).tolist())
 
     # --- quiet stretches -----------------------------------------------------------------
 
@@ -323,7 +315,7 @@ class PagedBook:
                 b = nth.get(seq, seq.indexed)
                 nth[seq] = b + 1
                 hashes = seq.hashes
-                if hashes is not None and b < len(hashes) and hashes[b] in avoid:
+                if hashes is not None and b < len(hashes) and int(hashes[b]) in avoid:
                     return j
         return steps
 
@@ -388,14 +380,15 @@ class PagedBook:
 
     # --- hashes --------------------------------------------------------------------------
 
-    def _hashes_upto(self, seq: Seq, num_blocks: int) -> list[int]:
+    def _hashes_upto(self, seq: Seq, num_blocks: int) -> np.ndarray:
+        """``seq``'s block keys (uint64), computed (once) for at least its first
+        ``num_blocks`` full blocks."""
         hashes = seq.hashes
-        if hashes is None:
-            hashes = seq.hashes = []
-        have = len(hashes)
-        if have < num_blocks:
+        have = 0 if hashes is None else len(hashes)
+        if hashes is None or have < num_blocks:
             bs = self.bs
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes += self.hasher.chain(parent, seq.token_ids(have * bs, num_blocks * bs,
-                                                              self.vocab))
+            parent = int(hashes[-1]) if have else ROOT_HASH  # type: ignore[index]
+            new = np.asarray(self.hasher.chain(parent, seq.token_ids(
+                have * bs, num_blocks * bs, self.vocab)), dtype=np.uint64)
+            hashes = seq.hashes = new if hashes is None else np.concatenate((hashes, new))
         return hashes

@@ -15,8 +15,10 @@ sequences and compares them after every call). The differences are internal:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Sequence
+from functools import partial
 from itertools import takewhile
+from operator import is_not
 
 import numpy as np
 
@@ -104,13 +106,16 @@ class ArrayPool:
         self._qpos[blocks] = np.arange(tail, tail + m)
         self._qtail = tail + m
 
-    def lookup(self, keys: Iterable[int]) -> list[int]:
-        """Blocks caching the longest leading run of ``keys``."""
-        return list(takewhile(_is_block, map(self._by_key.get, keys)))
+    def lookup(self, keys: np.ndarray) -> list[int]:
+        """Blocks caching the longest leading run of ``keys`` (uint64)."""
+        get = self._by_key.get
+        if not len(keys) or get(int(keys[0])) is None:
+            return []  # the common miss, without converting the rest
+        return list(takewhile(_IS_BLOCK, map(get, keys.tolist())))
 
-    def any_cached(self, keys: list[int]) -> bool:
+    def any_cached(self, keys: np.ndarray) -> bool:
         """Whether a block already caches one of ``keys``."""
-        return not self._by_key.keys().isdisjoint(keys)
+        return not self._by_key.keys().isdisjoint(keys.tolist())
 
     def count_free(self, blocks: list[int]) -> int:
         """How many of ``blocks`` sit in the free queue (a hit on them consumes free space)."""
@@ -142,40 +147,29 @@ class ArrayPool:
         not cached holds no key, so marking it is all there is to do."""
         self._state[blocks] = _PLACEHOLDER
 
-    def cache(self, blocks: list[int], keys: list[int], start: int, end: int) -> None:
-        """Make full ``blocks[start:end]`` findable by ``keys[start:end]`` (a placeholder
-        key: cached but not findable); a key another block already caches keeps that block,
-        the duplicate staying uncached."""
-        blocks, keys = blocks[start:end], keys[start:end]
+    def cache(self, blocks: list[int], keys: Sequence[int] | np.ndarray, start: int,
+              end: int) -> None:
+        """Make full ``blocks[start:end]`` findable by ``keys[start:end]``; a key another
+        block (or an earlier one here) already caches keeps that block, the duplicate
+        staying uncached."""
+        blocks = blocks[start:end]
+        keys = np.asarray(keys[start:end], dtype=np.uint64)
         if len(blocks) != len(keys):
             raise ValueError("cache() needs one key per block")
-        if not blocks:
-            return
-        placeholders = [b for b, k in zip(blocks, keys, strict=True) if k < 0]
-        if placeholders:
-            self._state[placeholders] = _PLACEHOLDER
-            if len(placeholders) == len(blocks):
-                return
-            pairs = [(b, k) for b, k in zip(blocks, keys, strict=True) if k >= 0]
-            blocks = [b for b, _ in pairs]
-            keys = [k for _, k in pairs]
-        self._index(blocks, keys)
-
-    def _index(self, blocks: list[int], keys: list[int]) -> None:
-        held = list(map(self._by_key.setdefault, keys, blocks))
+        held = list(map(self._by_key.setdefault, keys.tolist(), blocks))
         if held != blocks:  # a key another block caches: the duplicate stays uncached
-            pairs = [(b, k) for b, k, h in zip(blocks, keys, held, strict=True) if h == b]
-            blocks = [b for b, _ in pairs]
-            keys = [k for _, k in pairs]
+            new = np.asarray([h == b for h, b in zip(held, blocks, strict=True)])
+            blocks = [b for b, n in zip(blocks, new.tolist(), strict=True) if n]
+            keys = keys[new]
         b = np.asarray(blocks, dtype=np.int64)
-        self._key[b] = np.asarray(keys, dtype=np.uint64)
+        self._key[b] = keys
         self._state[b] = _KEYED
 
-    def rekey(self, blocks: list[int], old: list[int], new: list[int]) -> None:
-        """Give ``blocks`` (held, cached under placeholder keys ``old``) their content's keys
-        ``new``, as :meth:`cache` would have cached them under ``new`` in the first place."""
+    def rekey(self, blocks: list[int], keys: np.ndarray) -> None:
+        """Give ``blocks`` (held, cached under placeholders) their content's ``keys``, as
+        :meth:`cache` would have cached them in the first place."""
         by_key = self._by_key
-        for b, k in zip(blocks, new, strict=True):
+        for b, k in zip(blocks, keys.tolist(), strict=True):
             if by_key.setdefault(k, b) == b:
                 self._key[b] = k
                 self._state[b] = _KEYED
@@ -221,7 +215,4 @@ class ArrayPool:
 
 
 _NONE, _PLACEHOLDER, _KEYED = 0, 1, 2
-
-
-def _is_block(b: int | None) -> bool:
-    return b is not None
+_IS_BLOCK = partial(is_not, None)

@@ -38,7 +38,7 @@ class Seq:
         self.run_start: int | None = None
         self.table: list[int] | None = None
         self.indexed = 0
-        self.hashes: list[int] | None = None
+        self.hashes: np.ndarray | None = None
         self.start = self.length = 0
 
     @property
