@@ -62,10 +62,19 @@ class StepBlock:
     that emitted its first token); ``finished`` (what ended, its step's end time,
     rejections included); ``preempted`` (one id per preemption); ``ended`` (step, requests
     that ended in it). ``error`` is what stopped the replay after the steps here (device out
-    of memory, an interrupt): the caller logs the steps, then raises it."""
+    of memory, an interrupt): the caller logs the steps, then raises it.
+
+    Steps are held as segments until :meth:`close`: a step with events is one segment of
+    its values; a stretch of decode steps (:meth:`stretch`) is its values before its first
+    step and what changes along it, from which every column is built for the whole block
+    at once. The block starts at ``t_start``; ``token_bytes`` and ``page_bytes`` are the KV
+    bytes of a token and of a page."""
 
     first_step: int
-    t_end: float
+    t_start: float
+    token_bytes: int = 1
+    page_bytes: int = 1
+    t_end: float = 0.0
     steps: int = 0
     bulk_steps: int = 0
     columns: dict[str, np.ndarray | list[Any]] = field(default_factory=dict)
@@ -79,52 +88,130 @@ class StepBlock:
     last_kv: KVStats | None = None
     device_ranks: int = 1
     error: BaseException | None = None
-    # Segments of steps: each one's values at its first step and its length; and per column,
-    # where segments along which it varies start and their values.
     _rows: list[tuple[Any, ...]] = field(default_factory=list)
     _lengths: list[int] = field(default_factory=list)
-    _varying: dict[int, tuple[list[int], list[np.ndarray]]] = field(default_factory=dict)
+    # Per segment: tokens its decoders write a step (0 for a single step), whether its text
+    # KV grows with them, whether its refusal's free memory follows the free memory.
+    _ramps: list[int] = field(default_factory=list)
+    _text: list[bool] = field(default_factory=list)
+    _refused: list[bool] = field(default_factory=list)
+    _stretch: list[bool] = field(default_factory=list)
+    # Stretches' blocks taken and slots to be written added, through each step (cumulative),
+    # by offset; and columns given outright (end times, a varying device component).
+    _taken: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    _limits: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    _given: dict[int, tuple[list[int], list[np.ndarray]]] = field(default_factory=dict)
 
     def row(self, values: tuple[Any, ...]) -> None:
         """One step's values, in :data:`COLUMNS` order."""
         self._rows.append(values)
         self._lengths.append(1)
+        self._ramps.append(0)
+        self._text.append(False)
+        self._refused.append(False)
+        self._stretch.append(False)
         self.steps += 1
 
-    def stretch(self, values: tuple[Any, ...], steps: int, varying: dict[int, Any]) -> None:
-        """``steps`` steps taken in one go: every column holds its value in ``values`` at
-        each of them but those in ``varying`` (by column index), which hold one per step."""
-        by_column = self._varying
-        for i, v in varying.items():
-            entry = by_column.get(i)
+    def stretch(self, before: tuple[Any, ...], ends: np.ndarray, tokens: int, text: bool,
+                refused: bool, taken: np.ndarray | None, limits: np.ndarray | None,
+                device: dict[int, np.ndarray]) -> None:
+        """Decode steps ending at ``ends``, each writing ``tokens`` KV slots: ``before`` holds
+        the values before the first (those that stay put hold at every step). Along it, used
+        KV (and text KV where ``text``) grows by ``tokens`` a step and the slots still to be
+        written shrink by as many, grown by ``limits`` (cumulative); ``taken`` pages
+        (cumulative) come out of free memory (and out of the refusal's free memory where
+        ``refused``) into reserved memory, allocations and page-table entries; ``device``
+        components (by column index) that vary, per step."""
+        start, k = self.steps, len(ends)
+        self._rows.append(before)
+        self._lengths.append(k)
+        self._ramps.append(tokens)
+        self._text.append(text)
+        self._refused.append(refused)
+        self._stretch.append(True)
+        if taken is not None:
+            self._taken.append((start, taken))
+        if limits is not None:
+            self._limits.append((start, limits))
+        given = self._given
+        for i, v in ((_T, ends), *device.items()):
+            entry = given.get(i)
             if entry is None:
-                entry = by_column[i] = ([], [])
-            entry[0].append(self.steps)
+                entry = given[i] = ([], [])
+            entry[0].append(start)
             entry[1].append(v)
-        self._rows.append(values)
-        self._lengths.append(steps)
-        self.steps += steps
-        self.bulk_steps += steps
+        self.steps += k
+        self.bulk_steps += k
 
     def close(self) -> StepBlock:
         """Build ``columns`` from the segments."""
         if not self._rows:
             return self
         lengths = np.asarray(self._lengths, dtype=np.int64)
+        n = self.steps
+        offsets = np.cumsum(lengths) - lengths
         out: list[Any] = []
         for values in zip(*self._rows, strict=True):
-            if None in values:
-                col = np.repeat(np.asarray(values, dtype=object), lengths)
-            else:
-                col = np.repeat(np.asarray(values), lengths)
-            out.append(col)
-        for i, (starts, arrays) in self._varying.items():
-            values = np.concatenate(arrays)
-            n = np.fromiter(map(len, arrays), np.int64, len(arrays))
-            # Each value's step: its segment's start plus its place in the segment.
-            at = np.arange(len(values)) + np.repeat(np.asarray(starts) - (np.cumsum(n) - n), n)
-            out[i][at] = values
+            col = np.asarray(values, dtype=object if None in values else None)
+            out.append(np.repeat(col, lengths))
+        # Steps into their segment, from 1.
+        nth = np.arange(1, n + 1, dtype=np.int64) - np.repeat(offsets, lengths)
+        ramp = np.repeat(np.asarray(self._ramps, dtype=np.int64), lengths) * nth
+        ramp *= self.token_bytes
+        out[_USED] += ramp
+        out[_AHEAD] -= ramp
+        if any(self._text):
+            text = np.repeat(np.asarray(self._text), lengths)
+            out[_TEXT][text] += ramp[text]
+        if self._taken:
+            taken = _spread(self._taken, n)
+            pages = taken * self.page_bytes
+            out[_RESERVED] += pages
+            out[_FREE] -= pages
+            out[_LARGEST] -= pages
+            out[_ALLOCS] += taken
+            out[_ENTRIES] += taken
+            refused = np.repeat(np.asarray(self._refused), lengths)
+            if refused.any():
+                out[_REFUSED_FREE][refused] -= pages[refused]
+                out[_REFUSED_LARGEST][refused] -= pages[refused]
+        if self._limits:
+            out[_AHEAD] += _spread(self._limits, n) * self.token_bytes
+        for i, (starts, arrays) in self._given.items():
+            out[i][_places(starts, arrays)] = np.concatenate(arrays)
+        # A stretch's step lasts from the end of the step before it (no wait comes between
+        # steps of a stretch, nor right before one: after a wait comes an arrival's step).
+        stretch = np.repeat(np.asarray(self._stretch), lengths)
+        if stretch.any():
+            t = out[_T]
+            before = np.empty(n, dtype=np.float64)
+            before[0] = self.t_start
+            before[1:] = t[:-1]
+            out[_DT][stretch] = t[stretch] - before[stretch]
         self.columns = {name: col.tolist() if col.dtype == object else col
                         for name, col in zip(COLUMNS, out, strict=True)}
-        self._rows, self._lengths, self._varying = [], [], {}
+        self._rows, self._lengths = [], []
         return self
+
+
+def _spread(parts: list[tuple[int, np.ndarray]], n: int) -> np.ndarray:
+    """``n`` zeros with each part's values from its offset on."""
+    out = np.zeros(n, dtype=np.int64)
+    out[_places([a for a, _ in parts], [v for _, v in parts])] = np.concatenate(
+        [v for _, v in parts])
+    return out
+
+
+def _places(starts: list[int], arrays: list[np.ndarray]) -> np.ndarray:
+    """The steps that ``arrays``, placed from ``starts`` on, cover."""
+    k = np.fromiter(map(len, arrays), np.int64, len(arrays))
+    return np.arange(int(k.sum())) + np.repeat(np.asarray(starts) - (np.cumsum(k) - k), k)
+
+
+_T, _DT = INDEX["t_s"], INDEX["dt_s"]
+_USED, _AHEAD, _RESERVED = (INDEX[f"{n}_bytes"] for n in ("used", "reserved_ahead", "reserved"))
+_FREE, _LARGEST = INDEX["free_bytes"], INDEX["largest_free_bytes"]
+_ALLOCS, _ENTRIES = INDEX["block_allocs"], INDEX["page_table_entries"]
+_REFUSED_FREE = INDEX["refused_free_bytes"]
+_REFUSED_LARGEST = INDEX["refused_largest_free_bytes"]
+_TEXT = INDEX["modality:text"]

@@ -23,6 +23,7 @@ class ContiguousBook:
         self.bpt = m.bytes_per_token
         self.capacity_tokens = m.capacity_tokens
         self.capacity = m.capacity_tokens * self.bpt
+        self.page_bytes = self.bpt
         self.footprint = m.footprint
         self._reserve = (m.reservation, m.max_model_len, m.align_slots)
         self.compaction = m.compaction
@@ -159,11 +160,11 @@ class ContiguousBook:
     def fill_stop(self, step: int, steps: int, avoid: set[int]) -> int:
         return steps
 
-    def quiet(self, step: int, steps: int, n: int) -> dict[str, np.ndarray]:
-        used = self.used + n * np.arange(1, steps + 1, dtype=np.int64)
+    def quiet(self, step: int, steps: int, n: int
+              ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Decoders write into their extents: nothing is taken."""
         self.used += n * steps
-        return {"used_bytes": used * self.bpt,
-                "reserved_ahead_bytes": (self.limit - used) * self.bpt}
+        return None, None
 
     # --- compaction ----------------------------------------------------------------------
 

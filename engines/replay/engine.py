@@ -65,6 +65,7 @@ class Book(Protocol):
     :mod:`~kvbench.engines.replay.contiguous`)."""
 
     bpt: int
+    page_bytes: int
     footprint: Any
 
     def join(self, seq: Seq) -> None: ...
@@ -93,7 +94,8 @@ class Book(Protocol):
     def waiting_hashes(self, seq: Seq) -> set[int] | None: ...
     def room(self, step: int, max_steps: int, keep_cached: bool) -> int: ...
     def fill_stop(self, step: int, steps: int, avoid: set[int]) -> int: ...
-    def quiet(self, step: int, steps: int, n: int) -> dict[str, np.ndarray]: ...
+    def quiet(self, step: int, steps: int, n: int
+              ) -> tuple[np.ndarray | None, np.ndarray | None]: ...
 
 
 _NO_REFUSAL = (0, 0, 0)
@@ -176,7 +178,7 @@ class EventReplay:
         and while nothing is left to run the clock waits for the next one), until the wave
         has drained or a block's wall time is up; at least one step unless the wave has
         nothing left."""
-        block = StepBlock(self.step, t)
+        block = StepBlock(self.step, t, self.bpt, self.book.page_bytes)
         deadline = time.perf_counter() + BLOCK_WALL_S
         before: KVStats | None = None
         requests, n = arrivals.requests, len(arrivals.requests)
@@ -548,28 +550,15 @@ class EventReplay:
         steps, device, reserved = memory.decode_steps(n, longest, steps)
         if not steps:
             return None
-        cols = book.quiet(s, steps, n)
+        before = book.values()
+        # Text KV held before the stretch (prompts are text here): where it accounts for
+        # the used KV, both grow alike along the stretch.
+        text = (n * s + self.sum_c - book.shared_tokens()) * self.bpt
+        known = text == before[2]
+        taken, limits = book.quiet(s, steps, n)
         memory.end_decode(reserved)
-        values = book.values()
-        k = steps
-        if need is None:
-            refusal, refused = _NO_REFUSAL, {}
-        else:
-            refusal = (need, values[4], values[5])
-            # Where free memory changes along the stretch (blocks taken), so does the refusal's.
-            refused = {i: cols[name] for i, name in ((_REFUSED_FREE, "free_bytes"),
-                                                     (_REFUSED_LARGEST, "largest_free_bytes"))
-                       if name in cols}
-        held = (n * (s + 1) + self.sum_c - book.shared_tokens()) + n * j[:k]
-        text = held * self.bpt
-        known = bool((text == cols["used_bytes"]).all())
-        varying: dict[int, Any] = {_T: ends[1 : k + 1], _DT: ends[1 : k + 1] - ends[:k]}
-        for name, col in cols.items():
-            varying[INDEX[name]] = col
-        varying.update(refused)
-        if known:
-            varying[_TEXT] = text
-        first, last = [], []
+        refusal = _NO_REFUSAL if need is None else (need, before[4], before[5])
+        first, last, varying = [], [], {}
         for name, col in device.items():
             if isinstance(col, np.ndarray):
                 varying[INDEX[f"device:{name}"]] = col
@@ -579,18 +568,17 @@ class EventReplay:
                 first.append(col)
                 last.append(col)
         block.stretch((
-            0.0, 0.0, n, n, len(self.waiting), 0, *values, *refusal, first[_ENCODER],
-            0 if known else None, *((0, 0) if known else (None, None)), *first,
-        ), k, varying)
-        self.step = s + k
-        self._last = (refusal, last[_ENCODER], int(text[-1]) if known else None)
+            0.0, 0.0, n, n, len(self.waiting), 0, *before, *refusal, first[_ENCODER],
+            text if known else None, *((0, 0) if known else (None, None)), *first,
+        ), ends[1 : steps + 1], n, known, need is not None, taken, limits, varying)
+        self.step = s + steps
+        after = book.values()
+        self._last = (_NO_REFUSAL if need is None else (need, after[4], after[5]),
+                      last[_ENCODER], text + n * steps * self.bpt if known else None)
         block.device_ranks = memory.tp
-        return float(ends[k])
+        return float(ends[steps])
 
 
-_T, _DT, _TEXT = INDEX["t_s"], INDEX["dt_s"], INDEX["modality:text"]
-_REFUSED_FREE = INDEX["refused_free_bytes"]
-_REFUSED_LARGEST = INDEX["refused_largest_free_bytes"]
 # The encoder's place among the device memory components.
 _ENCODER = DeviceMemory.COMPONENTS.index("encoder")
 

@@ -45,7 +45,7 @@ class PagedBook:
         self.bpt = manager.bytes_per_token
         self.num_blocks = manager.num_blocks
         self.caching = manager.enable_prefix_caching
-        self.block_bytes = bs * self.bpt
+        self.block_bytes = self.page_bytes = bs * self.bpt
         self.capacity = self.num_blocks * self.block_bytes
         self.vocab = vocab_size
         self.footprint = manager.footprint
@@ -319,54 +319,51 @@ class PagedBook:
                     return j
         return steps
 
-    def quiet(self, step: int, steps: int, n: int) -> dict[str, np.ndarray]:
-        """Apply ``steps`` steps of ``n`` decoders (within :meth:`room`); the KVStats fields
-        that change, per step."""
-        bs, pool, groups = self.bs, self.pool, self.groups
-        free_before, allocs_before = pool.num_free, pool.num_allocs
+    def quiet(self, step: int, steps: int, n: int
+              ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Apply ``steps`` steps of ``n`` decoders (within :meth:`room`). Returns the blocks
+        taken and the slots their sequences will write added, through each step
+        (cumulative; None when no block is taken)."""
+        bs, groups = self.bs, self.groups
         takers: list[Seq] = []
-        counts = np.zeros(steps, dtype=np.int64)
+        fills: list[Seq] = []
+        at: list[int] = []
+        caching = self.caching
+        # The group taking a block at a step fills one at the step before.
+        g = groups[-step % bs]
         for j in range(steps):
-            g = groups[-(step + j) % bs]
             if g:
                 takers += g
-                counts[j] = len(g)
-        fills = self._fills(step, steps)
+                at += [j] * len(g)
+            g = groups[-(step + j + 1) % bs]
+            if g and caching:
+                fills += g
+        self.advance(n * steps)
+        if not takers:
+            if fills:
+                self._cache_fills(fills)
+            return None, None
         delta = np.zeros(steps, dtype=np.int64)
-        if takers and fills and any(s.hashes is not None and s.indexed < len(s.hashes)
-                                    for s in fills):
+        if fills and any(s.hashes is not None and s.indexed < len(s.hashes) for s in fills):
             # A block filled here has its content's key, which a cached block might hold
             # that a take evicts first: keep each step's takes before its fills.
             for j in range(steps):
                 self._take(list(groups[-(step + j) % bs]), delta, j)
                 self.fill_decoders(step + j)
         else:
-            self._take(takers, delta, np.repeat(np.arange(steps), counts).tolist())
+            self._take(takers, delta, at)
             if fills:
                 self._cache_fills(fills)
-        taken = np.cumsum(counts)
-        written = n * np.arange(1, steps + 1, dtype=np.int64)
-        free = (free_before - taken) * self.block_bytes
-        bpt = self.bpt
-        limits = self.sum_limit + np.cumsum(delta)
-        columns = {
-            "used_bytes": (self.used + written) * bpt,
-            "reserved_bytes": self.capacity - free,
-            "reserved_ahead_bytes": (limits - (self.sum_committed + written)) * bpt,
-            "free_bytes": free,
-            "largest_free_bytes": free,
-            "block_allocs": allocs_before + taken,
-            "page_table_entries": self.entries + taken,
-        }
-        self.sum_limit = int(limits[-1])
-        self.entries += int(taken[-1])
-        self.advance(n * steps)
-        return columns
+        counts = np.bincount(at, minlength=steps)
+        limits = np.cumsum(delta)
+        self.sum_limit += int(limits[-1])
+        self.entries += len(takers)
+        return np.cumsum(counts), limits
 
     def _take(self, seqs: list[Seq], delta: np.ndarray, steps: list[int] | int) -> None:
         """A block for each of ``seqs`` (taking blocks in a row hands them out exactly as
         one take of them all), adding to ``delta`` at each one's step what its sequence's
-        slots to be written grow by."""
+        slots to be written grow by (a whole block, but where its final length ends)."""
         if not seqs:
             return
         bs = self.bs
@@ -376,7 +373,7 @@ class PagedBook:
             m = len(table)  # type: ignore[arg-type]
             table.append(block)  # type: ignore[union-attr]
             f = seq.final_len
-            delta[j] += min((m + 1) * bs, f) - min(m * bs, f)
+            delta[j] += bs if f >= (m + 1) * bs else max(f - m * bs, 0)
 
     # --- hashes --------------------------------------------------------------------------
 
