@@ -137,13 +137,14 @@ class CostModel:
             step += c.map_op_s * batch.map_ops / self.tp
         return step
 
-    def decode_step_times(self, num_seqs: int, context: np.ndarray,
+    def decode_step_times(self, num_seqs: int | np.ndarray, context: np.ndarray,
                           pairs: np.ndarray) -> np.ndarray | None:
-        """``step_time_s`` of consecutive steps that each decode one token of the same
-        ``num_seqs`` sequences, reading ``context[j]`` KV positions in ``pairs[j]`` query x
-        key pairs at step ``j``: the same floating-point operations in the same order, on
-        arrays, so every time equals the one-step figure bit for bit. None when an integer
-        term would exceed 2**53 (it would round differently as a float)."""
+        """``step_time_s`` of consecutive steps that each decode one token of ``num_seqs``
+        sequences (the same at every step, or one count per step), reading ``context[j]``
+        KV positions in ``pairs[j]`` query x key pairs at step ``j``: the same
+        floating-point operations in the same order, on arrays, so every time equals the
+        one-step figure bit for bit. None when an integer term would exceed 2**53 (it would
+        round differently as a float)."""
         c, hw = self.coef, self.hardware
         assert c is not None
         tp, n = self.tp, num_seqs

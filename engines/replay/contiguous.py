@@ -154,7 +154,8 @@ class ContiguousBook:
 
     # --- quiet stretches -----------------------------------------------------------------
 
-    def room(self, step: int, max_steps: int, keep_cached: bool) -> int:
+    def room(self, step: int, max_steps: int, keep_cached: bool,
+             plan: list[tuple[int, list[Seq]]], before: np.ndarray | None) -> int:
         return max_steps
 
     def fill_stop(self, step: int, steps: int, avoid: set[int]) -> int:

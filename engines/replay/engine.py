@@ -92,7 +92,8 @@ class Book(Protocol):
     def shared_tokens(self) -> int: ...
     def prepare(self, seqs: list[Seq]) -> None: ...
     def waiting_hashes(self, seq: Seq) -> set[int] | None: ...
-    def room(self, step: int, max_steps: int, keep_cached: bool) -> int: ...
+    def room(self, step: int, max_steps: int, keep_cached: bool,
+             plan: list[tuple[int, list[Seq]]], before: np.ndarray | None) -> int: ...
     def fill_stop(self, step: int, steps: int, avoid: set[int]) -> int: ...
     def quiet(self, step: int, steps: int, n: int
               ) -> tuple[np.ndarray | None, np.ndarray | None]: ...
@@ -131,6 +132,7 @@ class EventReplay:
         # that are not decoding.
         self.n_dec = 0
         self.sum_c = 0
+        self._pace = 0.0  # the last decode step's length, to guess how far arrivals are
         # The last step's refusal, encoder outputs and text KV bytes (for its snapshot).
         self._last: tuple[tuple[int, int, int], int, int | None] = (_NO_REFUSAL, 0, None)
         self._finishes: list[tuple[int, int, Seq]] = []
@@ -201,7 +203,8 @@ class EventReplay:
                     t = max(t, requests[arrivals.idx].arrival_s)
                     continue
                 due = arrivals.due()
-                t_quiet = self._quiet(block, t, due)
+                held = arrivals.idx < n and arrivals.in_flight >= arrivals.limit
+                t_quiet = self._quiet(block, t, due, held)
                 if t_quiet is None:
                     # The snapshot so far, should this step fail half-way (out of memory).
                     before = self.book.stats()
@@ -312,14 +315,7 @@ class EventReplay:
         finished = [(f, t1) for f in self.rejected]
         self.rejected = []
         if finishing:
-            finishing.sort(key=_order)
-            for seq in finishing:
-                committed = self._leave(seq, s + 1)
-                seq.running = False
-                book.free(seq, True, committed, s + 1)
-                runs.append((seq.rid, seq.run_start, s + 1))  # type: ignore[arg-type]
-                finished.append((Finished(seq.rid, cached_tokens=seq.cached), t1))
-            self.running = [q for q in self.running if q.running]
+            self._retire(finishing, s + 1, t1, runs, finished)
 
         # The step's report.
         values = book.values()
@@ -350,6 +346,20 @@ class EventReplay:
         else:
             self.idle = 0
         return t1, len(finished)
+
+    def _retire(self, finishing: list[Seq], s: int, t1: float,
+                runs: list[tuple[str, int, int]], finished: list[tuple[Finished, float]]) -> None:
+        """Free the sequences that sampled their last token in the step before step ``s``
+        (ending at ``t1``), in running order."""
+        finishing.sort(key=_order)
+        book = self.book
+        for seq in finishing:
+            committed = self._leave(seq, s)
+            seq.running = False
+            book.free(seq, True, committed, s)
+            runs.append((seq.rid, seq.run_start, s))  # type: ignore[arg-type]
+            finished.append((Finished(seq.rid, cached_tokens=seq.cached), t1))
+        self.running = [q for q in self.running if q.running]
 
     def _schedule_running(self, s: int, items: list, preempted: list[Seq],
                           runs: list[tuple[str, int, int]]) -> int:
@@ -493,11 +503,12 @@ class EventReplay:
 
     # --- quiet stretches -------------------------------------------------------------------
 
-    def _quiet(self, block: StepBlock, t: float, due_s: float) -> float | None:
+    def _quiet(self, block: StepBlock, t: float, due_s: float, held: bool) -> float | None:
         """Take the next steps in one go while nothing happens in them but decoding: every
-        running sequence decodes one token, none samples its last, no allocation can fail
-        and the request at the head of the queue stays where it is. Returns the clock time
-        after them (None when the next step has an event)."""
+        running sequence decodes one token, no allocation can fail and nobody waiting can be
+        admitted. Sequences may finish along the way where nothing waits for what they free
+        (no request waiting, none held back by the concurrency limit). Returns the clock
+        time after them (None when the next step has other events)."""
         running, book = self.running, self.book
         n = self.n_dec
         if self.rejected or not n or n != len(running) or book.copies_pending():
@@ -521,42 +532,108 @@ class EventReplay:
                         return None
                     need = book.footprint(head.request).tokens * self.bpt
                     avoid = book.waiting_hashes(head)
-        steps = min(MAX_DECODE_RUN, self._next_finish() - s)
-        if steps < 1:
+        absorb = (not self.waiting and not held and self.window is None
+                  and self.acts.attention == "fused")
+        plan = self._plan_finishes(s, self._reach(t, due_s)) if absorb else []
+        # Up to the first finish not planned, or the last planned when it ends them all.
+        horizon = min(MAX_DECODE_RUN, self._next_finish() - s)
+        if plan and sum(len(q) for _, q in plan) == n:
+            horizon = plan[-1][0] + 1
+        if horizon < 1:
             return None
-        steps = book.room(s, steps, need is not None)
-        if steps < 1:
+        steps = self._stretch_steps(s, horizon, n, plan, need is not None, t, due_s)
+        if steps is None:
+            self._unplan(plan, s)
             return None
-        j = np.arange(steps, dtype=np.int64)
-        window = self.window
-        if window is None:
-            context = n * (s + 1) + self.sum_c + n * j
-        else:
-            c = np.fromiter((q.c for q in running), np.int64, n)
-            context = np.minimum(s + 1 + c[None, :] + j[:, None], window).sum(axis=1)
-        dts = self.cost.decode_step_times(n, context, context)
-        if dts is None:
-            return None
-        ends = np.cumsum(np.concatenate(([t], dts)))
-        if due_s != math.inf:
-            steps = min(steps, int(np.searchsorted(ends[1:], due_s, side="left")) + 1)
+        k, ends, nums = steps
+        self._pace = float(ends[1] - ends[0])
         if avoid:
-            steps = book.fill_stop(s, steps, avoid)
-            if not steps:
+            k = book.fill_stop(s, k, avoid)
+            if not k:
                 return None
+        # Device memory, segment by segment (between finishes).
         memory = self.memory
         memory.begin_decode()
         longest = 0 if self.acts.attention == "fused" else s + 1 + max(q.c for q in running)
-        steps, device, reserved = memory.decode_steps(n, longest, steps)
-        if not steps:
+        segments = _segments(plan, k)
+        devices = []
+        for a, b in segments:
+            got, device, reserved = memory.decode_steps(int(nums[a]), longest, b - a + 1)
+            if got < b - a + 1:
+                k = a + got
+                break
+            memory.end_decode(reserved)
+            devices.append(device)
+        if not k:
+            self._unplan(plan, s)
             return None
+        fin = {f: q for f, q in plan if f < k}
+        for (a, b), device in zip(segments, devices, strict=False):
+            if a >= k:
+                break
+            b = min(b, k - 1)
+            t = self._segment(block, s, a, b, ends, int(nums[a]), need, device, fin.pop(b, None))
+            if book.copies_pending():
+                # A compaction after a release queued copies: the next step makes them.
+                k = b + 1
+                break
+        self._unplan([(f, q) for f, q in plan if f >= k or f in fin], s)
+        self.step = s + k
+        block.device_ranks = memory.tp
+        return t
+
+    def _stretch_steps(self, s: int, horizon: int, n: int, plan: list[tuple[int, list[Seq]]],
+                       keep_cached: bool, t: float, due_s: float
+                       ) -> tuple[int, np.ndarray, np.ndarray] | None:
+        """How many of the next ``horizon`` steps can run as decode steps (their blocks
+        there, none past the first ending at or after ``due_s``), their end times from
+        ``t`` and their decoders; None when not one."""
+        book = self.book
+        j = np.arange(horizon, dtype=np.int64)
+        if plan:
+            at = np.asarray([f for f, _ in plan], dtype=np.int64)
+            # Plan entries before each step: those sequences have left by then.
+            before = np.searchsorted(at, j, side="left")
+            nums = n - np.concatenate(([0], np.cumsum([len(q) for _, q in plan])))[before]
+            sum_c = self.sum_c - np.concatenate(
+                ([0], np.cumsum([sum(x.c for x in q) for _, q in plan])))[before]
+        else:
+            before = None
+            nums = np.full(horizon, n, dtype=np.int64)
+            sum_c = self.sum_c
+        room = book.room(s, horizon, keep_cached, plan, before)
+        if room < 1:
+            return None
+        if room < horizon:
+            j, nums = j[:room], nums[:room]
+            if plan:
+                sum_c = sum_c[:room]
+        if self.window is None:
+            context = nums * (s + 1 + j) + sum_c
+        else:
+            c = np.fromiter((q.c for q in self.running), np.int64, n)
+            context = np.minimum(s + 1 + c[None, :] + j[:, None], self.window).sum(axis=1)
+        dts = self.cost.decode_step_times(nums if plan else n, context, context)
+        if dts is None:
+            return None
+        ends = np.cumsum(np.concatenate(([t], dts)))
+        k = len(j)
+        if due_s != math.inf:
+            k = min(k, int(np.searchsorted(ends[1:], due_s, side="left")) + 1)
+        return k, ends, nums
+
+    def _segment(self, block: StepBlock, s: int, a: int, b: int, ends: np.ndarray, n: int,
+                 need: int | None, device: dict[str, Any], finishing: list[Seq] | None
+                 ) -> float:
+        """Apply steps ``s + a .. s + b`` of a stretch, ``n`` decoders each; the last one
+        finishes ``finishing``. Returns the clock time after them."""
+        book = self.book
         before = book.values()
-        # Text KV held before the stretch (prompts are text here): where it accounts for
-        # the used KV, both grow alike along the stretch.
-        text = (n * s + self.sum_c - book.shared_tokens()) * self.bpt
+        # Text KV held before the segment (prompts are text here): where it accounts for
+        # the used KV, both grow alike along it.
+        text = (n * (s + a) + self.sum_c - book.shared_tokens()) * self.bpt
         known = text == before[2]
-        taken, limits = book.quiet(s, steps, n)
-        memory.end_decode(reserved)
+        taken, limits = book.quiet(s + a, b - a + 1, n)
         refusal = _NO_REFUSAL if need is None else (need, before[4], before[5])
         first, last, varying = [], [], {}
         for name, col in device.items():
@@ -567,16 +644,80 @@ class EventReplay:
             else:
                 first.append(col)
                 last.append(col)
-        block.stretch((
-            0.0, 0.0, n, n, len(self.waiting), 0, *before, *refusal, first[_ENCODER],
-            text if known else None, *((0, 0) if known else (None, None)), *first,
-        ), ends[1 : steps + 1], n, known, need is not None, taken, limits, varying)
-        self.step = s + steps
-        after = book.values()
-        self._last = (_NO_REFUSAL if need is None else (need, after[4], after[5]),
-                      last[_ENCODER], text + n * steps * self.bpt if known else None)
-        block.device_ranks = memory.tp
-        return float(ends[steps])
+        k = b - a + 1 - (finishing is not None)
+        if k:
+            block.stretch((
+                0.0, 0.0, n, n, len(self.waiting), 0, *before, *refusal, first[_ENCODER],
+                text if known else None, *((0, 0) if known else (None, None)), *first,
+            ), ends[a + 1 : a + k + 1], n, known, need is not None,
+                None if taken is None else taken[:k], None if limits is None else limits[:k],
+                {i: col[:k] for i, col in varying.items()})
+        t1 = float(ends[b + 1])
+        if finishing is None:
+            after = book.values()
+            self._last = (_NO_REFUSAL if need is None else (need, after[4], after[5]),
+                          last[_ENCODER], text + n * k * self.bpt if known else None)
+            return t1
+        # The last step: its decoders' tokens, then the finished sequences leave.
+        runs: list[tuple[str, int, int]] = []
+        finished: list[tuple[Finished, float]] = []
+        self._retire(finishing, s + b + 1, t1, runs, finished)
+        values = book.values()
+        text = self._text_bytes(s + b + 1, values[2])
+        block.row((
+            t1, t1 - float(ends[b]), n, len(self.running), len(self.waiting), 0, *values,
+            *_NO_REFUSAL, last[_ENCODER], text, *((0, 0) if text is not None else (None, None)),
+            *last,
+        ))
+        block.runs += runs
+        block.finished += finished
+        block.ended.append((s + b, len(finished)))
+        self._last = (_NO_REFUSAL, last[_ENCODER], text)
+        self.idle = 0
+        return t1
+
+    def _reach(self, t: float, due_s: float) -> int:
+        """About how many steps from ``t`` the next arrival (at ``due_s``) is, at the pace of
+        the last step, with a margin: finishes beyond are not worth planning (a stretch
+        that falls short is followed by another)."""
+        if due_s == math.inf or self._pace <= 0:
+            return MAX_DECODE_RUN
+        return min(MAX_DECODE_RUN, int((due_s - t) / self._pace * 1.25) + 8)
+
+    def _plan_finishes(self, s: int, reach: int) -> list[tuple[int, list[Seq]]]:
+        """Take from the finish queue the decoders that finish within the next ``reach``
+        steps: (step after ``s``, sequences), in step order."""
+        heap, plan = self._finishes, []
+        end = s + reach
+        while heap and heap[0][0] < end:
+            entry = heapq.heappop(heap)
+            if not _current(entry):
+                continue
+            f = entry[0] - s
+            if plan and plan[-1][0] == f:
+                plan[-1][1].append(entry[2])
+            else:
+                plan.append((f, [entry[2]]))
+        return plan
+
+    def _unplan(self, plan: list[tuple[int, list[Seq]]], s: int) -> None:
+        """Put planned finishes not taken back into the finish queue."""
+        for f, seqs in plan:
+            for seq in seqs:
+                heapq.heappush(self._finishes, (s + f, seq.order, seq))
+
+
+def _segments(plan: list[tuple[int, list[Seq]]], k: int) -> list[tuple[int, int]]:
+    """Steps ``0 .. k - 1`` of a stretch cut after each planned finish: (first, last)."""
+    out, a = [], 0
+    for f, _ in plan:
+        if f >= k:
+            break
+        out.append((a, f))
+        a = f + 1
+    if a < k:
+        out.append((a, k - 1))
+    return out
 
 
 # The encoder's place among the device memory components.

@@ -284,14 +284,35 @@ class PagedBook:
 
     # --- quiet stretches -----------------------------------------------------------------
 
-    def room(self, step: int, max_steps: int, keep_cached: bool) -> int:
+    def room(self, step: int, max_steps: int, keep_cached: bool,
+             plan: list[tuple[int, list[Seq]]], before: np.ndarray | None) -> int:
         """Steps, up to ``max_steps``, whose allocations the free blocks cover (with
         ``keep_cached``, the plain ones: evicting a cached block could change what the
-        request waiting at the head of the queue hits)."""
-        counts = np.fromiter(map(len, self.groups), np.int64, self.bs)
-        per_step = counts[-(step + np.arange(max_steps, dtype=np.int64)) % self.bs]
-        room = self.pool.num_plain_free if keep_cached else self.pool.num_free
-        return int(np.searchsorted(np.cumsum(per_step), room, side="right"))
+        request waiting at the head of the queue hits). ``plan``: decoders finishing at
+        those steps (after ``step``), which take nothing after and return their blocks;
+        ``before[j]``: the plan entries before step ``j``."""
+        bs = self.bs
+        counts = np.fromiter(map(len, self.groups), np.int64, bs)
+        per_step = counts[-(step + np.arange(max_steps, dtype=np.int64)) % bs]
+        room: int | np.ndarray = (self.pool.num_plain_free if keep_cached
+                                  else self.pool.num_free)
+        if plan:
+            returns = []
+            pool = self.pool
+            for f, seqs in plan:
+                freed = 0
+                for seq in seqs:
+                    j = -(step + seq.c) % bs  # its first step taking a block
+                    taken = (f - j) // bs + 1 if j <= f else 0
+                    per_step[j + taken * bs :: bs] -= 1
+                    # What it holds alone goes free (with no block shared, all of it).
+                    table = seq.table
+                    freed += taken + (len(table) if not pool.num_shared  # type: ignore[arg-type]
+                                      else int((pool.ref[table] == 1).sum()))
+                returns.append(freed)
+            room = room + np.concatenate(([0], np.cumsum(returns)))[before]
+        short = np.flatnonzero(np.cumsum(per_step) > room)
+        return int(short[0]) if len(short) else max_steps
 
     def _fills(self, step: int, steps: int) -> list[Seq]:
         """The decoders filling a block in each of ``steps`` steps from ``step``, in step

@@ -14,6 +14,7 @@ sequences and compares them after every call). The differences are internal:
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from functools import partial
@@ -25,28 +26,35 @@ import numpy as np
 
 class ArrayPool:
     __slots__ = (
-        "_by_key", "_hit", "_key", "_plain", "_q", "_qhead", "_qholes", "_qpos", "_qtail",
-        "_state", "_top", "block_size", "num_allocs", "num_blocks", "num_evictions",
-        "num_frees", "num_shared", "ref",
+        "_by_key", "_hit", "_key", "_keys", "_plain", "_plains", "_q", "_qhead", "_qholes",
+        "_qpos", "_qposs", "_qs", "_qtail", "_refs", "_state", "_states", "_top",
+        "block_size", "num_allocs", "num_blocks", "num_evictions", "num_frees", "num_shared",
+        "ref",
     )
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         n = num_blocks
         self.num_blocks, self.block_size = n, block_size
-        self.ref = np.zeros(n, dtype=np.int64)
+        # Per-block state in array.array storage (quick to reach one element from Python, for
+        # the few blocks of a decode step) with numpy views of the same memory (for a
+        # prompt's or a table's blocks at once): ``x`` and ``xs``.
+        self._refs, self.ref = _ints(n)
         self._hit = np.zeros(n, dtype=bool)
         # What a block caches: nothing, content under a placeholder key, or content under
         # its key (in ``_key``, indexed in ``_by_key``).
-        self._state = np.zeros(n, dtype=np.int8)
-        self._key = np.zeros(n, dtype=np.uint64)
+        self._states = array("b", bytes(n))
+        self._state = np.frombuffer(self._states, dtype=np.int8)
+        self._keys = array("Q", bytes(8 * n))
+        self._key = np.frombuffer(self._keys, dtype=np.uint64)
         self._by_key: dict[int, int] = {}
         # Plain free blocks: a stack whose top (the end) is block 0 in a fresh pool.
-        self._plain = np.arange(n - 1, -1, -1, dtype=np.int64)
+        self._plains, self._plain = _ints(n)
+        self._plain[:] = np.arange(n - 1, -1, -1)
         self._top = n
         # Cached free blocks, least recently freed first, from _qhead to _qtail; -1 marks a
         # block taken back by a hit. _qpos: each queued block's place.
-        self._q = np.full(2 * n + 64, -1, dtype=np.int64)
-        self._qpos = np.full(n, -1, dtype=np.int64)
+        self._qs, self._q = _ints(2 * n + 64, -1)
+        self._qposs, self._qpos = _ints(n, -1)
         self._qhead = self._qtail = self._qholes = 0
         self.num_shared = self.num_allocs = self.num_evictions = self.num_frees = 0
 
@@ -60,6 +68,8 @@ class ArrayPool:
 
     def take(self, n: int) -> list[int]:
         """Hand out ``n`` blocks (the caller checked ``num_free``), each with one reference."""
+        if n <= _FEW:
+            return self._take_few(n)
         k = min(n, self._top)
         top = self._top
         out = self._plain[top - k : top][::-1]
@@ -76,6 +86,36 @@ class ArrayPool:
         self.ref[out] = 1
         self.num_allocs += n
         return out.tolist()
+
+    def _take_few(self, n: int) -> list[int]:
+        """:meth:`take` of a few blocks, one at a time."""
+        top, plains = self._top, self._plains
+        k = min(n, top)
+        out = [plains[top - 1 - i] for i in range(k)]
+        self._top = top - k
+        if k < n:
+            q, qpos, states, by_key, keys = (self._qs, self._qposs, self._states, self._by_key,
+                                            self._keys)
+            head = self._qhead
+            for _ in range(n - k):
+                b = q[head]
+                head += 1
+                while b < 0:
+                    self._qholes -= 1
+                    b = q[head]
+                    head += 1
+                qpos[b] = -1
+                if states[b] == _KEYED:
+                    del by_key[keys[b]]
+                states[b] = _NONE
+                out.append(b)
+            self._qhead = head
+            self.num_evictions += n - k
+        refs = self._refs
+        for b in out:
+            refs[b] = 1
+        self.num_allocs += n
+        return out
 
     def _evict(self, n: int) -> np.ndarray:
         """The ``n`` least recently freed cached blocks, out of the queue."""
@@ -145,7 +185,12 @@ class ArrayPool:
     def cache_placeholders(self, blocks: list[int]) -> None:
         """:meth:`cache` of ``blocks`` under placeholder keys (cached, not findable). A block
         not cached holds no key, so marking it is all there is to do."""
-        self._state[blocks] = _PLACEHOLDER
+        if len(blocks) <= _FEW:
+            states = self._states
+            for b in blocks:
+                states[b] = _PLACEHOLDER
+        else:
+            self._state[blocks] = _PLACEHOLDER
 
     def cache(self, blocks: list[int], keys: Sequence[int] | np.ndarray, start: int,
               end: int) -> None:
@@ -215,4 +260,12 @@ class ArrayPool:
 
 
 _NONE, _PLACEHOLDER, _KEYED = 0, 1, 2
+# Up to this many blocks, one at a time in Python beats numpy's cost per call.
+_FEW = 8
+
+
+def _ints(n: int, fill: int = 0) -> tuple[array, np.ndarray]:
+    """``n`` int64 of ``fill`` in an array.array, and a numpy view of them."""
+    a = array("q", [fill]) * n
+    return a, np.frombuffer(a, dtype=np.int64)
 _IS_BLOCK = partial(is_not, None)
