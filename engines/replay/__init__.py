@@ -49,13 +49,35 @@ def replay_blocker(engine: object, requests: Iterable[Request]) -> str | None:
     return None
 
 
-def event_replay(engine: BuiltinEngine, cost: CostModel) -> EventReplay:
-    """The event replay of ``engine`` (see :func:`replay_blocker`), timed by ``cost``."""
+def event_replay(engine: BuiltinEngine, cost: CostModel, requests: list[Request],
+                 waves: int = 1) -> EventReplay:
+    """The event replay of ``engine`` (see :func:`replay_blocker`), timed by ``cost``, for
+    ``requests`` sent ``waves`` times."""
     kv = engine.kv
     book: PagedBook | ContiguousBook
+    shared: set[str] | None = None
     if isinstance(kv, PagedKVManager):
         book = PagedBook(kv, engine.preset.vocab_size)
+        if kv.enable_prefix_caching and waves == 1:
+            shared = shared_starts(requests, kv.block_size)
     else:
         assert isinstance(kv, ContiguousKVManager)
         book = ContiguousBook(kv)
-    return EventReplay(engine, cost, book)
+    return EventReplay(engine, cost, book, shared)
+
+
+def shared_starts(requests: list[Request], block_size: int) -> set[str]:
+    """The contents (segment keys) more than one of ``requests`` starts with, over at least
+    a block: only such requests can share prompt blocks (another start gives other tokens
+    from the first block on, and blocks are keyed by all tokens up to their end). A prompt
+    whose first segment holds less than a block counts as shared."""
+    seen: set[str] = set()
+    shared: set[str] = set()
+    for r in requests:
+        first = r.segments[0]
+        key = first.key if first.tokens >= block_size else ""
+        if key in seen:
+            shared.add(key)
+        seen.add(key)
+    shared.add("")
+    return shared

@@ -24,6 +24,7 @@ class ContiguousBook:
         self.capacity_tokens = m.capacity_tokens
         self.capacity = m.capacity_tokens * self.bpt
         self.page_bytes = self.bpt
+        self.page_tokens = 1
         self.footprint = m.footprint
         self._reserve = (m.reservation, m.max_model_len, m.align_slots)
         self.compaction = m.compaction

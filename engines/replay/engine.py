@@ -66,6 +66,7 @@ class Book(Protocol):
 
     bpt: int
     page_bytes: int
+    page_tokens: int
     footprint: Any
 
     def join(self, seq: Seq) -> None: ...
@@ -106,7 +107,8 @@ class EventReplay:
     """Drives the steps of ``engine`` (a built-in engine on a simulated device, not yet
     stepped) under the virtual clock's ``cost`` model."""
 
-    def __init__(self, engine: BuiltinEngine, cost: CostModel, book: Book) -> None:
+    def __init__(self, engine: BuiltinEngine, cost: CostModel, book: Book,
+                 shared: set[str] | None = None) -> None:
         config = engine.scheduler.config
         self.name = engine.name
         self.rejection = engine.scheduler.rejection
@@ -119,6 +121,8 @@ class EventReplay:
         self.acts = self.memory.activations
         self.book = book
         self.bpt = book.bpt
+        # Prompt starts shared between requests (None: count every prompt as shared).
+        self._shared = shared
         self.modalities = ModalityAccount(None, engine.kv.spec, engine.preset.dtype)
         self.running: list[Seq] = []
         self.waiting: deque[Seq] = deque()
@@ -147,7 +151,13 @@ class EventReplay:
         if reason is not None:
             self.rejected.append(Finished(request.id, rejected=reason))
             return
-        self.waiting.append(seq if seq is not None else Seq(request))
+        self.waiting.append(seq if seq is not None else self._seq(request))
+
+    def _seq(self, request: Request) -> Seq:
+        shared = self._shared
+        first = request.segments[0]
+        return Seq(request, shared is not None and first.key not in shared
+                   and first.tokens >= self.book.page_tokens)
 
     def _prepare(self, requests: list[Request], idx: int) -> None:
         """Make the sequences of the next of ``requests`` from ``idx`` on ahead of their
@@ -158,7 +168,7 @@ class EventReplay:
         for i in range(idx, end):
             request = requests[i]
             if self.rejection(request) is None:
-                seqs.append(Seq(request))
+                seqs.append(self._seq(request))
                 tokens += seqs[-1].num_prompt
                 if tokens >= PREPARE_TOKENS:
                     end = i + 1

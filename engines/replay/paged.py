@@ -46,6 +46,7 @@ class PagedBook:
         self.num_blocks = manager.num_blocks
         self.caching = manager.enable_prefix_caching
         self.block_bytes = self.page_bytes = bs * self.bpt
+        self.page_tokens = bs
         self.capacity = self.num_blocks * self.block_bytes
         self.vocab = vocab_size
         self.footprint = manager.footprint
@@ -136,8 +137,9 @@ class PagedBook:
         return True
 
     def lookup(self, seq: Seq) -> tuple[int, list[int]]:
-        """Cached leading tokens of ``seq`` and the blocks holding them."""
-        if not self.caching:
+        """Cached leading tokens of ``seq`` and the blocks holding them (none for a private
+        prompt that never ran: no block can hold it)."""
+        if not self.caching or (seq.private and seq.hashes is None):
             return 0, []
         n = seq.num_tokens
         hashes = self._hashes_upto(seq, n // self.bs)
@@ -171,9 +173,19 @@ class PagedBook:
         self.sum_committed += after - before
         if self.caching:
             full = after // self.bs
-            if full > seq.indexed:
-                hashes = self._hashes_upto(seq, full)
-                self.pool.cache(seq.table, hashes, seq.indexed, full)  # type: ignore[arg-type]
+            indexed = seq.indexed
+            if full > indexed:
+                if seq.private:
+                    # Keyed where its keys are known (from a run before a preemption), else
+                    # under placeholders: only its own lookup could find them.
+                    known = min(len(seq.hashes) if seq.hashes is not None else 0, full)
+                    if known > indexed:
+                        self.pool.cache(seq.table, seq.hashes, indexed,  # type: ignore[arg-type]
+                                        known)
+                    self.pool.cache_placeholders(seq.table[max(known, indexed) : full])  # type: ignore[index]
+                else:
+                    hashes = self._hashes_upto(seq, full)
+                    self.pool.cache(seq.table, hashes, indexed, full)  # type: ignore[arg-type]
                 seq.indexed = full
 
     def free(self, seq: Seq, finished: bool, committed: int, step: int) -> None:
@@ -241,7 +253,7 @@ class PagedBook:
         its bookkeeping. A prompt whose segments all start at block boundaries (a Mooncake
         trace's 512-token blocks) takes its blocks' digests from its segments', kept by
         segment key: requests sharing segments hash them once."""
-        todo = [s for s in seqs if s.hashes is None]
+        todo = [s for s in seqs if s.hashes is None and not s.private]
         if not self.caching or not todo:
             return
         bs, kept = self.bs, self._digests
@@ -271,14 +283,15 @@ class PagedBook:
             else:
                 parts.append(self.hasher.digests(seq.token_ids(0, n * bs, self.vocab)))
             counts.append(n)
+        digests = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
         for seq, hashes in zip(todo, self.hasher.chain_each(
-                np.concatenate(parts), np.asarray(counts, dtype=np.int64)), strict=True):
+                digests, np.asarray(counts, dtype=np.int64)), strict=True):
             seq.hashes = hashes
         if len(kept) > _DIGESTS_KEPT:
             kept.clear()
 
     def waiting_hashes(self, seq: Seq) -> set[int] | None:
-        if not self.caching:
+        if not self.caching or (seq.private and seq.hashes is None):
             return None
         return set(self._hashes_upto(seq, seq.num_tokens // self.bs).tolist())
 

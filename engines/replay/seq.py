@@ -20,12 +20,16 @@ class Seq:
 
     __slots__ = (
         "c", "cached", "computed", "decoding", "fin", "final_len", "hashes", "indexed",
-        "key", "length", "num_prompt", "order", "out", "phase", "preemptions", "prompt_ids",
-        "request", "rid", "run_start", "running", "scheduled", "start", "table", "target",
+        "key", "length", "num_prompt", "order", "out", "phase", "preemptions", "private",
+        "prompt_ids", "request", "rid", "run_start", "running", "scheduled", "start", "table",
+        "target",
     )
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, private: bool = False) -> None:
         self.request = request
+        # No other request's prompt starts as this one's does: nothing but this request can
+        # ever find its blocks in a prefix cache.
+        self.private = private
         self.rid = request.id
         self.num_prompt = request.prompt_tokens
         self.target = request.output_tokens

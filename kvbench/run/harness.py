@@ -254,7 +254,8 @@ def run_engine(
     replay: EventReplay | None = None
     if (fast_forward and inside is None and isinstance(clock, VirtualClock)
             and replay_blocker(engine, workload.requests) is None):
-        replay = event_replay(engine, clock.cost)  # type: ignore[arg-type]
+        replay = event_replay(engine, clock.cost, workload.requests,  # type: ignore[arg-type]
+                              waves)
         run.fast_forward = "on"
     bulk = fast_forward and ff is None and inside is None and replay is None
     # A cluster's steps in which only replicas' decode runs go on, taken in one call.
