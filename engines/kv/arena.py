@@ -16,18 +16,21 @@ class Arena:
     live extents (a few hundred), so no cleverer index pays off.
     """
 
-    __slots__ = ("_lengths", "_starts", "fit", "size")
+    __slots__ = ("_largest", "_lengths", "_starts", "fit", "size")
 
     def __init__(self, size: int, fit: Fit) -> None:
         self.size = size
         self.fit = fit
         self._starts = [0]
         self._lengths = [size]
+        # The largest hole, or None when a take may have shrunk it (found again on demand).
+        self._largest: int | None = size
 
     def copy(self) -> Arena:
         out = Arena(self.size, self.fit)
         out._starts = list(self._starts)
         out._lengths = list(self._lengths)
+        out._largest = self._largest
         return out
 
     @property
@@ -41,7 +44,9 @@ class Arena:
 
     @property
     def largest(self) -> int:
-        return max(self._lengths, default=0)
+        if self._largest is None:
+            self._largest = max(self._lengths, default=0)
+        return self._largest
 
     def take(self, length: int) -> int | None:
         """Start of a new extent of ``length`` carved from the front of a hole, or None."""
@@ -55,6 +60,8 @@ class Arena:
         if i is None:
             return None
         start = self._starts[i]
+        if lengths[i] == self._largest:
+            self._largest = None
         if lengths[i] == length:
             del self._starts[i], lengths[i]
         else:
@@ -69,6 +76,8 @@ class Arena:
         starts, lengths = self._starts, self._lengths
         while len(out) < n and starts:
             k = min(n - len(out), lengths[-1])
+            if lengths[-1] == self._largest:
+                self._largest = None
             end = starts[-1] + lengths[-1]
             out += range(end - 1, end - 1 - k, -1)
             lengths[-1] -= k
@@ -89,16 +98,23 @@ class Arena:
         if merge_prev and merge_next:
             lengths[i - 1] += length + lengths[i]
             del starts[i], lengths[i]
+            grown = lengths[i - 1]
         elif merge_prev:
             lengths[i - 1] += length
+            grown = lengths[i - 1]
         elif merge_next:
             starts[i] = start
             lengths[i] += length
+            grown = lengths[i]
         else:
             starts.insert(i, start)
             lengths.insert(i, length)
+            grown = length
+        if self._largest is not None and grown > self._largest:
+            self._largest = grown
 
     def reset(self, used_end: int) -> None:
         """Everything below ``used_end`` is taken, everything above free (after compaction)."""
         self._starts = [used_end] if used_end < self.size else []
         self._lengths = [self.size - used_end] if used_end < self.size else []
+        self._largest = self.size - used_end

@@ -8,6 +8,8 @@ One sample per request: no spare extents for forks."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from kvbench.engines.base import KVStats
@@ -132,8 +134,13 @@ class ContiguousBook:
             self.allocs - self.frees,
         )
 
-    def stats(self) -> KVStats:
-        v = self.values()
+    def mark(self) -> tuple[int | None, ...]:
+        """What :meth:`stats` reads, as it is now."""
+        return self.values()
+
+    def stats(self, mark: tuple[Any, ...] | None = None) -> KVStats:
+        """The KV snapshot now, or as ``mark`` found it."""
+        v = self.values() if mark is None else mark
         return KVStats(
             capacity_bytes=v[0], used_bytes=v[2], reserved_bytes=v[1],
             reserved_ahead_bytes=v[3], free_bytes=v[4], largest_free_bytes=v[5],

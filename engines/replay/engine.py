@@ -88,7 +88,8 @@ class Book(Protocol):
     def take_copies(self) -> list[SlotCopy]: ...
     def copies_pending(self) -> bool: ...
     def values(self) -> tuple[Any, ...]: ...
-    def stats(self) -> KVStats: ...
+    def mark(self) -> tuple[Any, ...]: ...
+    def stats(self, mark: tuple[Any, ...] | None = None) -> KVStats: ...
     def free_now(self) -> tuple[int, int]: ...
     def shared_tokens(self) -> int: ...
     def prepare(self, seqs: list[Seq]) -> None: ...
@@ -127,7 +128,8 @@ class EventReplay:
         self.running: list[Seq] = []
         self.waiting: deque[Seq] = deque()
         self.rejected: list[Finished] = []
-        self._ready: dict[str, Seq] = {}
+        # Sequences made ahead of their arrival, or why a request will be rejected, by id.
+        self._ready: dict[str, Seq | str] = {}
         self._ready_upto: tuple[list[Request] | None, int] = (None, 0)
         self.step = 0
         self._order = 0
@@ -146,12 +148,14 @@ class EventReplay:
     # --- the Engine side ---------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        seq = self._ready.pop(request.id, None)
-        reason = self.rejection(request)
-        if reason is not None:
-            self.rejected.append(Finished(request.id, rejected=reason))
-            return
-        self.waiting.append(seq if seq is not None else self._seq(request))
+        got = self._ready.pop(request.id, None)
+        if got is None:
+            reason = self.rejection(request)
+            got = reason if reason is not None else self._seq(request)
+        if isinstance(got, str):
+            self.rejected.append(Finished(request.id, rejected=got))
+        else:
+            self.waiting.append(got)
 
     def _seq(self, request: Request) -> Seq:
         shared = self._shared
@@ -163,18 +167,23 @@ class EventReplay:
         """Make the sequences of the next of ``requests`` from ``idx`` on ahead of their
         arrival (not of those that will be rejected)."""
         seqs: list[Seq] = []
+        ready: dict[str, Seq | str] = {}
         tokens = 0
         end = min(idx + PREPARE_REQUESTS, len(requests))
         for i in range(idx, end):
             request = requests[i]
-            if self.rejection(request) is None:
-                seqs.append(self._seq(request))
-                tokens += seqs[-1].num_prompt
-                if tokens >= PREPARE_TOKENS:
-                    end = i + 1
-                    break
+            reason = self.rejection(request)
+            if reason is not None:
+                ready[request.id] = reason
+                continue
+            seq = ready[request.id] = self._seq(request)
+            seqs.append(seq)
+            tokens += seq.num_prompt
+            if tokens >= PREPARE_TOKENS:
+                end = i + 1
+                break
         self.book.prepare(seqs)
-        self._ready = {s.rid: s for s in seqs}
+        self._ready = ready
         self._ready_upto = (requests, end)
 
     def has_unfinished(self) -> bool:
@@ -192,7 +201,7 @@ class EventReplay:
         nothing left."""
         block = StepBlock(self.step, t, self.bpt, self.book.page_bytes)
         deadline = time.perf_counter() + BLOCK_WALL_S
-        before: KVStats | None = None
+        before: tuple[Any, ...] | None = None
         requests, n = arrivals.requests, len(arrivals.requests)
         try:
             while True:
@@ -217,7 +226,7 @@ class EventReplay:
                 t_quiet = self._quiet(block, t, due, held)
                 if t_quiet is None:
                     # The snapshot so far, should this step fail half-way (out of memory).
-                    before = self.book.stats()
+                    before = self.book.mark()
                     t, ended = self._event_step(block, t)
                     arrivals.in_flight -= ended
                 else:
@@ -500,11 +509,11 @@ class EventReplay:
         held = self.n_dec * s + self.sum_c + self.sum_partial - self.book.shared_tokens()
         return held * self.bpt if held * self.bpt == used else None
 
-    def _last_kv(self, kv: KVStats | None = None) -> KVStats:
+    def _last_kv(self, mark: tuple[Any, ...] | None = None) -> KVStats:
         """The KV snapshot after the last step: the book's now (as that step left it), or
-        ``kv``, taken before a step that failed."""
+        as ``mark`` found it before a step that failed."""
         refusal, encoder, text = self._last
-        kv = self.book.stats() if kv is None else kv
+        kv = self.book.stats(mark)
         kv.refused_bytes, kv.refused_free_bytes, kv.refused_largest_free_bytes = refusal
         kv.encoder_cache_bytes = encoder
         if text is not None:

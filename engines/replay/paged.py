@@ -21,6 +21,8 @@ no leaking fault."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from kvbench.engines.base import KVStats
@@ -224,16 +226,21 @@ class PagedBook:
             pool.num_allocs, pool.num_frees, 0, self.entries,
         )
 
-    def stats(self) -> KVStats:
-        v = self.values()
+    def mark(self) -> tuple[Any, ...]:
+        """What :meth:`stats` reads, as it is now."""
+        return *self.values(), self.query_tokens, self.pool.num_evictions
+
+    def stats(self, mark: tuple[Any, ...] | None = None) -> KVStats:
+        """The KV snapshot now, or as ``mark`` found it."""
+        v = self.mark() if mark is None else mark
         caching = self.caching
         return KVStats(
             capacity_bytes=v[0], used_bytes=v[2], reserved_bytes=v[1],
             reserved_ahead_bytes=v[3], free_bytes=v[4], largest_free_bytes=v[5],
             shared_bytes=v[6], prefix_hit_tokens=v[7],
-            prefix_query_tokens=self.query_tokens if caching else None,
+            prefix_query_tokens=v[12] if caching else None,
             block_allocs=v[8], block_frees=v[9], copied_bytes=v[10], page_table_entries=v[11],
-            evictions=self.pool.num_evictions if caching else None,
+            evictions=v[13] if caching else None,
         )
 
     def free_now(self) -> tuple[int, int]:

@@ -139,6 +139,15 @@ def record_of(plan: RunPlan, run: EngineRun, config: dict, **extra: Any) -> RunR
     )
 
 
+def _write_record(plan: RunPlan, earlier: list[RunRecord], name: str, run: EngineRun,
+                  config: dict) -> list[RunRecord]:
+    """Write ``name``'s record: ``run``'s folded with its ``earlier`` repeats; returns them
+    all."""
+    repeats = [*earlier, record_of(plan, run, config)]
+    fold_repeats(repeats).write(plan.out_dir / f"{name}.json")
+    return repeats
+
+
 def record_unstarted(plan: RunPlan, done: set[str], reason: str) -> list[RunRecord]:
     """Records, with ``status`` interrupted and no metrics, of the plan's engines not in
     ``done``: an interrupted run says what it never reached."""
@@ -161,10 +170,14 @@ def execute_plan(
     """Run every engine in turn, ``plan.repeats`` rounds of all engines (so that slow drift
     hits every engine alike); each record is written as soon as its engine ends, folded over
     its repeats so far. A failed engine does not stop the others and is not repeated. An
-    interrupt (Ctrl-C, SIGTERM) stops the run: the current engine's record says where,
-    engines not yet started get interrupted records, and the summary is still written."""
+    interrupt (Ctrl-C, SIGTERM) stops the run: the current engine's record says where (or,
+    when its run had ended, is written as it ran), engines not yet started get interrupted
+    records, and the summary is still written."""
     runs: dict[str, list[RunRecord]] = {}
     stopped: str | None = None
+    # An interrupt that came after an engine's run ended (while its record was built): the
+    # record is written all the same, then the run stops as interrupted.
+    late: KeyboardInterrupt | None = None
     quality = QualityCheck(plan.suite.run.quality_check)
     for repeat, (name, engine) in itertools.product(range(plan.repeats), plan.engines):
         if any(r.status != "ok" for r in runs.get(name, [])):
@@ -172,15 +185,21 @@ def execute_plan(
         label = name if plan.repeats == 1 else f"{name} ({repeat + 1}/{plan.repeats})"
         progress = on_engine(label) if on_engine else None
         run, config = start_and_run(plan, engine, progress, quality=quality)
-        runs.setdefault(name, []).append(record_of(plan, run, config))
-        fold_repeats(runs[name]).write(plan.out_dir / f"{name}.json")
-        if run.status == "interrupted":
-            stopped = run.error
+        earlier = runs.get(name, [])
+        try:
+            runs[name] = _write_record(plan, earlier, name, run, config)
+        except KeyboardInterrupt as exc:
+            late = exc
+            runs[name] = _write_record(plan, earlier, name, run, config)
+        if run.status == "interrupted" or late is not None:
+            stopped = run.error if late is None else interrupt_reason(late)
             break
     records = [fold_repeats(rs) for rs in runs.values()]
     if stopped is not None:
         records += record_unstarted(plan, set(runs), f"not started: the run was {stopped}")
     write_text_atomic(plan.out_dir / "summary.md", summary_markdown(records))
+    if late is not None:
+        raise late
     # After the records: a figure that fails to draw costs only itself.
     if plots:
         plan.warnings += write_plots(records, plan.out_dir)[1]
