@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 from helpers import make_workload, text_request
@@ -153,15 +154,19 @@ def test_stamped_events_keep_their_own_times_and_idle_steps_are_no_stall() -> No
     clock = WallClock()
     run = run_engine(engine, _wl(), clock)
     assert run.status == "ok", run.error
+    gaps = []
     for rid in ("r0", "r1"):
         t = run.timings[rid]
         expected = [clock.at_perf(x) for x in engine.times[rid]]
-        assert t.token_times_s == expected
+        assert t.tokens == len(expected) and t.last_token_s == expected[-1]
         assert t.first_token_s == expected[0] and t.finish_s == expected[-1]
+        gaps += np.diff(expected).tolist()
         # Latencies count from the send, which the record keeps as the arrival.
         assert t.request.arrival_s == clock.at_perf(engine.sent[rid])
     failed = run.timings["r2"]
     assert failed.status == "failed" and failed.error == "HTTP 503" and failed.finish_s is None
+    # The stamped gaps of completed requests only (the failed one's are dropped).
+    assert sorted(run.steps.gaps.samples) == sorted(gaps)
     s = summarize(run)
     assert s["completed"] == 2 and s["failed"] == 1
 

@@ -13,25 +13,36 @@ from kvbench.engines.registry import NAMED_ENGINES, build_engine
 from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.errors import KvbenchError
 from kvbench.results.curves import build_curves
-from kvbench.results.metrics import latency_samples, memory_metrics, summarize
+from kvbench.results.metrics import itl_samples, latency_samples, memory_metrics, summarize
 from kvbench.results.slo import SLO, parse_slo
 from kvbench.run.clocks import VirtualClock
 from kvbench.run.devices import parse_device
-from kvbench.run.harness import EngineRun, RequestTiming, StepLog, run_engine
+from kvbench.run.gaps import GapLog
+from kvbench.run.harness import EngineRun, RequestTiming, StepLog, follows, run_engine
 from kvbench.run.telemetry import ProbeSamples, Telemetry
 
 
 def _timed_run() -> EngineRun:
-    """Two completed requests with known token times, one rejected (clock: seconds)."""
+    """Two completed requests with known token times, one rejected (clock: seconds): a
+    emits in steps 0-2 (ending at 0.5, 0.7, 1.1 s), b in step 3 (1.2 s)."""
     a, b, c = text_request("a", 10, 3, 0.0), text_request("b", 10, 1, 1.0), text_request("c", 9, 2)
     timings = {
-        "a": RequestTiming(a, first_scheduled_s=0.1, first_token_s=0.5,
-                           token_times_s=[0.5, 0.7, 1.1], finish_s=1.1),
-        "b": RequestTiming(b, first_scheduled_s=1.0, first_token_s=1.2, token_times_s=[1.2],
-                           finish_s=1.2),
+        "a": RequestTiming(a, first_scheduled_s=0.1, first_token_s=0.5, finish_s=1.1),
+        "b": RequestTiming(b, first_scheduled_s=1.0, first_token_s=1.2, finish_s=1.2),
         "c": RequestTiming(c, rejected="too long"),
     }
     run = EngineRun("x", make_workload([a, b, c]), "virtual", timings, StepLog())
+    steps = run.steps
+    for step, (rid, t0, t1) in enumerate([("a", 0.0, 0.5), ("a", 0.5, 0.7), ("a", 0.7, 1.1),
+                                          ("b", 1.1, 1.2)]):
+        steps.t_s.append(t1)
+        steps.dt_s.append(t1 - t0)
+        for column in (steps.num_tokens, steps.running):
+            column.append(1)
+        steps.waiting.append(0)
+        steps.preempted.append(0)
+        on = follows(timings[rid], step, 1, 1, t1, t1, steps.gaps)
+        steps.gaps.add(step, step + 1, on)
     run.duration_s = 2.0
     return run
 
@@ -42,7 +53,8 @@ def test_latency_definitions() -> None:
     assert lat["ttft"] == pytest.approx([0.5, 0.2])
     assert lat["e2el"] == pytest.approx([1.1, 0.2])
     assert lat["tpot"] == pytest.approx([(1.1 - 0.5) / 2])  # b has one output token: no TPOT
-    assert lat["itl"] == pytest.approx([0.2, 0.4])  # pooled gaps of a
+    values, weights = itl_samples(run)
+    assert np.repeat(values, weights) == pytest.approx([0.2, 0.4])  # pooled gaps of a
     s = summarize(run)
     assert s["completed"] == 2 and s["rejected"] == 1
     assert s["mean_ttft_ms"] == pytest.approx(350.0)
@@ -74,7 +86,7 @@ def test_parse_slo() -> None:
 
 def test_memory_growth_from_end_of_warmup() -> None:
     run = _timed_run()
-    run.steps.t_s.extend([0.1 * i for i in range(10)])
+    run.steps.t_s.extend([0.1 * i for i in range(6)])
     tel = Telemetry([], {"rss": "ok"})
     tel.samples["rss"] = ProbeSamples(("rss_bytes",), [0, 2, 5, 9], [(50,), (100,), (110,), (125,)])
     run.telemetry, run.warmup_step = tel, 3
@@ -175,13 +187,17 @@ def test_paged_wastes_less_and_shares_prefixes() -> None:
     assert paged["max_concurrent_requests"] > contig["max_concurrent_requests"]
 
 
-def test_token_steps_merge_into_runs_and_read_as_step_times() -> None:
+def test_tokens_following_on_count_per_step_and_other_gaps_are_values() -> None:
+    """A request's gap to a token of the step before is that step's length, counted per
+    step; after a pause (a preemption) its gap is kept as a value; several samples' tokens
+    in one step are one emission."""
+    gaps = GapLog()
     t = RequestTiming(text_request("a", 10, 9, 0.0))
-    t.add_steps(3, 4, 1)
-    t.add_steps(4, 7, 1)  # follows on: the same run
-    t.add_steps(7, 8, 2)  # two samples' tokens a step: a run of its own
-    t.add_steps(10, 11, 2)  # after a gap (preempted)
-    assert t.token_steps == [3, 7, 1, 7, 8, 2, 10, 11, 2]
+    assert not follows(t, 3, 1, 1, 1.5, 1.5, gaps)  # the first token: no gap
+    assert follows(t, 4, 3, 1, 2.0, 3.0, gaps)  # steps 4-6 follow on from step 3
+    assert follows(t, 7, 1, 2, 3.5, 3.5, gaps)  # two samples' tokens in step 7
+    assert not follows(t, 10, 1, 2, 5.0, 5.0, gaps)  # after a pause
     assert t.output_tokens_emitted == 8
-    step_end_s = np.arange(12) * 0.5
-    assert t.token_times(step_end_s).tolist() == [1.5, 2.0, 2.5, 3.0, 3.5, 3.5, 5.0, 5.0]
+    assert gaps.samples == [5.0 - 3.5]
+    gaps.add(4, 8)
+    assert gaps.weights(12).tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]

@@ -57,7 +57,8 @@ class StepBlock:
     After :meth:`close`, ``columns`` holds every step's values by :data:`COLUMNS` name (an
     array or list per column). Request events: ``sent`` (requests sent later than they
     arrived, with their arrival moved to then); ``runs`` (request id, first step, stop step)
-    of consecutive steps that each emitted one of its tokens; ``scheduled`` (id, the start
+    of consecutive steps here that each emitted one of its tokens, in step order per
+    request; ``scheduled`` (id, the start
     time of the step that first scheduled it); ``first_tokens`` (id, end time of the step
     that emitted its first token); ``finished`` (what ended, its step's end time,
     rejections included); ``preempted`` (one id per preemption); ``ended`` (step, requests

@@ -189,10 +189,6 @@ class EventReplay:
     def has_unfinished(self) -> bool:
         return bool(self.rejected or self.waiting or self.running)
 
-    def open_runs(self) -> list[tuple[str, int]]:
-        """(request id, first step) of every run of token-emitting steps still going on."""
-        return [(s.rid, s.run_start) for s in self.running if s.run_start is not None]
-
     def advance(self, t: float, arrivals: Arrivals) -> StepBlock:
         """Steps from clock time ``t``, sending ``arrivals`` as they come (the harness's
         rules: a request is added before the first step starting at or after its arrival,
@@ -237,6 +233,7 @@ class EventReplay:
             block.error = exc
         if block.steps:
             block.last_kv = self._last_kv(before if block.error is not None else None)
+            self._runs_of(block)
         block.t_end = t
         return block.close()
 
@@ -365,6 +362,15 @@ class EventReplay:
         else:
             self.idle = 0
         return t1, len(finished)
+
+    def _runs_of(self, block: StepBlock) -> None:
+        """The block's runs of token-emitting steps: those that ended in it and those going
+        on, each from where the block starts (earlier steps were reported with theirs)."""
+        first, end = block.first_step, block.first_step + block.steps
+        runs = [(rid, max(a, first), b) for rid, a, b in block.runs]
+        runs += [(q.rid, max(q.run_start, first), end) for q in self.running
+                 if q.run_start is not None and q.run_start < end]
+        block.runs = runs
 
     def _retire(self, finishing: list[Seq], s: int, t1: float,
                 runs: list[tuple[str, int, int]], finished: list[tuple[Finished, float]]) -> None:

@@ -9,7 +9,8 @@ Latency, per completed request, reported as ``mean_/median_/p90_/p99_<name>_ms``
 
 - ``ttft``: first output token time - arrival.
 - ``tpot``: (e2el - ttft) / (output_tokens - 1), for requests with more than one output token.
-- ``itl``: gaps between consecutive output-token emissions of a request, pooled over requests.
+- ``itl``: gaps between consecutive output-token emissions of a request, pooled over requests
+  (in a run that ended early, requests still running count too).
 - ``e2el``: finish - arrival.
 
 Throughput and goodput:
@@ -114,6 +115,7 @@ from kvbench.engines.device_memory import DeviceOutOfMemory
 from kvbench.engines.kv.modality import MODALITIES
 from kvbench.results.curves import device_columns, frag_index, fragmentation_waits
 from kvbench.results.slo import SLO
+from kvbench.run.gaps import weighted_stats
 from kvbench.run.harness import EngineRun
 
 PERCENTILES = (50, 90, 99)
@@ -121,22 +123,29 @@ PERCENTILES = (50, 90, 99)
 MODELLED_DEVICE_CURVE = "device_used_bytes"
 
 
-def _dist(prefix: str, values: list[float] | np.ndarray) -> dict[str, float | None]:
+def _dist(prefix: str, values: list[float] | np.ndarray,
+          weights: np.ndarray | None = None) -> dict[str, float | None]:
+    """Mean, median and percentiles in ms of ``values`` (seconds), each counted
+    ``weights[i]`` times when given."""
     keys = [f"mean_{prefix}_ms", f"median_{prefix}_ms"]
     keys += [f"p{p}_{prefix}_ms" for p in PERCENTILES if p != 50]
-    if not len(values):
-        return dict.fromkeys(keys)
     arr = np.asarray(values, dtype=np.float64) * 1000.0
+    if weights is not None:
+        got = weighted_stats(arr, weights, PERCENTILES)
+        if got is None:
+            return dict.fromkeys(keys)
+        mean, percentiles = got
+        return dict(zip(keys, [mean, *percentiles], strict=True))
+    if not len(arr):
+        return dict.fromkeys(keys)
     stats = [arr.mean(), np.median(arr)]
     stats += [np.percentile(arr, p) for p in PERCENTILES if p != 50]
     return {k: float(v) for k, v in zip(keys, stats, strict=True)}
 
 
-def latency_samples(run: EngineRun) -> dict[str, list[float] | np.ndarray]:
-    """Per-request TTFT, TPOT, E2EL and pooled ITL samples, in seconds."""
+def latency_samples(run: EngineRun) -> dict[str, list[float]]:
+    """Per-request TTFT, TPOT and E2EL samples, in seconds (ITL: :func:`itl_samples`)."""
     ttft, tpot, e2el = [], [], []
-    itl: list[np.ndarray] = []
-    step_end_s = np.asarray(run.steps.t_s, dtype=np.float64)
     for t in run.timings.values():
         if t.finish_s is None or t.first_token_s is None:
             continue
@@ -145,12 +154,18 @@ def latency_samples(run: EngineRun) -> dict[str, list[float] | np.ndarray]:
         e2el.append(t.finish_s - arrival)
         if t.tpot_s is not None:
             tpot.append(t.tpot_s)
-        times = np.unique(t.token_times(step_end_s))
-        if len(times) > 1:
-            itl.append(np.diff(times))
-    # One array, not a Python float per token: a long replay pools hundreds of millions.
-    pooled = np.concatenate(itl) if itl else np.empty(0)
-    return {"ttft": ttft, "tpot": tpot, "e2el": e2el, "itl": pooled}
+    return {"ttft": ttft, "tpot": tpot, "e2el": e2el}
+
+
+def itl_samples(run: EngineRun) -> tuple[np.ndarray, np.ndarray]:
+    """The inter-token gaps of every request, pooled, in seconds, with how many times each
+    counts: the length of each step, as many times as requests emitted in it following on
+    from the step before, and the other gaps once each (:class:`~kvbench.run.gaps.GapLog`)."""
+    s = run.steps
+    dt = np.asarray(s.dt_s, dtype=np.float64)
+    other = np.asarray(s.gaps.samples, dtype=np.float64)
+    return (np.concatenate((dt, other)),
+            np.concatenate((s.gaps.weights(len(dt)), np.ones(len(other), dtype=np.int64))))
 
 
 def meets_slo(run: EngineRun, slo: SLO) -> int:
@@ -211,6 +226,7 @@ def summarize(run: EngineRun, slo: SLO | None = None) -> dict[str, Any]:
         summary["slo_attainment_pct"] = 100.0 * met / len(timings) if timings else None
     for name, values in latency_samples(run).items():
         summary.update(_dist(name, values))
+    summary.update(_dist("itl", *itl_samples(run)))
     summary.update(kv_metrics(run))
     summary.update(fragmentation_metrics(run))
     summary.update(memory_metrics(run))

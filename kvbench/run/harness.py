@@ -32,6 +32,7 @@ from kvbench.engines.replay import (
 )
 from kvbench.run.clocks import Clock, VirtualClock
 from kvbench.run.columns import Column, column_of
+from kvbench.run.gaps import GapLog
 from kvbench.run.signals import interrupt_reason
 from kvbench.run.telemetry import OK, RssProbe, Telemetry
 from kvbench.workloads.model import Request, Workload
@@ -49,18 +50,18 @@ WARMUP_FRACTION = 0.1
 
 @dataclass(slots=True)
 class RequestTiming:
-    """One request's timings. Its output tokens' times are ``token_times_s`` where the
-    engine stamped them, and otherwise the end times of the steps in ``token_steps``: runs
-    ``start, stop, count`` (flat, three ints a run) of consecutive steps that each emitted
-    ``count`` of its tokens, so a long replay holds a few ints per request, not a float per
-    token (see :meth:`token_times`)."""
+    """One request's timings: when it was first scheduled, emitted its first token and
+    finished; how many output tokens it emitted and the step and time of the last (its
+    inter-token gaps go to the step log's :class:`~kvbench.run.gaps.GapLog` as they come, so
+    a long replay holds a few numbers per request, not one per token)."""
 
     request: Request
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
-    token_times_s: list[float] = field(default_factory=list)
-    token_steps: list[int] = field(default_factory=list)
     finish_s: float | None = None
+    tokens: int = 0
+    last_step: int = -1
+    last_token_s: float | None = None
     preemptions: int = 0
     cached_tokens: int | None = 0
     output_digest: str | None = None
@@ -77,28 +78,7 @@ class RequestTiming:
 
     @property
     def output_tokens_emitted(self) -> int:
-        runs = self.token_steps
-        return len(self.token_times_s) + sum(
-            (runs[i + 1] - runs[i]) * runs[i + 2] for i in range(0, len(runs), 3))
-
-    def add_steps(self, start: int, stop: int, count: int) -> None:
-        """``count`` tokens emitted in each of steps ``start .. stop - 1``."""
-        runs = self.token_steps
-        if runs and runs[-2] == start and runs[-1] == count:
-            runs[-2] = stop
-        else:
-            runs += (start, stop, count)
-
-    def token_times(self, step_end_s: np.ndarray) -> np.ndarray:
-        """Every output token's time, in order: the stamped ones, then those of the steps
-        that emitted them (``step_end_s``: the step log's ``t_s``)."""
-        runs = self.token_steps
-        parts = [np.asarray(self.token_times_s, dtype=np.float64)]
-        for i in range(0, len(runs), 3):
-            start, stop, count = runs[i : i + 3]
-            times = step_end_s[start:stop]
-            parts.append(times if count == 1 else np.repeat(times, count))
-        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+        return self.tokens
 
     @property
     def tpot_s(self) -> float | None:
@@ -150,6 +130,8 @@ class StepLog:
     # modality is stored (KVStats.modalities without the per-step counts).
     kv_modality_bytes: dict[str, Column] = field(default_factory=dict)
     kv_modalities: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The requests' inter-token gaps, by step (ITL).
+    gaps: GapLog = field(default_factory=GapLog)
     # Modelled device memory at each step's peak (engines that model it: the simulator),
     # one column per DeviceMemory component, summed over the tensor-parallel ranks.
     device: dict[str, Column] = field(default_factory=dict)
@@ -198,6 +180,9 @@ class EngineRun:
     # The output-agreement check of a reduced-precision KV run (kvbench.run.quality's
     # QualityResult), set by the caller that made it; None where none was considered.
     quality: Any = None
+    # Inter-token gaps of requests whose engine stamps token times, by request id, until it
+    # completes (then they join the step log's gaps).
+    stamped_gaps: dict[str, list[float]] = field(default_factory=dict)
 
 
 def wave_requests(workload: Workload, wave: int, waves: int, start_s: float) -> list[Request]:
@@ -362,11 +347,6 @@ def run_engine(
     finally:
         if inside is not None:
             run.fast_forward_steps = getattr(engine, "fast_forward_steps", 0)
-        if replay is not None:
-            # Requests still emitting tokens when the run stopped: their runs so far.
-            for rid, start in replay.open_runs():
-                if start < len(steps):
-                    timings[rid].add_steps(start, len(steps), 1)
         run.duration_s = clock.now()
         run.wall_time_s = time.perf_counter() - wall0
         if steps.t_s and run.status != "ok":
@@ -457,10 +437,13 @@ def _fast_forward(run: EngineRun, engine: BuiltinEngine, clock: VirtualClock,
         for name, values in out.device.items():
             column_of(s.device, name).extend(values)
     run.last_kv = out.last_kv
-    timings = run.timings
+    timings, gaps = run.timings, s.gaps
     first = len(s) - k
+    on = 0
     for rid, count in out.tokens.items():
-        timings[rid].add_steps(first, first + k, count)
+        on += follows(timings[rid], first, k, count, float(t1[0]), float(t1[-1]), gaps)
+    gaps.add(first, first + 1, on)
+    gaps.add(first + 1, first + k, len(out.tokens))
     clock.advance_to(float(t1[-1]))
     run.fast_forward_steps += k
     return k
@@ -526,8 +509,17 @@ def _log_block(run: EngineRun, block: StepBlock, clock: VirtualClock) -> int:
         timings[request.id].request = request
     for rid, t in block.scheduled:
         timings[rid].first_scheduled_s = t
-    for rid, start, stop in block.runs:
-        timings[rid].add_steps(start, stop, 1)
+    if block.runs:
+        t = block.columns["t_s"]
+        first, gaps = block.first_step, s.gaps
+        starts, stops = [], []
+        for rid, start, stop in block.runs:
+            k = stop - start
+            on = follows(timings[rid], start, k, 1, float(t[start - first]),
+                         float(t[stop - 1 - first]), gaps)
+            starts.append(start + 1 - on)
+            stops.append(stop)
+        gaps.add_many(np.asarray(starts), np.asarray(stops))
     for rid, t in block.first_tokens:
         timings[rid].first_token_s = t
     for rid in block.preempted:
@@ -588,11 +580,30 @@ def _log_quiet(run: EngineRun, block: Any, clock: Clock) -> None:
     for name, values in zip(DeviceMemory.COMPONENTS, zip(*block.device, strict=True),
                             strict=True):
         column_of(s.device, name).extend(values)
-    timings = run.timings
-    for step, tokens in enumerate(block.tokens, len(s) - k):
+    timings, gaps = run.timings, s.gaps
+    for step, (tokens, end) in enumerate(zip(block.tokens, ends, strict=True), len(s) - k):
+        on = 0
         for rid, count in tokens.items():
-            timings[rid].add_steps(step, step + 1, count)
+            on += follows(timings[rid], step, 1, count, end, end, gaps)
+        gaps.add(step, step + 1, on)
     clock.advance_to(t)
+
+
+def follows(timing: RequestTiming, start: int, steps: int, count: int, first_s: float,
+            last_s: float, gaps: GapLog) -> bool:
+    """Take ``count`` of ``timing``'s output tokens in each of ``steps`` steps from ``start``
+    (the first ending at ``first_s``, the last at ``last_s``). Returns whether the first of
+    them follows on from its token of the step before, whose gap is that step's length (the
+    caller counts it in ``gaps``); a first token after a preemption has its gap kept as a
+    value."""
+    timing.tokens += steps * count
+    last = timing.last_step
+    on = last >= 0 and last == start - 1
+    if not on and last >= 0 and first_s != timing.last_token_s:
+        gaps.samples.append(first_s - timing.last_token_s)  # type: ignore[operator]
+    timing.last_step = start + steps - 1
+    timing.last_token_s = last_s
+    return on
 
 
 def _record_requests(
@@ -612,13 +623,26 @@ def _record_requests(
         timings[rid].first_scheduled_s = t0
     # The step about to be logged (at t1): its index in the step log.
     step = len(run.steps)
+    gaps = run.steps.gaps
+    on = 0
     for rid, count in report.tokens.items():
+        timing = timings[rid]
         if stamps is None:
-            timings[rid].add_steps(step, step + 1, count)
-        else:
-            timings[rid].token_times_s.extend(clock.at_perf(t) for t in stamps.tokens[rid])
+            on += follows(timing, step, 1, count, t1, t1, gaps)
+            continue
+        # Stamped times: each gap a value of its own, kept until the request completes
+        # (only completed requests' gaps count, as ``vllm bench serve`` counts them).
+        held = run.stamped_gaps.setdefault(rid, [])
+        for t in stamps.tokens[rid]:
+            at = clock.at_perf(t)
+            if timing.last_token_s is not None and at != timing.last_token_s:
+                held.append(at - timing.last_token_s)
+            timing.last_token_s = at
+        timing.tokens += len(stamps.tokens[rid])
+    gaps.add(step, step + 1, on)
     for rid in report.first_token:
-        timings[rid].first_token_s = t1 if stamps is None else timings[rid].token_times_s[0]
+        timings[rid].first_token_s = (t1 if stamps is None else
+                                      clock.at_perf(stamps.tokens[rid][0]))
     for rid in report.preempted_ids:
         timings[rid].preemptions += 1
     for fin in report.finished:
@@ -630,6 +654,7 @@ def _record_requests(
             timing.error = fin.error
             continue
         timing.finish_s = t1 if stamps is None else clock.at_perf(stamps.finished[fin.request_id])
+        gaps.samples += run.stamped_gaps.pop(fin.request_id, ())
         timing.output_digest = fin.output_digest
         timing.cached_tokens = fin.cached_tokens
     return len(report.finished)
