@@ -57,7 +57,7 @@ from served import (
 )
 
 from kvbench.engines.presets import get_preset
-from kvbench.results.metrics import latency_samples
+from kvbench.results.metrics import itl_samples, latency_samples
 from kvbench.run.execute import start_and_run
 from kvbench.run.plan import plan_run
 from kvbench.run.suite import ModelSection, RunSection, Suite, WorkloadSection
@@ -232,8 +232,9 @@ def kvbench_tool(wl: PeerWorkload) -> Tool:
         s = latency_samples(run_)
         if len(s["ttft"]) != wl.requests:
             raise RuntimeError(f"kvbench completed {len(s['ttft'])} of {wl.requests} requests")
+        itl = np.repeat(*itl_samples(run_))
         return Samples([1000 * t for t in s["ttft"]], [1000 * t for t in s["tpot"]],
-                       [1000 * t for t in s["itl"]], len(s["ttft"]))
+                       [1000 * t for t in itl], len(s["ttft"]))
 
     return run
 
