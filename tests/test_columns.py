@@ -80,3 +80,32 @@ def test_event_columns_stay_runs_and_varying_ones_turn_flat() -> None:
     assert steady.present().tolist() == [v for v in expected_steady if v is not None]
     arr = np.asarray(varying)
     assert len(arr) == len(steady) and not varying.has_none and arr.max() < 1.0
+
+
+@pytest.mark.parametrize("runs", [True, False])
+def test_head_and_drop_of_runs_and_values(runs: bool) -> None:
+    """The first values, and forgetting them (a long replay folds its oldest steps), read as
+    slicing the list would, held as runs or as values."""
+    rng = np.random.default_rng(3)
+    expected: list[int | None] = []
+    col = Column()
+    for _ in range(300 if runs else 5000):  # values past 4096, changing at every one
+        value = None if rng.random() < 0.1 else int(rng.integers(0, 3 if runs else 10**9))
+        count = int(rng.integers(1, 40 if runs else 2))
+        col.repeat(value, count)
+        expected += [value] * count
+    col._flush()
+    assert isinstance(col._store, _Runs if runs else _Flat)
+    for n in (0, 1, 57, len(expected) // 2, len(expected) - 1, len(expected)):
+        values, nones = col.head(n)
+        flags = [v is None for v in expected[:n]]
+        assert values.tolist() == [0 if v is None else v for v in expected[:n]]
+        assert (nones.tolist() if nones is not None else [False] * n) == flags
+        assert (nones is None) == (not any(flags))
+    dropped = 0
+    for n in (5, 131, 1):
+        col.drop(n)
+        dropped += n
+        assert col.tolist() == expected[dropped:] and len(col) == len(expected) - dropped
+    col.append(8)
+    assert col[-1] == 8 and col[0] == expected[dropped]

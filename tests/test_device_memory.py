@@ -18,12 +18,12 @@ from kvbench.engines.presets import get_preset
 from kvbench.engines.registry import NAMED_ENGINES, build_engine
 from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.errors import KvbenchError
-from kvbench.results.curves import device_columns
 from kvbench.results.metrics import summarize
 from kvbench.run.clocks import VirtualClock
 from kvbench.run.devices import parse_device
 from kvbench.run.harness import EngineRun, run_engine
 from kvbench.run.plan import plan_run
+from kvbench.run.stepstats import device_columns
 from kvbench.run.suite import ModelSection, RunSection, Suite, WorkloadSection
 from kvbench.workloads.model import Request, Segment
 

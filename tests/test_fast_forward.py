@@ -17,6 +17,7 @@ from kvbench.engines.hardware import get_gpu
 from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.presets import get_preset
 from kvbench.engines.registry import KINDS, NAMED_ENGINES
+from kvbench.run import stepstats
 from kvbench.run.execute import record_of, start_and_run
 from kvbench.run.plan import plan_run
 from kvbench.run.suite import ModelSection, RunSection, Suite, WorkloadSection
@@ -122,6 +123,37 @@ def test_on_demand_kv_steps_one_at_a_time(tmp_path: Path) -> None:
     fast = _check(tmp_path / "od", MIXED, "llama-2-7b", ["paged"], kv_memory="4GiB",
                   kv_allocation="on-demand", expect_bulk=False)
     assert fast["paged"]["engine_config"]["fast_forward"]["mode"].startswith("unsupported")
+
+
+def test_folded_step_log_keeps_the_metrics(tmp_path: Path, monkeypatch: Any) -> None:
+    """A run whose step log folds its oldest steps (as a long one does) reports the
+    metrics of the whole log: counts, extremes, worst cases and percentiles exactly, sums
+    and means to a float's rounding; its curves keep every peak, trough and total."""
+    workload = WorkloadSection(preset="mixed-text", num_requests=48, seed=1)
+    engines = ["paged", "contiguous"]
+    whole = _records(tmp_path / "whole", True, workload, "llama-2-7b", engines,
+                     kv_memory="3GiB")
+    monkeypatch.setattr(stepstats, "FOLD_STEPS", 128)
+    monkeypatch.setattr(stepstats, "FINE_STEPS", 8)
+    # Stepped one at a time, it folds at the same steps: the records are the same.
+    folded = _check(tmp_path / "folded", workload, "llama-2-7b", engines, kv_memory="3GiB")
+    for name in engines:
+        a, b = _strip(whole[name]), _strip(folded[name])
+        assert a["summary"]["num_steps"] > 4 * 128  # it folded
+        assert a["summary"]["preemptions"] > 0 or name == "contiguous"
+        assert a["summary"].keys() == b["summary"].keys()
+        for key, value in a["summary"].items():
+            assert b["summary"][key] == (value if not isinstance(value, float)
+                                         else pytest.approx(value, rel=1e-12)), key
+        ca, cb = a["curves"], b["curves"]
+        assert ca.keys() == cb.keys()
+        assert cb["t_s"][-1] == ca["t_s"][-1]
+        for key in ca.keys() - {"t_s"}:
+            keep = (min if key in (*stepstats.MIN_CURVES, "frag_index")
+                    else sum if key in stepstats.SUM_CURVES else max)
+            assert keep(cb[key]) == keep(ca[key]), key
+        assert {k: v for k, v in a.items() if k not in ("summary", "curves")} \
+            == {k: v for k, v in b.items() if k not in ("summary", "curves")}
 
 
 def test_decode_step_times_equal_one_step_times() -> None:

@@ -113,10 +113,10 @@ import numpy as np
 from kvbench.engines.base import DeviceMemory
 from kvbench.engines.device_memory import DeviceOutOfMemory
 from kvbench.engines.kv.modality import MODALITIES
-from kvbench.results.curves import device_columns, frag_index, fragmentation_waits
 from kvbench.results.slo import SLO
 from kvbench.run.gaps import weighted_stats
 from kvbench.run.harness import EngineRun
+from kvbench.run.stepstats import StepSums, device_used_at, run_sums
 
 PERCENTILES = (50, 90, 99)
 # The curve modelled device metrics read.
@@ -157,15 +157,15 @@ def latency_samples(run: EngineRun) -> dict[str, list[float]]:
     return {"ttft": ttft, "tpot": tpot, "e2el": e2el}
 
 
-def itl_samples(run: EngineRun) -> tuple[np.ndarray, np.ndarray]:
+def itl_samples(run: EngineRun, sums: StepSums | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The inter-token gaps of every request, pooled, in seconds, with how many times each
     counts: the length of each step, as many times as requests emitted in it following on
-    from the step before, and the other gaps once each (:class:`~kvbench.run.gaps.GapLog`)."""
-    s = run.steps
-    dt = np.asarray(s.dt_s, dtype=np.float64)
-    other = np.asarray(s.gaps.samples, dtype=np.float64)
-    return (np.concatenate((dt, other)),
-            np.concatenate((s.gaps.weights(len(dt)), np.ones(len(other), dtype=np.int64))))
+    from the step before, and the other gaps once each (:class:`~kvbench.run.gaps.GapLog`).
+    ``sums``: the step log's reductions, if already made."""
+    values, weights = (sums or run_sums(run.steps)).gaps
+    other = np.asarray(run.steps.gaps.samples, dtype=np.float64)
+    return (np.concatenate((values, other)),
+            np.concatenate((weights, np.ones(len(other), dtype=np.int64))))
 
 
 def meets_slo(run: EngineRun, slo: SLO) -> int:
@@ -186,11 +186,6 @@ def meets_slo(run: EngineRun, slo: SLO) -> int:
 
 
 _SLO_SLACK = 1e-9
-
-
-def _weighted_mean(values: np.ndarray, weights: np.ndarray) -> float | None:
-    total = float(weights.sum())
-    return float((values * weights).sum() / total) if total > 0 else None
 
 
 def summarize(run: EngineRun, slo: SLO | None = None) -> dict[str, Any]:
@@ -224,18 +219,19 @@ def summarize(run: EngineRun, slo: SLO | None = None) -> dict[str, Any]:
         met = meets_slo(run, slo)
         summary["request_goodput"] = rate(met)
         summary["slo_attainment_pct"] = 100.0 * met / len(timings) if timings else None
+    sums = run_sums(run.steps)
     for name, values in latency_samples(run).items():
         summary.update(_dist(name, values))
-    summary.update(_dist("itl", *itl_samples(run)))
-    summary.update(kv_metrics(run))
-    summary.update(fragmentation_metrics(run))
-    summary.update(memory_metrics(run))
-    summary.update(modal_metrics(run))
-    summary.update(modality_metrics(run))
+    summary.update(_dist("itl", *itl_samples(run, sums)))
+    summary.update(kv_metrics(run, sums))
+    summary.update(fragmentation_metrics(sums))
+    summary.update(memory_metrics(run, sums))
+    summary.update(modal_metrics(run, sums))
+    summary.update(modality_metrics(run, sums))
     return summary
 
 
-def modality_metrics(run: EngineRun) -> dict[str, Any]:
+def modality_metrics(run: EngineRun, sums: StepSums) -> dict[str, Any]:
     """Per modality of the tokens held (text, image, audio): the bytes per stored element of
     its dtype and the peak of its used KV bytes (tokens held x bytes per token at that dtype;
     :mod:`kvbench.engines.kv.modality`). None where some step's bytes could not be
@@ -246,39 +242,36 @@ def modality_metrics(run: EngineRun) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {}
     for m in MODALITIES:
-        col = _full(s.kv_modality_bytes.get(m, []))
-        facts = s.kv_modalities.get(m, {})
-        out[f"kv_{m}_dtype_bytes"] = facts.get("element_bytes")
-        out[f"peak_kv_{m}_bytes"] = int(col.max()) if col is not None else None
+        peak = sums.max.get(f"modality:{m}")
+        out[f"kv_{m}_dtype_bytes"] = s.kv_modalities.get(m, {}).get("element_bytes")
+        out[f"peak_kv_{m}_bytes"] = (
+            int(peak) if peak is not None and f"modality:{m}" not in sums.missing else None)
     return out
 
 
-def modal_metrics(run: EngineRun) -> dict[str, Any]:
+def modal_metrics(run: EngineRun, sums: StepSums) -> dict[str, Any]:
     """Encoder-cache memory and, for a pool of page classes (modality-aware KV), per class:
     bytes per stored element (its dtype's), peak reserved and used bytes, mean utilisation
     of its capacity (reserved / capacity: usage per pool, not the max of pools) and waste
     (1 - used / reserved over the steps, reserved-weighted). Only keys the run has."""
-    s = run.steps
     out: dict[str, Any] = {}
-    enc = s.kv_encoder_cache_bytes.present()
-    if len(enc):
-        out["peak_encoder_cache_bytes"] = int(enc.max())
-        out["mean_encoder_cache_bytes"] = float(np.mean(enc))
+    if sums.count.get("encoder"):
+        out["peak_encoder_cache_bytes"] = int(sums.max["encoder"])
+        out["mean_encoder_cache_bytes"] = sums.sum["encoder"] / sums.count["encoder"]
     kv = run.last_kv
-    if not s.kv_class_bytes or kv is None or kv.classes is None:
+    if not run.steps.kv_class_bytes or kv is None or kv.classes is None:
         return out
     for name, last in kv.classes.items():
-        reserved = np.asarray(s.kv_class_bytes[f"{name}_reserved_bytes"], dtype=np.float64)
-        used = np.asarray(s.kv_class_bytes[f"{name}_used_bytes"], dtype=np.float64)
-        cap = np.asarray(s.kv_class_bytes[f"{name}_capacity_bytes"], dtype=np.float64)
         out[f"kv_{name}_element_bytes"] = last["element_bytes"]
         out[f"kv_{name}_page_tokens"] = last["page_tokens"]
-        out[f"peak_kv_{name}_reserved_bytes"] = int(reserved.max(initial=0))
-        out[f"peak_kv_{name}_used_bytes"] = int(used.max(initial=0))
-        out[f"mean_kv_{name}_utilization"] = float(np.mean(reserved / np.maximum(cap, 1)))
-        total = reserved.sum()
+        steps = sums.count.get(f"class:{name}", 0)
+        out[f"peak_kv_{name}_reserved_bytes"] = int(sums.max.get(f"class:{name}:reserved", 0))
+        out[f"peak_kv_{name}_used_bytes"] = int(sums.max.get(f"class:{name}:used", 0))
+        out[f"mean_kv_{name}_utilization"] = (
+            sums.sum[f"class:{name}:util"] / steps if steps else None)
+        total = sums.sum.get(f"class:{name}:reserved", 0.0)
         out[f"kv_{name}_waste_pct"] = (
-            100.0 * (1.0 - used.sum() / total) if total > 0 else None)
+            100.0 * (1.0 - sums.sum[f"class:{name}:used"] / total) if total > 0 else None)
     return out
 
 
@@ -288,20 +281,17 @@ POLICY_COUNTERS = ("evictions", "merges", "splits", "migrated_bytes", "map_ops",
 PAGE_TABLE_ENTRY_BYTES = 8
 
 
-def _full(values: list) -> np.ndarray | None:
-    """A KVStats column as floats, or None when the engine left any step's value absent."""
-    if not values or None in values:
-        return None
-    return np.asarray(values, dtype=np.float64)
+def _ratio(sums: StepSums, key: str, denom: float) -> float | None:
+    value = sums.sum.get(key)
+    return value / denom if value is not None and denom > 0 else None
 
 
-def kv_metrics(run: EngineRun) -> dict[str, Any]:
-    s = run.steps
+def kv_metrics(run: EngineRun, sums: StepSums) -> dict[str, Any]:
     kv = run.last_kv
     out: dict[str, Any] = {
-        "max_concurrent_requests": int(np.asarray(s.running).max(initial=0)),
+        "max_concurrent_requests": int(sums.max.get("running", 0)),
         "mean_concurrent_requests": None,
-        "preemptions": int(np.asarray(s.preempted).sum()),
+        "preemptions": int(sums.sum.get("preempted", 0)),
         "kv_capacity_bytes": kv.capacity_bytes if kv else None,
         "peak_kv_reserved_bytes": None,
         "peak_kv_used_bytes": None,
@@ -321,41 +311,32 @@ def kv_metrics(run: EngineRun) -> dict[str, Any]:
         "kv_copied_bytes": kv.copied_bytes if kv else None,
         **{f"kv_{name}": getattr(kv, name) if kv else None for name in POLICY_COUNTERS},
     }
-    if not len(s):
+    if not sums.steps:
         return out
-    dt = np.asarray(s.dt_s, dtype=np.float64)
-    out["mean_concurrent_requests"] = _weighted_mean(np.asarray(s.running, np.float64), dt)
-    reserved, used = _full(s.kv_reserved_bytes), _full(s.kv_used_bytes)
-    if reserved is not None:
-        out["peak_kv_reserved_bytes"] = int(reserved.max())
-        busy = reserved > 0
-        denom = float((reserved[busy] * dt[busy]).sum())
-        if used is not None:
-            out["peak_kv_used_bytes"] = int(used.max())
-            if denom > 0:
-                util = float((used[busy] * dt[busy]).sum()) / denom
+    has = lambda name: name not in sums.missing  # noqa: E731
+    out["mean_concurrent_requests"] = _ratio(sums, "running_dt", sums.dt)
+    if has("kv_reserved_bytes"):
+        out["peak_kv_reserved_bytes"] = int(sums.max["reserved"])
+        denom = sums.sum["busy_reserved_dt"]
+        if has("kv_used_bytes"):
+            out["peak_kv_used_bytes"] = int(sums.max["used"])
+            util = _ratio(sums, "busy_used_dt", denom)
+            if util is not None:
                 out["mean_kv_utilization"] = util
                 out["kv_waste_pct"] = 100.0 * (1.0 - util)
-                ahead = _full(s.kv_reserved_ahead_bytes)
-                if ahead is not None:
-                    res_waste = 100.0 * float((ahead[busy] * dt[busy]).sum()) / denom
+                if has("kv_reserved_ahead_bytes"):
+                    res_waste = 100.0 * sums.sum["busy_ahead_dt"] / denom
                     out["kv_reservation_waste_pct"] = res_waste
                     out["kv_internal_waste_pct"] = out["kv_waste_pct"] - res_waste
-        shared = _full(s.kv_shared_bytes)
-        if shared is not None and denom > 0:
-            out["shared_block_ratio"] = float((shared[busy] * dt[busy]).sum()) / denom
-    entries = _full(s.page_table_entries)
-    if entries is not None:
-        out["peak_page_table_entries"] = int(entries.max())
-        out["mean_page_table_entries"] = _weighted_mean(entries, dt)
-        out["peak_page_table_bytes"] = int(entries.max()) * PAGE_TABLE_ENTRY_BYTES
-    free, largest = _full(s.kv_free_bytes), _full(s.kv_largest_free_bytes)
-    if free is not None and largest is not None:
-        mask = free > 0
-        if mask.any():
-            frag = frag_index(free[mask], largest[mask])
-            out["min_frag_index"] = float(frag.min())
-            out["mean_frag_index"] = _weighted_mean(frag, dt[mask])
+        if has("kv_shared_bytes"):
+            out["shared_block_ratio"] = _ratio(sums, "busy_shared_dt", denom)
+    if has("page_table_entries"):
+        out["peak_page_table_entries"] = int(sums.max["entries"])
+        out["mean_page_table_entries"] = _ratio(sums, "entries_dt", sums.dt)
+        out["peak_page_table_bytes"] = int(sums.max["entries"]) * PAGE_TABLE_ENTRY_BYTES
+    if has("kv_free_bytes") and has("kv_largest_free_bytes") and "frag" in sums.min:
+        out["min_frag_index"] = sums.min["frag"]
+        out["mean_frag_index"] = _ratio(sums, "frag_dt", sums.sum["free_dt"])
     if kv is not None:
         if kv.block_allocs is not None and kv.block_frees is not None and run.duration_s > 0:
             out["page_turnover_per_s"] = (kv.block_allocs + kv.block_frees) / run.duration_s
@@ -369,27 +350,21 @@ def kv_metrics(run: EngineRun) -> dict[str, Any]:
 FRAGMENTATION_WORST = ("t_s", "free_bytes", "largest_free_bytes", "need_bytes")
 
 
-def fragmentation_metrics(run: EngineRun) -> dict[str, Any]:
-    s = run.steps
+def fragmentation_metrics(sums: StepSums) -> dict[str, Any]:
     out: dict[str, Any] = {
         "kv_wait_s": None, "fragmentation_wait_steps": None, "fragmentation_wait_s": None,
         **{f"fragmentation_wait_{name}": None for name in FRAGMENTATION_WORST},
     }
-    need, free = _full(s.kv_refused_bytes), _full(s.kv_refused_free_bytes)
-    largest = _full(s.kv_refused_largest_free_bytes)
-    if need is None or free is None or largest is None:
+    refusals = ("kv_refused_bytes", "kv_refused_free_bytes", "kv_refused_largest_free_bytes")
+    if not sums.steps or any(name in sums.missing for name in refusals):
         return out
-    dt = np.asarray(s.dt_s, dtype=np.float64)
-    waits = fragmentation_waits(need, free)
-    out["kv_wait_s"] = float(dt[need > 0].sum())
-    out["fragmentation_wait_steps"] = int(waits.sum())
-    out["fragmentation_wait_s"] = float(dt[waits].sum())
-    if waits.any():
-        # argmax keeps the first of equal maxima.
-        i = int(np.argmax(np.where(waits, free, -1.0)))
-        worst = (s.t_s[i] - s.dt_s[i], int(free[i]), int(largest[i]), int(need[i]))
-        out.update(zip((f"fragmentation_wait_{n}" for n in FRAGMENTATION_WORST), worst,
-                       strict=True))
+    out["kv_wait_s"] = sums.sum["wait_dt"]
+    out["fragmentation_wait_steps"] = int(sums.sum["waits"])
+    out["fragmentation_wait_s"] = sums.sum["waits_dt"]
+    if sums.worst is not None:
+        free, _, t_s, largest, need = sums.worst
+        out.update(zip((f"fragmentation_wait_{n}" for n in FRAGMENTATION_WORST),
+                       (t_s, int(free), largest, need), strict=True))
     return out
 
 
@@ -419,9 +394,10 @@ def device_series(run: EngineRun) -> tuple[str, list[int], list[int]] | None:
     return None
 
 
-def memory_metrics(run: EngineRun) -> dict[str, Any]:
+def memory_metrics(run: EngineRun, sums: StepSums | None = None) -> dict[str, Any]:
     out = measured_memory_metrics(run)
-    out.update(modelled_device_metrics(run))
+    if run.steps.device:
+        out.update(modelled_device_metrics(run, sums or run_sums(run.steps)))
     if run.out_of_memory is not None:
         out.update(out_of_memory_metrics(run.out_of_memory))
     return out
@@ -477,25 +453,24 @@ def measured_memory_metrics(run: EngineRun) -> dict[str, Any]:
     return out
 
 
-def modelled_device_metrics(run: EngineRun) -> dict[str, Any]:
+def modelled_device_metrics(run: EngineRun, sums: StepSums) -> dict[str, Any]:
     """Device metrics of an engine that models its device's memory (the simulator), in
     place of measured ones; empty for the others. Host RSS stays a host metric."""
-    cols = device_columns(run.steps)
-    if not cols:
+    if sums.peak is None:
         return {}
-    used = cols[MODELLED_DEVICE_CURVE]
-    at = int(np.argmax(used))
+    used, components = sums.peak
     out: dict[str, Any] = {
-        "peak_device_bytes": int(used[at]),
-        "peak_device_bytes_per_rank": int(used[at]) // run.steps.device_ranks,
-        "peak_device_allocated_bytes": int(cols["device_allocated_bytes"].max()),
-        "peak_device_reserved_bytes": int(cols["device_reserved_bytes"].max()),
-        **{f"peak_device_{name}_bytes": int(cols[f"device_{name}_bytes"][at])
-           for name in DeviceMemory.COMPONENTS},
+        "peak_device_bytes": int(used),
+        "peak_device_bytes_per_rank": int(used) // run.steps.device_ranks,
+        "peak_device_allocated_bytes": int(sums.max["device_allocated"]),
+        "peak_device_reserved_bytes": int(sums.max["device_reserved"]),
+        **{f"peak_device_{name}_bytes": int(value)
+           for name, value in zip(DeviceMemory.COMPONENTS, components, strict=True)},
         "device_growth_pct": None,
     }
     if run.warmup_step is not None:
-        out["device_growth_pct"] = _growth_pct(float(used[run.warmup_step]), float(used[-1]))
+        out["device_growth_pct"] = _growth_pct(device_used_at(run.steps, run.warmup_step),
+                                               device_used_at(run.steps, len(run.steps) - 1))
     # The simulator's own RSS says nothing about the simulated device.
     out["memory_growth_pct"] = out["device_growth_pct"]
     return out

@@ -52,8 +52,8 @@ class _Flat:
             self.missing[start:end] = False if missing is None else missing
         self.size = end
 
-    def values(self) -> np.ndarray:
-        return self.data[: self.size]
+    def values(self, n: int | None = None) -> np.ndarray:
+        return self.data[: self.size if n is None else min(n, self.size)]
 
     def nones(self) -> np.ndarray | None:
         return None if self.missing is None else self.missing[: self.size]
@@ -65,6 +65,10 @@ class _Flat:
 
     def as_float(self) -> _Flat:
         return _Flat(self.data.astype(np.float64), self.missing, self.size)
+
+    def dropped(self, n: int) -> _Flat:
+        missing = None if self.missing is None else self.missing[n: self.size].copy()
+        return _Flat(self.data[n: self.size].copy(), missing, self.size - n)
 
 
 class _Runs:
@@ -104,8 +108,13 @@ class _Runs:
     def _lengths(self) -> np.ndarray:
         return np.diff(self.end[: self.count], prepend=0)
 
-    def values(self) -> np.ndarray:
-        return np.repeat(self.value[: self.count], self._lengths())
+    def values(self, n: int | None = None) -> np.ndarray:
+        """The values, or the first ``n``."""
+        if n is None or n >= self.size:
+            return np.repeat(self.value[: self.count], self._lengths())
+        r = int(self.end[: self.count].searchsorted(n, side="right")) + 1
+        lengths = np.diff(np.minimum(self.end[:r], n), prepend=0)
+        return np.repeat(self.value[:r], lengths)
 
     def nones(self) -> np.ndarray | None:
         none = self.none[: self.count]
@@ -123,6 +132,15 @@ class _Runs:
 
     def flat(self) -> _Flat:
         return _Flat(self.values(), self.nones(), self.size)
+
+    def dropped(self, n: int) -> _Runs:
+        out = _Runs(self.value.dtype.type)
+        r = int(np.searchsorted(self.end[: self.count], n, side="right"))
+        out.value = self.value[r: self.count].copy()
+        out.none = self.none[r: self.count].copy()
+        out.end = self.end[r: self.count] - n
+        out.count, out.size = self.count - r, self.size - n
+        return out
 
 
 class Column:
@@ -217,6 +235,20 @@ class Column:
         values = self.view()
         nones = self._store.nones()
         return values if nones is None else values[~nones]
+
+    def head(self, n: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The first ``n`` values (0 where None was appended) and where None was among
+        them, or None where it was nowhere."""
+        self._flush()
+        values, nones = self._store.values(n), self._store.nones()
+        if nones is not None:
+            nones = nones[:n]
+        return values, nones if nones is not None and nones.any() else None
+
+    def drop(self, n: int) -> None:
+        """Forget the first ``n`` values (a long replay folds its oldest steps)."""
+        self._flush()
+        self._store = self._store.dropped(n)
 
     @property
     def has_none(self) -> bool:

@@ -14,12 +14,14 @@ import numpy as np
 
 
 class GapLog:
-    __slots__ = ("_diff", "samples")
+    __slots__ = ("_diff", "_first", "samples")
 
     def __init__(self) -> None:
-        # Per step, how many more requests' tokens follow on from there than from the step
-        # before (a difference array: its running sum is the per-step count).
+        # Per step from ``_first`` on (the steps before were dropped: :meth:`drop`), how
+        # many more requests' tokens follow on from there than from the step before (a
+        # difference array: its running sum is the per-step count).
         self._diff = np.zeros(1024, dtype=np.int64)
+        self._first = 0
         self.samples: list[float] = []
 
     def _room(self, stop: int) -> np.ndarray:
@@ -30,9 +32,16 @@ class GapLog:
             diff = self._diff = grown
         return diff
 
+    def _at(self, step: int) -> int:
+        i = step - self._first
+        if i < 0:
+            raise ValueError(f"gaps at step {step}, dropped up to step {self._first}")
+        return i
+
     def add(self, start: int, stop: int, count: int = 1) -> None:
         """``count`` more requests' tokens followed on at each of steps ``start .. stop-1``."""
         if stop > start and count:
+            start, stop = self._at(start), self._at(stop)
             diff = self._room(stop)
             diff[start] += count
             diff[stop] -= count
@@ -41,13 +50,25 @@ class GapLog:
         """One more request's tokens followed on at each step of every run ``starts[i] ..
         stops[i] - 1``."""
         if len(starts):
-            diff = self._room(int(stops.max()))
-            np.add.at(diff, starts, 1)
-            np.add.at(diff, stops, -1)
+            self._at(int(starts.min()))
+            diff = self._room(int(stops.max()) - self._first)
+            np.add.at(diff, starts - self._first, 1)
+            np.add.at(diff, stops - self._first, -1)
 
-    def weights(self, steps: int) -> np.ndarray:
-        """How many requests' tokens followed on at each of steps ``0 .. steps-1``."""
-        return np.cumsum(self._room(steps)[:steps])
+    def weights(self, stop: int) -> np.ndarray:
+        """How many requests' tokens followed on at each step from the first kept one to
+        ``stop - 1``."""
+        n = self._at(stop)
+        return np.cumsum(self._room(n)[:n])
+
+    def drop(self, n: int) -> np.ndarray:
+        """Drop the first ``n`` steps kept; returns their weights (:meth:`weights`)."""
+        out = self.weights(self._first + n)
+        rest = self._diff[n:].copy()
+        if len(out):
+            rest[0] += out[-1]
+        self._diff, self._first = rest, self._first + n
+        return out
 
 
 def weighted_stats(values: np.ndarray, weights: np.ndarray, percentiles: tuple[int, ...]

@@ -34,6 +34,7 @@ from kvbench.run.clocks import Clock, VirtualClock
 from kvbench.run.columns import Column, column_of
 from kvbench.run.gaps import GapLog
 from kvbench.run.signals import interrupt_reason
+from kvbench.run.stepstats import Folded, fold
 from kvbench.run.telemetry import OK, RssProbe, Telemetry
 from kvbench.workloads.model import Request, Workload
 
@@ -136,9 +137,12 @@ class StepLog:
     # one column per DeviceMemory component, summed over the tensor-parallel ranks.
     device: dict[str, Column] = field(default_factory=dict)
     device_ranks: int = 1
+    # The oldest steps of a long replay, folded out of the columns (kvbench.run.stepstats):
+    # the columns then hold the steps from ``len(self) - len(self.t_s)`` on.
+    folded: Folded | None = None
 
     def __len__(self) -> int:
-        return len(self.t_s)
+        return len(self.t_s) + (self.folded.steps if self.folded is not None else 0)
 
 
 @dataclass(slots=True)
@@ -245,6 +249,10 @@ def run_engine(
     bulk = fast_forward and ff is None and inside is None and replay is None
     # A cluster's steps in which only replicas' decode runs go on, taken in one call.
     quiet = getattr(engine, "quiet_steps", None) if fast_forward and ff is None else None
+    # A long simulated run's oldest steps are folded into the metrics' reductions as it
+    # goes (kvbench.run.stepstats), at the same steps whichever way it is stepped; a
+    # cluster's per-replica log keeps every step.
+    foldable = inside is None and isinstance(clock, VirtualClock)
     done = idle = in_flight = 0
     limit = max_concurrency or len(timings) + 1
     wall0 = time.perf_counter()
@@ -261,6 +269,8 @@ def run_engine(
                                     done, warmup_done, on_progress)
                 idx = n
             while idx < n or engine.has_unfinished():
+                if foldable:
+                    fold(steps, run.warmup_step)
                 now = clock.now()
                 while idx < n and requests[idx].arrival_s <= now and in_flight < limit:
                     request = requests[idx]
@@ -331,6 +341,8 @@ def run_engine(
                         )
                 else:
                     idle = 0
+            if foldable:
+                fold(steps, run.warmup_step)
             if steps.t_s:
                 tel.sample(len(steps) - 1, time.perf_counter(), force=True)
                 run.wave_ends.append(
@@ -467,6 +479,7 @@ def _replay_wave(run: EngineRun, replay: EventReplay, clock: VirtualClock, arriv
         if last >= 0 and w1 >= tel.next_due_s:
             tel.sample(last, w1)
         done += ended
+        fold(run.steps, run.warmup_step)
         w2 = time.perf_counter()
         run.step_wall_s += w2 - w0
         run.telemetry_wall_s += w2 - w1
