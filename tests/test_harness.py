@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -12,7 +13,7 @@ from helpers import make_workload, text_request
 from kvbench.engines.base import BatchShape, Finished, KVStats, Stamps, StepReport
 from kvbench.results.build import build_record
 from kvbench.results.metrics import summarize
-from kvbench.results.schema import load_record
+from kvbench.results.schema import RequestRows, load_record
 from kvbench.run.clocks import WallClock
 from kvbench.run.harness import run_engine
 
@@ -80,6 +81,24 @@ def test_failed_or_interrupted_run_still_writes_record(tmp_path, error, status) 
     assert back.status == status
     assert ("kernel exploded" in back.error) if status == "failed" else "Ctrl-C" in back.error
     assert all(r.status == "unfinished" for r in back.requests)
+
+
+def test_record_rows_are_made_when_read_and_written_as_one_json(tmp_path, monkeypatch) -> None:
+    """A run's request rows are made from its timings a chunk at a time; the record file
+    is the JSON of the whole record, as pydantic writes it, and reads back equal."""
+    monkeypatch.setattr(RequestRows, "CHUNK", 2)
+    run = run_engine(ScriptedEngine(), _wl(), WallClock())
+    rec = build_record(run, command="test", suite="t", engine_config={}, model={}, device="cpu")
+    assert isinstance(rec.requests, RequestRows) and len(rec.requests) == 3
+    assert [r.id for r in rec.requests] == ["r0", "r1", "r2"] == [r.id for r in rec.requests[:]]
+    assert rec.requests[-1].output_tokens == 5 and rec.requests[1].status == "ok"
+    text = rec.to_json()
+    assert text == rec.model_dump_json(indent=1) + "\n"
+    assert json.loads(text)["requests"] == rec.model_dump()["requests"]
+    back = load_record(rec.write(tmp_path / "x.json"))
+    assert back == rec and back.requests == list(rec.requests)
+    empty = rec.model_copy(update={"requests": []})
+    assert json.loads(empty.to_json())["requests"] == []
 
 
 def test_ok_run_metrics() -> None:

@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvbench.results.schema import RunRecord, is_number
+from kvbench.results.schema import RunRecord, is_number, request_column
 from kvbench.units import format_bytes
 
 FINDINGS_TITLE = "What this run shows"
@@ -173,7 +173,7 @@ def _arrival_shares(records: Sequence[RunRecord]) -> list[tuple[float, float, fl
     record has no request rows or no duration."""
     out = []
     for r in records:
-        last = max((q.arrival_s for q in r.requests), default=None)
+        last = max(request_column(r.requests, "arrival_s"), default=None)
         duration = _num(r, "duration_s")
         if last is None or not duration:
             return []

@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 
 from kvbench.fileio import write_bytes_atomic
 from kvbench.results.metric_table import MetricSpec
-from kvbench.results.schema import RunRecord
+from kvbench.results.schema import RunRecord, request_column
 from kvbench.units import format_bytes
 
 _MIB, _GIB = 2**20, 2**30
@@ -232,6 +232,9 @@ _LATENCIES = (
 )
 
 
+_CDF_POINTS = 20_000
+
+
 def plot_latency_cdfs(records: Sequence[RunRecord], path: Path) -> Path:
     """Empirical CDFs of TTFT, TPOT and E2EL over completed requests, engines overlaid."""
     fig = _figure(1, width=14.0, row_height=3.6)
@@ -240,11 +243,14 @@ def plot_latency_cdfs(records: Sequence[RunRecord], path: Path) -> Path:
     for ax, (field, title, slo_key) in zip(axes, _LATENCIES, strict=True):
         drawn = []
         for i, (rec, name) in enumerate(zip(records, names, strict=True)):
-            values = np.sort([v for r in rec.requests if (v := getattr(r, field)) is not None])
+            values = np.sort([v for v in request_column(rec.requests, field) if v is not None])
             if len(values) == 0:
                 continue
-            y = np.arange(1, len(values) + 1) / len(values)
-            ax.step(values, y, where="post", color=_COLORS[i % len(_COLORS)], label=name)
+            # Past _CDF_POINTS requests, the CDF at evenly spaced ranks (the last included).
+            ranks = np.unique(np.linspace(0, len(values) - 1, min(len(values), _CDF_POINTS))
+                              .round().astype(np.int64))
+            ax.step(values[ranks], (ranks + 1) / len(values), where="post",
+                    color=_COLORS[i % len(_COLORS)], label=name)
             drawn.append(values)
         limit = getattr(records[0].slo, slo_key, None) if records[0].slo else None
         if limit is not None:

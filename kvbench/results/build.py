@@ -12,14 +12,14 @@ from kvbench.results.metrics import MODELLED_DEVICE_CURVE, device_series, summar
 from kvbench.results.paths import redact_home
 from kvbench.results.schema import (
     QualityInfo,
-    RequestRow,
+    RequestRows,
     RunRecord,
     SoakResult,
     TelemetryInfo,
     WorkloadInfo,
 )
 from kvbench.results.slo import SLO
-from kvbench.run.harness import EngineRun
+from kvbench.run.harness import EngineRun, RequestTiming
 from kvbench.run.machine import git_commit, machine_info
 
 # Summary metrics of output agreement (kvbench.run.quality), None where not checked.
@@ -47,32 +47,42 @@ def _since(t: float | None, arrival_s: float) -> float | None:
     return None if t is None else (t - arrival_s) * 1000.0
 
 
-def request_rows(run: EngineRun, quality: QualityResult | None = None) -> list[RequestRow]:
-    rows = []
+def request_rows(run: EngineRun, quality: QualityResult | None = None) -> RequestRows:
+    """The run's request rows, made from its timings when read."""
+    timings = list(run.timings.values())
     agreement = quality.requests if quality is not None else {}
-    for t in run.timings.values():
-        r = t.request
-        tpot = t.tpot_s
-        rows.append(
-            RequestRow(
-                id=r.id,
-                arrival_s=r.arrival_s,
-                prompt_tokens=r.prompt_tokens,
-                output_tokens=r.output_tokens,
-                n=r.n,
-                status=t.status,  # type: ignore[arg-type]
-                queue_ms=_since(t.first_scheduled_s, r.arrival_s),
-                ttft_ms=_since(t.first_token_s, r.arrival_s),
-                tpot_ms=None if tpot is None else tpot * 1000.0,
-                e2el_ms=_since(t.finish_s, r.arrival_s),
-                preemptions=t.preemptions,
-                cached_tokens=t.cached_tokens,
-                output_digest=t.output_digest,
-                reason=t.rejected if t.rejected is not None else t.error,
-                **agreement.get(r.id, {}),
-            )
-        )
-    return rows
+
+    def fields(start: int, stop: int) -> list[dict[str, Any]]:
+        return [_fields(t, agreement.get(t.request.id)) for t in timings[start:stop]]
+
+    return RequestRows(len(timings), fields)
+
+
+_CHECKS = dict.fromkeys(("output_match_rate", "first_divergence", "probe_max_abs_logit_diff",
+                         "probe_mean_abs_logit_diff"))
+
+
+def _fields(t: RequestTiming, agreement: dict[str, Any] | None) -> dict[str, Any]:
+    """A :class:`RequestRow`'s fields, in its order."""
+    r = t.request
+    tpot = t.tpot_s
+    return {
+        "id": r.id,
+        "arrival_s": r.arrival_s,
+        "prompt_tokens": r.prompt_tokens,
+        "output_tokens": r.output_tokens,
+        "n": r.n,
+        "status": t.status,
+        "queue_ms": _since(t.first_scheduled_s, r.arrival_s),
+        "ttft_ms": _since(t.first_token_s, r.arrival_s),
+        "tpot_ms": None if tpot is None else tpot * 1000.0,
+        "e2el_ms": _since(t.finish_s, r.arrival_s),
+        "preemptions": t.preemptions,
+        "cached_tokens": t.cached_tokens,
+        "output_digest": t.output_digest,
+        "reason": t.rejected if t.rejected is not None else t.error,
+        **(_CHECKS | agreement if agreement else _CHECKS),
+    }
 
 
 def build_record(

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import json
 import numbers
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    GetCoreSchemaHandler,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
+from pydantic_core import core_schema
 
 from kvbench.errors import InputFileError
-from kvbench.fileio import read_text, write_text_atomic
+from kvbench.fileio import open_atomic, read_text
 from kvbench.results.slo import SLO
 
 SCHEMA_VERSION = 1
@@ -53,6 +62,102 @@ class RequestRow(BaseModel):
     first_divergence: int | None = None
     probe_max_abs_logit_diff: float | None = None
     probe_mean_abs_logit_diff: float | None = None
+
+
+class RequestRows(Sequence[RequestRow]):
+    """A record's per-request rows. A run's are made from its request timings when read, a
+    chunk at a time, as the dicts of their fields (a replay of a million requests would
+    otherwise hold a million row objects as long as its record); a record read from a file
+    holds them."""
+
+    __slots__ = ("_count", "_dicts", "_rows")
+    CHUNK = 4096
+
+    def __init__(self, count: int, dicts: Callable[[int, int], list[dict[str, Any]]],
+                 rows: Callable[[int, int], list[RequestRow]] | None = None) -> None:
+        """``dicts(start, stop)``: the fields of rows ``start .. stop-1``, every one, in
+        :class:`RequestRow`'s order and of its types; ``rows``: the rows themselves, if
+        held."""
+        self._count, self._dicts = count, dicts
+        self._rows = rows or (lambda start, stop: [
+            RequestRow.model_construct(**fields) for fields in dicts(start, stop)])
+
+    @classmethod
+    def of(cls, rows: Sequence[RequestRow]) -> RequestRows:
+        held = list(rows)
+        return cls(len(held), lambda a, b: [row.model_dump() for row in held[a:b]],
+                   lambda a, b: held[a:b])
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, key: int) -> RequestRow: ...
+    @overload
+    def __getitem__(self, key: slice) -> list[RequestRow]: ...
+
+    def __getitem__(self, key: int | slice) -> RequestRow | list[RequestRow]:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self._count)
+            return self._rows(start, stop)[::step] if stop > start else []
+        i = key + self._count if key < 0 else key
+        if not 0 <= i < self._count:
+            raise IndexError(f"request row {key} of {self._count}")
+        return self._rows(i, i + 1)[0]
+
+    def _spans(self) -> Iterator[tuple[int, int]]:
+        for start in range(0, self._count, self.CHUNK):
+            yield start, min(start + self.CHUNK, self._count)
+
+    def __iter__(self) -> Iterator[RequestRow]:
+        for start, stop in self._spans():
+            yield from self._rows(start, stop)
+
+    def dict_chunks(self) -> Iterator[list[dict[str, Any]]]:
+        """The rows' fields, a chunk of rows at a time."""
+        for start, stop in self._spans():
+            yield self._dicts(start, stop)
+
+    def column(self, name: str) -> list[Any]:
+        """Field ``name`` of every row."""
+        return [fields[name] for chunk in self.dict_chunks() for fields in chunk]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RequestRows | list | tuple):
+            return len(self) == len(other) and all(
+                a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RequestRows({self._count} rows)"
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler
+                                     ) -> core_schema.CoreSchema:
+        from_list = core_schema.no_info_after_validator_function(
+            cls.of, handler.generate_schema(list[RequestRow]))
+        return core_schema.json_or_python_schema(
+            json_schema=from_list,
+            python_schema=core_schema.union_schema(
+                [core_schema.is_instance_schema(cls), from_list]),
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                lambda rows: [fields for chunk in _rows_of(rows).dict_chunks()
+                              for fields in chunk]),
+        )
+
+
+def _rows_of(rows: Sequence[RequestRow]) -> RequestRows:
+    return rows if isinstance(rows, RequestRows) else RequestRows.of(rows)
+
+
+def request_column(rows: Sequence[RequestRow], name: str) -> list[Any]:
+    """Field ``name`` of every request row of a record."""
+    return _rows_of(rows).column(name)
+
+
+_ROWS_JSON = TypeAdapter(list[dict[str, Any]])
 
 
 class TelemetryInfo(BaseModel):
@@ -147,7 +252,7 @@ class RunRecord(BaseModel):
     quality: QualityInfo | None = None
     summary: dict[str, Any]
     curves: dict[str, list[float]]
-    requests: list[RequestRow]
+    requests: RequestRows
 
     @field_validator("summary")
     @classmethod
@@ -170,11 +275,33 @@ class RunRecord(BaseModel):
                 )
         return summary
 
+    def json_parts(self) -> Iterator[str]:
+        """The record's JSON (as ``model_dump_json(indent=1)`` writes it), in parts: the
+        request rows a chunk at a time."""
+        head = self.model_copy(update={"requests": RequestRows(0, list)})
+        text = head.model_dump_json(indent=1)
+        end = '"requests": []\n}'
+        if not text.endswith(end):  # the rows are the record's last field
+            raise AssertionError("request rows are not the record's last field")
+        rows = self.requests
+        if not rows:
+            yield text + "\n"
+            return
+        yield text[: -len(end)] + '"requests": [\n'
+        for i, chunk in enumerate(_rows_of(rows).dict_chunks()):
+            # A top-level list at indent 1 has its items one level less deep than here.
+            rows = _ROWS_JSON.dump_json(chunk, indent=1).decode()[2:-2]
+            yield (",\n " if i else " ") + rows.replace("\n", "\n ")
+        yield "\n ]\n}\n"
+
     def to_json(self) -> str:
-        return self.model_dump_json(indent=1) + "\n"
+        return "".join(self.json_parts())
 
     def write(self, path: str | Path) -> Path:
-        return write_text_atomic(path, self.to_json())
+        with open_atomic(path) as fh:
+            for part in self.json_parts():
+                fh.write(part)
+        return Path(path)
 
 
 def is_number(v: Any) -> bool:
