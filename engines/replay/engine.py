@@ -28,6 +28,7 @@ import heapq
 import math
 import time
 from collections import deque
+from itertools import accumulate
 from typing import Any, Protocol
 
 import numpy as np
@@ -618,10 +619,13 @@ class EventReplay:
         if plan:
             at = np.asarray([f for f, _ in plan], dtype=np.int64)
             # Plan entries before each step: those sequences have left by then.
-            before = np.searchsorted(at, j, side="left")
-            nums = n - np.concatenate(([0], np.cumsum([len(q) for _, q in plan])))[before]
-            sum_c = self.sum_c - np.concatenate(
-                ([0], np.cumsum([sum(x.c for x in q) for _, q in plan])))[before]
+            before = at.searchsorted(j, side="left")
+            m = len(plan) + 1
+            nums = n - np.fromiter(accumulate((len(q) for _, q in plan), initial=0),
+                                   np.int64, m)[before]
+            sum_c = self.sum_c - np.fromiter(
+                accumulate((sum(x.c for x in q) for _, q in plan), initial=0), np.int64, m
+            )[before]
         else:
             before = None
             nums = np.full(horizon, n, dtype=np.int64)
@@ -641,10 +645,10 @@ class EventReplay:
         dts = self.cost.decode_step_times(nums if plan else n, context, context)
         if dts is None:
             return None
-        ends = np.cumsum(np.concatenate(([t], dts)))
+        ends = np.concatenate(([t], dts)).cumsum()
         k = len(j)
         if due_s != math.inf:
-            k = min(k, int(np.searchsorted(ends[1:], due_s, side="left")) + 1)
+            k = min(k, int(ends[1:].searchsorted(due_s, side="left")) + 1)
         return k, ends, nums
 
     def _segment(self, block: StepBlock, s: int, a: int, b: int, ends: np.ndarray, n: int,

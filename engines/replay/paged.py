@@ -21,6 +21,7 @@ no leaking fault."""
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -330,9 +331,11 @@ class PagedBook:
                     freed += taken + (len(table) if not pool.num_shared  # type: ignore[arg-type]
                                       else int((pool.ref[table] == 1).sum()))
                 returns.append(freed)
-            room = room + np.concatenate(([0], np.cumsum(returns)))[before]
-        short = np.flatnonzero(np.cumsum(per_step) > room)
-        return int(short[0]) if len(short) else max_steps
+            room = room + np.fromiter(accumulate(returns, initial=0), np.int64,
+                                      len(returns) + 1)[before]
+        short = per_step.cumsum() > room
+        first = int(short.argmax())
+        return first if short[first] else max_steps
 
     def _fills(self, step: int, steps: int) -> list[Seq]:
         """The decoders filling a block in each of ``steps`` steps from ``step``, in step
@@ -396,10 +399,10 @@ class PagedBook:
             if fills:
                 self._cache_fills(fills)
         counts = np.bincount(at, minlength=steps)
-        limits = np.cumsum(delta)
+        limits = delta.cumsum()
         self.sum_limit += int(limits[-1])
         self.entries += len(takers)
-        return np.cumsum(counts), limits
+        return counts.cumsum(), limits
 
     def _take(self, seqs: list[Seq], delta: np.ndarray, steps: list[int] | int) -> None:
         """A block for each of ``seqs`` (taking blocks in a row hands them out exactly as

@@ -122,7 +122,7 @@ class ArrayPool:
         head = self._qhead
         if self._qholes:
             window = self._q[head : head + n + self._qholes]
-            live = np.flatnonzero(window >= 0)[:n]
+            live = (window >= 0).nonzero()[0][:n]
             out = window[live]
             passed = int(live[-1]) + 1
             self._qholes -= passed - n
