@@ -10,6 +10,8 @@
   decode fast-forward and step by step: simulated steps per wall second and simulated
   seconds per wall second, each the median of three replays (higher is better: their units
   say so).
+- ``SimTraces.track_realtime_factor``: the same, replaying the whole Azure conversation and
+  Mooncake traces (from ``../shared/traces``; skipped where they are not there).
 - ``SimMemory.track_*``: what a long simulated replay keeps for its record (step log and
   request timings), in bytes per simulated step and per request, counted by tracemalloc:
   deterministic for a given Python and numpy, so a step in the graph is a code change.
@@ -33,6 +35,7 @@ import gc
 import statistics
 import time
 import tracemalloc
+from pathlib import Path
 from typing import Any
 
 from kvbench.engines.costmodel import CostModel
@@ -189,6 +192,55 @@ class SimSpeed:
 
     def track_realtime_factor(self, cache, engine, fast_forward):
         return cache[f"{engine}/{fast_forward}"][1]
+
+    track_realtime_factor.unit = "x real time (higher is better)"  # type: ignore[attr-defined]
+
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+# Public traces replayed as the speed goals name them: (importer, file, simulated device).
+TRACE_CASES = {
+    "azure-conv": ("azure", "azure_llm_2023_conv.csv", "sim:a100-80gb"),
+    "mooncake": ("mooncake", "mooncake_synthetic_trace.jsonl", "sim:h200"),
+}
+
+
+class SimTraces:
+    """The simulator's real-time factor replaying whole public traces (the ``mooncake-sim``
+    suite's model and limits), with decode fast-forward: simulated seconds per wall second of
+    the replay, median of three."""
+
+    params = (list(TRACE_CASES), ENGINES)
+    param_names = ("trace", "engine")
+    timeout = 900
+    REPEATS = 3
+
+    def setup_cache(self) -> dict[str, float]:
+        out = {}
+        for name, (kind, file, device) in TRACE_CASES.items():
+            if not (TRACES / file).is_file():
+                continue
+            suite, base = load_suite("mooncake-sim")
+            suite.workload.trace, suite.workload.path = kind, str(TRACES / file)  # type: ignore[assignment]
+            suite.run.device = device
+            plan = plan_run(suite, base, None, f"asv {name} on {device}")
+            for engine in ENGINES:
+                speed = []
+                for _ in range(self.REPEATS):
+                    clock = VirtualClock(CostModel(plan.preset, plan.device.hardware,
+                                                   plan.device.tp))
+                    eng = _engine(plan, engine)
+                    t0 = time.perf_counter()
+                    run = run_engine(eng, plan.workload, clock)
+                    speed.append(run.duration_s / (time.perf_counter() - t0))
+                out[f"{name}/{engine}"] = statistics.median(speed)
+        return out
+
+    def setup(self, cache, trace: str, engine: str) -> None:
+        if f"{trace}/{engine}" not in cache:
+            raise NotImplementedError(f"{TRACES / TRACE_CASES[trace][1]} is not there")
+
+    def track_realtime_factor(self, cache, trace, engine):
+        return cache[f"{trace}/{engine}"]
 
     track_realtime_factor.unit = "x real time (higher is better)"  # type: ignore[attr-defined]
 
