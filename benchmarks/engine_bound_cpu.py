@@ -3,8 +3,8 @@ process CPU time (engine start excluded), which a busy shared machine disturbs f
 wall-clock tokens/s (a process's share of the CPUs). Run the engines side by side, a round
 at a time, and compare their figures.
 
-``python benchmarks/engine_bound_cpu.py ENGINE [--threads N] [--num-requests N]`` prints one
-JSON line.
+``python benchmarks/engine_bound_cpu.py ENGINE [--threads N] [--num-requests N]
+[--workload PRESET]`` prints one JSON line.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ def main() -> None:
     ap.add_argument("engine")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--num-requests", type=int)
+    ap.add_argument("--workload", help="another workload preset (e.g. mixed-multimodal)")
     args = ap.parse_args()
     suite, base = resolve_suite("engine-bound", RunFlags(
-        engines=args.engine, cpu_threads=args.threads, num_requests=args.num_requests))
+        engines=args.engine, cpu_threads=args.threads, num_requests=args.num_requests,
+        workload=args.workload))
     plan = plan_run(suite, base, None, "engine_bound_cpu")
     set_cpu_threads(args.threads)
     ((_, config),) = plan.engines
@@ -42,7 +44,8 @@ def main() -> None:
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
     print(json.dumps({
-        "engine": args.engine, "status": run.status, "threads": torch_threads(),
+        "engine": args.engine, "workload": plan.workload.name, "status": run.status,
+        "threads": torch_threads(),
         "output_tokens": tokens, "cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
         "output_tokens_per_cpu_s": round(tokens / cpu, 1),
         "output_throughput": summarize(run).get("output_throughput"), "loadavg": load,

@@ -67,6 +67,7 @@ class TorchExecutor(Executor):
         self.encoders = Encoders(self.preset.hidden_size, self._device, self.dtype, seed)
         self._pool: Tensor | None = None
         self._classes: Any = None  # ClassPools of a modality-aware pool
+        self._plan: Any = None  # the last step's attention plan, which the next may carry on
         # With keep_logits, the last step's logits [sampled items, vocab] (quality probes).
         self.keep_logits = False
         self.last_logits: Tensor | None = None
@@ -90,6 +91,7 @@ class TorchExecutor(Executor):
             )
         self._pool = None  # a rebind must not hold two pools at once
         self._classes = None
+        self._plan = None
         pool_classes = getattr(kv, "pool_classes", None)  # managers of one flat pool may lack it
         classes = pool_classes() if pool_classes is not None else None
         if classes is not None:
@@ -116,9 +118,12 @@ class TorchExecutor(Executor):
         if not batch.items:
             return []
         step = self._step_inputs(batch, kv)
-        # Every layer reads the same layout: the kernels plan it once for the step.
+        # Every layer reads the same layout: the kernels plan it once for the step, carrying
+        # on the last step's plan where they can (decodes one key further).
         plan = step.layout.plan(self.kernels, step.ctx, step.cu, pool[0, 0], pool[0, 1],
-                                self.preset.num_heads, window=self.preset.sliding_window)
+                                self.preset.num_heads, window=self.preset.sliding_window,
+                                previous=self._plan)
+        self._plan = plan
         attn = AttentionBatch(step.slots, step.cu, step.ctx, step.layout, plan)
 
         with torch.inference_mode():
@@ -150,10 +155,12 @@ class TorchExecutor(Executor):
         sampled rows and the KV layout, on the executor's device."""
         items = batch.items
         spans = [(it.seq, it.start, it.start + it.num_tokens) for it in items]
-        cu = np.cumsum([0] + [it.num_tokens for it in items])
+        lens = np.array([it.num_tokens for it in items], dtype=np.int64)
+        cu = np.concatenate([[0], np.cumsum(lens)])
         ctx = np.array([end for _, _, end in spans], dtype=np.int64)
         token_ids = np.concatenate([seq.token_ids(start, end) for seq, start, end in spans])
-        positions = np.concatenate([np.arange(start, end) for _, start, end in spans])
+        # Row r of sequence b sits at position start_b + (r - cu_b).
+        positions = np.arange(cu[-1]) + np.repeat(ctx - lens - cu[:-1], lens)
         slots = np.concatenate([kv.slots(seq, start, end) for seq, start, end in spans])
         sample_rows = np.array([cu[i + 1] - 1 for i, it in enumerate(items) if it.sample], np.int64)
 
@@ -202,6 +209,7 @@ class TorchExecutor(Executor):
             "threads": torch.get_num_threads() if self._device.type == "cpu" else None,
             "weights": self.weights if self.weights is not None else f"random(seed={self.seed})",
             "weight_bytes": sum(p.nbytes for p in self.model.parameters()),
+            "packed_weight_bytes": self.model.packed_bytes(),
             "kv_pool_bytes": self.kv_pool_bytes,
             "encoders": self.encoders.describe(),
         }
@@ -209,6 +217,7 @@ class TorchExecutor(Executor):
     def close(self) -> None:
         self._pool = None
         self._classes = None
+        self._plan = None
         self.encoders.clear()
         if self._device.type == "cuda":
             torch.cuda.empty_cache()

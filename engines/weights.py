@@ -19,9 +19,9 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kvbench.engines.hf_config import WeightsError, preset_from_hf_config
-from kvbench.engines.llama import LlamaForCausalLM
+from kvbench.engines.llama import LlamaForCausalLM, packs
 from kvbench.engines.presets import ModelPreset
-from kvbench.engines.torch_device import ensure_fits
+from kvbench.engines.torch_device import TORCH_DTYPES, ensure_fits
 from kvbench.kernels.backend import KernelBackend
 from kvbench.workloads.model import key_hash
 
@@ -63,7 +63,9 @@ def build_model(
     tensor at a time, so peak memory is the model plus one tensor."""
     if weights is not None:
         _check_matches(preset, read_checkpoint_preset(weights), Path(weights) / "config.json")
-    ensure_fits(preset.num_params * preset.dtype_bytes, device, f"{preset.name} weights")
+    # Packed copies for the CPU's matmul kernels take the weights' bytes again.
+    copies = 2 if packs(device, TORCH_DTYPES[preset.dtype]) else 1
+    ensure_fits(copies * preset.num_params * preset.dtype_bytes, device, f"{preset.name} weights")
     with torch.device(device):
         model = LlamaForCausalLM(preset, kernels)
     with torch.no_grad():
@@ -71,6 +73,7 @@ def build_model(
             init_random_(model, seed, _decoder_std(preset.num_layers))
         else:
             _load_(model, Path(weights), device)
+        model.pack_weights()
     return model
 
 

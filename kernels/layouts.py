@@ -36,12 +36,13 @@ class KVLayout(Protocol):
     def plan(
         self, kernels: KernelBackend, context_lens: Tensor, cu_seqlens_q: Tensor,
         k_cache: Tensor, v_cache: Tensor, num_heads: int, positions: bool = False,
-        window: int | None = None,
+        window: int | None = None, previous: Any = None,
     ) -> Any:
         """The kernels' plan for this layout, lengths and queries over caches shaped like
         ``k_cache``/``v_cache`` (``positions``: calls pass key positions), or None where the
         backend makes none; pass it to :meth:`attend` as ``plan`` in every layer (with the
-        same ``window``)."""
+        same ``window``). ``previous``: the plan of the step before, which the kernels may
+        carry on rather than plan afresh."""
         ...
 
     def attend(
@@ -69,13 +70,13 @@ class BlockTables:
     def plan(
         self, kernels: KernelBackend, context_lens: Tensor, cu_seqlens_q: Tensor,
         k_cache: Tensor, v_cache: Tensor, num_heads: int, positions: bool = False,
-        window: int | None = None,
+        window: int | None = None, previous: Any = None,
     ) -> Any:
         if kernels.plan_paged is None:
             return None
         return kernels.plan_paged(
             self.block_tables, context_lens, cu_seqlens_q, self.block_size, k_cache, v_cache,
-            num_heads, positions=positions, window=window,
+            num_heads, positions=positions, window=window, previous=previous,
         )
 
     def attend(
@@ -102,13 +103,13 @@ class Extents:
     def plan(
         self, kernels: KernelBackend, context_lens: Tensor, cu_seqlens_q: Tensor,
         k_cache: Tensor, v_cache: Tensor, num_heads: int, positions: bool = False,
-        window: int | None = None,
+        window: int | None = None, previous: Any = None,
     ) -> Any:
         if kernels.plan_contiguous is None:
             return None
         return kernels.plan_contiguous(
             self.extent_starts, context_lens, cu_seqlens_q, k_cache, v_cache, num_heads,
-            positions=positions, window=window,
+            positions=positions, window=window, previous=previous,
         )
 
     def attend(

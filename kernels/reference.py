@@ -61,6 +61,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -79,10 +80,13 @@ from kvbench.kernels.reference_plan import (
     Gather,
     Piece,
     SeqPlan,
+    Shared,
     ShortDecodes,
+    advance,
     extent_runs,
     make_plan,
     paged_runs,
+    slot_bytes,
 )
 from kvbench.kernels.slot_copy import SlotCopy
 
@@ -191,12 +195,19 @@ def plan_paged(
     *,
     positions: bool = False,
     window: int | None = None,
+    previous: AttentionPlan | None = None,
 ) -> AttentionPlan:
     """The plan :func:`paged_attention` follows for these tables, lengths and queries
     (``num_heads`` per row) over caches shaped like ``k_cache`` and ``v_cache``, to pass as its
     ``plan`` in every layer of a step; ``positions``: the calls get ``slot_positions``;
-    ``window``: their sliding window."""
+    ``window``: their sliding window; ``previous``: the plan of the step before, carried on
+    where that gives the same plan (decodes one key further, see ``advance``)."""
     check_window(window, positions)
+    if previous is not None:
+        carried = advance(previous, block_tables.cpu().numpy(),
+                          context_lens.cpu().numpy().astype(np.int64), cu_seqlens_q)
+        if carried is not None and _made_for(carried, k_cache, v_cache, positions, window):
+            return carried
     runs = paged_runs(block_tables, context_lens, block_size)
     return make_plan(runs, cu_seqlens_q, k_cache, v_cache, num_heads, positions, window)
 
@@ -211,11 +222,24 @@ def plan_contiguous(
     *,
     positions: bool = False,
     window: int | None = None,
+    previous: AttentionPlan | None = None,
 ) -> AttentionPlan:
     """The plan :func:`contiguous_attention` follows (see :func:`plan_paged`)."""
     check_window(window, positions)
+    if previous is not None:
+        carried = advance(previous, extent_starts.cpu().numpy().astype(np.int64),
+                          context_lens.cpu().numpy().astype(np.int64), cu_seqlens_q)
+        if carried is not None and _made_for(carried, k_cache, v_cache, positions, window):
+            return carried
     runs = extent_runs(extent_starts, context_lens)
     return make_plan(runs, cu_seqlens_q, k_cache, v_cache, num_heads, positions, window)
+
+
+def _made_for(plan: AttentionPlan, k_cache: Tensor, v_cache: Tensor, positions: bool,
+              window: int | None) -> bool:
+    """Whether ``plan`` was made for caches of this shape and these options."""
+    return (plan.num_slots, plan.row_bytes, plan.positions, plan.window) == (
+        k_cache.shape[0], slot_bytes(k_cache) + slot_bytes(v_cache), positions, window)
 
 
 def check_window(window: int | None, positions: bool) -> None:
@@ -314,6 +338,9 @@ class _Attention:
         # turned into float32 piece by piece.
         native = k_scale is None and k_cache.dtype == v_cache.dtype == query.dtype
         self.dtype = query.dtype if native else torch.float32
+        # Decodes over one slice of keys in the query's dtype go straight to the fused CPU
+        # kernel (see ``decode``).
+        self.direct = native and slot_positions is None and query.device.type == "cpu"
         self.group_size = query.shape[1] // k_cache.shape[1]
         # One layer of a pool [layers, 2, slots, ...]: its V lies right after its K, so a
         # gather reads both in one copy (``pair_units``) from this view of the two.
@@ -324,9 +351,12 @@ class _Attention:
                 and v_cache.data_ptr() == k_cache.data_ptr() + k_cache.nbytes):
             self.pair = _bytes(torch.as_strided(
                 k_cache, (2 * k_cache.shape[0], *k_cache.shape[1:]), k_cache.stride()))
+        # The plan's shared gather and its K and V, copied once per call (see ``run``).
+        self.shared: Gather | None = None
+        self.shared_kv: tuple[Tensor, Tensor] | None = None
 
     def _check(self, plan: AttentionPlan) -> None:
-        row_bytes = self.k_cache[0].nbytes + self.v_cache[0].nbytes
+        row_bytes = slot_bytes(self.k_cache) + slot_bytes(self.v_cache)
         made_for = (plan.num_rows, plan.num_slots, plan.row_bytes, plan.positions, plan.window)
         given = (self.query.shape[0], self.k_cache.shape[0], row_bytes,
                  self.slot_positions is not None, self.window)
@@ -338,6 +368,9 @@ class _Attention:
 
     def run(self, plan: AttentionPlan, return_lse: bool) -> Tensor | tuple[Tensor, Tensor]:
         self._check(plan)
+        if plan.shared is not None:
+            self.shared = plan.shared
+            self.shared_kv = self._load_kv(plan.shared)
         query = self.query
         hq = query.shape[1]
         # Sequences' rows are back to back: each output goes to its rows of one tensor.
@@ -350,8 +383,13 @@ class _Attention:
             if lse_out is not None:
                 lse_out[plan.short.rows] = lse
             batched.update(plan.short.seqs)
+        direct: list[tuple[int, tuple[int, int] | Shared]] = []
         for i, sp in enumerate(plan.seqs):
             if i in batched:
+                continue
+            if (self.direct and sp.q1 - sp.q0 == 1 and len(sp.pieces) == 1
+                    and not isinstance(sp.pieces[0][0], Gather)):
+                direct.append((sp.q0, sp.pieces[0][0]))  # type: ignore[arg-type]
                 continue
             if sp.pieces and sp.windowed:
                 o, lse = self.windowed_chunk(sp)
@@ -364,8 +402,41 @@ class _Attention:
             out[sp.q0 : sp.q1] = o
             if lse_out is not None:
                 lse_out[sp.q0 : sp.q1] = lse
+        if direct:
+            index = torch.tensor([row for row, _ in direct])
+            o, lse = self.decodes(direct)
+            out.index_copy_(0, index, o)
+            if lse_out is not None:
+                lse_out.index_copy_(0, index, lse)
         out = out if out.dtype == query.dtype else out.to(query.dtype)
         return (out, lse_out) if lse_out is not None else out
+
+    def decodes(self, items: list[tuple[int, tuple[int, int] | Shared]]
+                ) -> tuple[Tensor, Tensor]:
+        """Decodes (query row, its one piece: a slice of the cache or of the shared gather),
+        each a call of the fused CPU kernel on views and no other op per decode: outputs
+        ``[n, Hq, D]`` and log-sum-exps ``[n, Hq]`` in ``items``' order (see ``direct``)."""
+        hkv, d = self.k_cache.shape[1], self.k_cache.shape[2]
+        q = self.query.view(-1, hkv, self.group_size, d)
+        # [1, Hkv, keys, D] views of the cache and of the shared gather, sliced per decode.
+        cache = shared = None
+        outs, lses = [], []
+        for row, piece in items:
+            if isinstance(piece, Shared):
+                if shared is None:
+                    assert self.shared_kv is not None
+                    shared = [x.transpose(0, 1)[None] for x in self.shared_kv]
+                (k, v), a, n = shared, piece.start, piece.length
+            else:
+                if cache is None:
+                    cache = [x.transpose(0, 1)[None] for x in (self.k_cache, self.v_cache)]
+                (k, v), (a, n) = cache, piece
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[row : row + 1], k[:, :, a : a + n], v[:, :, a : a + n], 0.0, False,
+                scale=self.scale)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs).reshape(len(items), -1, d), torch.cat(lses).reshape(len(items), -1)
 
     def short_decodes(self, batch: ShortDecodes) -> tuple[Tensor, Tensor]:
         """Short decodes in one call over a ``[n, m * unit, Hkv, D]`` copy of their keys' units,
@@ -393,10 +464,13 @@ class _Attention:
             k, v = k.masked_fill(hidden, 0), v.masked_fill(hidden, 0)
         n, hq, d = len(batch.seqs), self.query.shape[1], self.query.shape[2]
         q = self.query[rows].to(self.dtype).view(n, -1, self.group_size, d)
-        mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
+        if self.query_positions is None:
+            mask = batch.mask if batch.mask.dtype == self.dtype else batch.mask.to(self.dtype)
+        else:
+            mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(
+                ~visible, float("-inf"))[:, None, None]
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
-            attn_mask=mask[:, None, None], scale=self.scale,
+            q, k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=mask, scale=self.scale,
         )
         lse = lse.reshape(n, hq)
         if self.query_positions is not None:
@@ -466,6 +540,11 @@ class _Attention:
     def _load_kv(self, piece: Piece) -> tuple[Tensor, Tensor]:
         """K and V of ``piece`` in the compute dtype; a gather from a pool's K/V pair in one
         copy."""
+        if isinstance(piece, Shared):
+            assert self.shared_kv is not None
+            k, v = self.shared_kv
+            return k[piece.start : piece.start + piece.length], v[
+                piece.start : piece.start + piece.length]
         if self.pair is not None and isinstance(piece, Gather):
             k, v = (self._as_compute(half[: piece.num_keys])
                     for half in self._pair_units(piece.unit, piece.pair_units))
@@ -495,6 +574,10 @@ class _Attention:
 
     def _key_positions(self, piece: Piece) -> Tensor:
         assert self.slot_positions is not None
+        if isinstance(piece, Shared):
+            assert self.shared is not None
+            return self.slot_positions[
+                self.shared.token_slots[piece.start : piece.start + piece.length]]
         if isinstance(piece, Gather):
             return self.slot_positions[piece.token_slots]
         return self.slot_positions[piece[0] : piece[0] + piece[1]]

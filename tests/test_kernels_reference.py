@@ -317,14 +317,20 @@ def test_gathered_runs_with_a_partial_block_first(monkeypatch, q_len):
     order."""
     monkeypatch.setattr(reference_plan, "MIN_VIEW_BYTES", 2**40)
     units = []
-    real = reference_plan._Planner._gather
+    real_gather, real_shared = reference_plan._Planner._gather, reference_plan._Planner._shared
 
-    def spy(self, *args, **kw):
-        piece = real(self, *args, **kw)
+    def spy_gather(self, *args, **kw):
+        piece = real_gather(self, *args, **kw)
         units.append(piece.unit)
         return piece
 
-    monkeypatch.setattr(reference_plan._Planner, "_gather", spy)
+    def spy_shared(self, *args, **kw):  # a decode's runs: the shared gather
+        gather, spans = real_shared(self, *args, **kw)
+        units.append(gather.unit)
+        return gather, spans
+
+    monkeypatch.setattr(reference_plan._Planner, "_gather", spy_gather)
+    monkeypatch.setattr(reference_plan._Planner, "_shared", spy_shared)
     case = Case([q_len], [27], 2, 4, torch.float32, seed=13)
     blocks = torch.tensor([9, 7, 5, 3, 1, 8, 6])  # recycled: runs of 1-2 blocks once sorted
     case.block_tables[0, :7] = blocks.int()
@@ -406,3 +412,64 @@ def test_short_decodes_are_copied_in_whole_blocks():
     assert plan.short is not None and plan.short.unit == 1
     torch.testing.assert_close(case.contiguous().double(), case.expected(), atol=1e-5,
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize(("short_keys", "view_keys"), [(0, 10**6), (12, 10**6), (12, 14)],
+                         ids=["gathered", "short-batch", "views"])
+def test_carried_plans_equal_fresh_ones(monkeypatch, layout, short_keys, view_keys):
+    """Decode steps one key further each, blocks handed out as sequences grow: a plan carried
+    on from the step before gives bit for bit what planning afresh gives, through short
+    decodes outgrowing their batch and gathered runs growing long enough to be read in
+    place; between block boundaries plans are carried, not made."""
+    block_size, row_bytes = 16, 2 * HKV * D * 4
+    monkeypatch.setattr(reference_plan, "SHORT_DECODE_BYTES", short_keys * row_bytes)
+    monkeypatch.setattr(reference_plan, "MIN_VIEW_BYTES", view_keys * row_bytes)
+    monkeypatch.setattr(reference_plan, "MERGE_COST", 0)
+    gen = torch.Generator().manual_seed(16)
+    rng = np.random.default_rng(16)
+    ctx = np.array([2, 3, 18, 35, 51])  # close to block boundaries together
+    num_slots, hq = 512, HKV * 2
+    k, v = (torch.randn(num_slots, HKV, D, generator=gen) for _ in range(2))
+    free = list(rng.permutation(num_slots // block_size))
+    tables = [[free.pop() for _ in range(-(-int(n) // block_size))] for n in ctx]
+    starts = torch.tensor([0, 40, 80, 150, 230])  # extents with room to grow
+    cu = torch.arange(len(ctx) + 1, dtype=torch.int32)
+    made = []
+    real_make = reference_plan.make_plan
+
+    def counting(*args, **kw):
+        made.append(1)
+        return real_make(*args, **kw)
+
+    monkeypatch.setattr(reference, "make_plan", counting)
+    carried = None
+    for _ in range(30):
+        ctx += 1
+        for table, n in zip(tables, ctx, strict=True):
+            if len(table) * block_size < n:
+                table.append(free.pop())
+        lens = torch.tensor(ctx, dtype=torch.int32)
+        query = torch.randn(len(ctx), hq, D, generator=gen)
+        if layout == "paged":
+            width = max(map(len, tables))
+            bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+            def plan(previous, bt=bt, lens=lens):
+                return reference.plan_paged(bt, lens, cu, block_size, k, v, hq, previous=previous)
+
+            def attend(p, bt=bt, lens=lens, query=query):
+                return reference.paged_attention(query, k, v, bt, lens, cu, block_size, 0.3,
+                                                 plan=p, return_lse=True)
+        else:
+            def plan(previous, lens=lens):
+                return reference.plan_contiguous(starts, lens, cu, k, v, hq, previous=previous)
+
+            def attend(p, lens=lens, query=query):
+                return reference.contiguous_attention(query, k, v, starts, lens, cu, 0.3,
+                                                      plan=p, return_lse=True)
+        fresh = plan(None)
+        carried = plan(carried)
+        (o1, l1), (o2, l2) = attend(fresh), attend(carried)
+        assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    assert len(made) < 2 * 30 - 15  # most steps carried the plan on

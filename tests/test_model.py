@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from model_driver import SMALL, Runner, make_model, prompts
 
-from kvbench.engines.llama import LlamaForCausalLM, apply_rope, greedy, rope_cos_sin
+from kvbench.engines.llama import LlamaForCausalLM, apply_rope, greedy, linear, rope_cos_sin
 
 
 def dense_logits(model: LlamaForCausalLM, ids: np.ndarray) -> torch.Tensor:
@@ -117,3 +117,29 @@ def test_cpu_float32_matmul_weights_are_column_major():
     assert all(p.is_contiguous() for p in half.parameters())
     for (name, p), (_, h) in zip(model.named_parameters(), half.named_parameters(), strict=True):
         assert torch.equal(p.to(torch.bfloat16), h), name
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_cpu_float32_matmuls_run_on_packed_weights():
+    """On the CPU in float32 the forward's matmuls (fused q/k/v, o, fused gate/up, down, LM
+    head) run on packed copies of their weights, equal to ``F.linear`` over the parameters
+    up to float32 rounding; in half precision nothing is packed. The copies are counted."""
+    model = make_model()
+    layer = model.model.layers[0]
+    pairs = [(layer.self_attn.qkv_weight, layer.self_attn.qkv_packed),
+             (layer.self_attn.o_proj.weight, layer.self_attn.o_packed),
+             (layer.mlp.gate_up_weight, layer.mlp.gate_up_packed),
+             (layer.mlp.down_proj.weight, layer.mlp.down_packed),
+             (model.head_weight, model.head_packed)]
+    gen = torch.Generator().manual_seed(0)
+    for weight, packed in pairs:
+        assert packed is not None
+        for rows in (1, 7, 300):
+            x = torch.randn(rows, weight.shape[1], generator=gen)
+            torch.testing.assert_close(linear(x, weight, packed), F.linear(x, weight),
+                                       atol=1e-5, rtol=1e-5)
+    weights = sum(w.nbytes for w, _ in pairs) + (SMALL.num_layers - 1) * sum(
+        w.nbytes for w, _ in pairs[:4])
+    assert model.packed_bytes() == weights
+    half = make_model(SMALL.with_dtype("bfloat16"))
+    assert half.packed_bytes() == 0 and half.model.layers[0].mlp.gate_up_packed is None

@@ -168,6 +168,7 @@ def test_pool_is_one_exact_allocation(executor):
     desc = executor.describe()
     json.dumps(desc)
     assert desc["kv_pool_bytes"] == executor.kv_pool_bytes
+    assert desc["packed_weight_bytes"] == executor.model.packed_bytes()
     assert desc["weights"] == "random(seed=3)" and desc["attention"] == "reference"
     assert desc["device"] == "cpu" and desc["dtype"] == "float32"
 
