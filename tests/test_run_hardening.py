@@ -205,8 +205,10 @@ def test_a_profile_that_is_not_text_is_refused(capsys, tmp_path) -> None:
 # --- interrupts lose nothing (item 12) ------------------------------------------------------
 
 def _start_run(tmp_path, out) -> subprocess.Popen:
+    # Enough requests that each engine's replay takes seconds, so that the signal lands in
+    # a run (the first's, or the second's on a fast machine).
     args = [sys.executable, "-m", "kvbench.cli", "run", "--device", "sim:a100-80gb",
-            "--model", "llama-3-8b", "--workload", "mixed-text", "--num-requests", "20000",
+            "--model", "llama-3-8b", "--workload", "mixed-text", "--num-requests", "50000",
             "--engines", "paged,contiguous", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # A job started in the background by a non-interactive shell inherits SIGINT ignored
@@ -225,7 +227,7 @@ def test_a_signal_writes_every_record_and_the_summary(tmp_path, sig, status) -> 
         deadline = time.monotonic() + 120
         while not out.exists() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
-        time.sleep(1.5)  # into the first engine's run
+        time.sleep(1.5)  # into the first engine's start or run
         proc.send_signal(sig)
         text, _ = proc.communicate(timeout=120)
     finally:
@@ -233,16 +235,60 @@ def test_a_signal_writes_every_record_and_the_summary(tmp_path, sig, status) -> 
     assert proc.returncode == status, text
     assert "Traceback" not in text
     records = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
-    assert set(records) == {"paged", "contiguous"}
+    assert set(records) == {"paged", "contiguous"}, text
     word = "SIGTERM" if sig == signal.SIGTERM else "Ctrl-C"
-    # The signal came during paged's run, or after it ended (while its record was built).
-    assert records["paged"]["status"] in ("interrupted", "ok")
-    if records["paged"]["status"] == "interrupted":
-        assert word in records["paged"]["error"]
+    # The signal stopped one engine (paged's, or contiguous's once paged's run had ended):
+    # those before it ran to the end, those after it never started.
+    statuses = [records[name]["status"] for name in ("paged", "contiguous")]
+    assert "interrupted" in statuses, text
+    first = statuses.index("interrupted")
+    assert statuses[:first] == ["ok"] * first
+    assert word in records[("paged", "contiguous")[first]]["error"]
+    for name in ("paged", "contiguous")[first + 1 :]:
+        assert records[name]["status"] == "interrupted"
+        assert "not started" in records[name]["error"]
+        assert word in records[name]["error"]
+    assert (out / "summary.md").is_file()
+
+
+@pytest.mark.parametrize("where", ["record", "setup"])
+def test_a_signal_between_runs_waits_for_the_records(tmp_path, monkeypatch, where) -> None:
+    """A real SIGINT while the first engine's record is built, or while its run is set up
+    (before its loop): held back until the record is written whole (then raised, once the
+    summary is written too) or the loop starts (which records the interrupt), so nothing is
+    lost; the next engine does not start."""
+    from kvbench.run import execute, harness
+
+    module, attr = (execute, "record_of") if where == "record" else (harness, "wave_requests")
+    real, calls = getattr(module, attr), []
+
+    def signalled(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, attr, signalled)
+    suite, base = resolve_suite("quick-sim", RunFlags(num_requests=3))
+    plan = plan_run(suite, base, tmp_path / "out", "test")
+    if where == "record":
+        with pytest.raises(KeyboardInterrupt):
+            execute.execute_plan(plan)
+    else:
+        execute.execute_plan(plan)
+    out = tmp_path / "out"
+    records = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    if where == "record":
+        assert records["paged"]["status"] == "ok"
+        assert records["paged"]["summary"]["completed"] == 3
+        assert len(calls) == 2  # paged's record built once, not restarted; contiguous's
+    else:
+        assert records["paged"]["status"] == "interrupted"
+        assert "Ctrl-C" in records["paged"]["error"]
     assert records["contiguous"]["status"] == "interrupted"
     assert "not started" in records["contiguous"]["error"]
-    assert word in records["contiguous"]["error"]
     assert (out / "summary.md").is_file()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_an_interrupt_while_an_engine_starts_is_recorded(tmp_path, monkeypatch) -> None:

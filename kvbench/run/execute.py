@@ -29,7 +29,7 @@ from kvbench.run.quality import (
     check_quality,
     reason_not_checked,
 )
-from kvbench.run.signals import interrupt_reason
+from kvbench.run.signals import allow_interrupts, deferred_interrupts, interrupt_reason
 from kvbench.run.telemetry import Telemetry
 from kvbench.run.threads import ThreadsUsed, set_cpu_threads, torch_threads
 
@@ -81,7 +81,8 @@ def start_and_run(
         set_cpu_threads(plan.cpu_threads)
     try:
         active = plan.suite.cluster.active
-        engine = build_cluster(plan, config) if active else build_engine(config)
+        with allow_interrupts():
+            engine = build_cluster(plan, config) if active else build_engine(config)
     except KvbenchError:
         raise
     except KeyboardInterrupt as exc:
@@ -179,27 +180,32 @@ def execute_plan(
     # record is written all the same, then the run stops as interrupted.
     late: KeyboardInterrupt | None = None
     quality = QualityCheck(plan.suite.run.quality_check)
-    for repeat, (name, engine) in itertools.product(range(plan.repeats), plan.engines):
-        if any(r.status != "ok" for r in runs.get(name, [])):
-            continue
-        label = name if plan.repeats == 1 else f"{name} ({repeat + 1}/{plan.repeats})"
-        progress = on_engine(label) if on_engine else None
-        run, config = start_and_run(plan, engine, progress, quality=quality)
-        earlier = runs.get(name, [])
-        try:
-            runs[name] = _write_record(plan, earlier, name, run, config)
-        except KeyboardInterrupt as exc:
-            late = exc
-            runs[name] = _write_record(plan, earlier, name, run, config)
-        if run.status == "interrupted" or late is not None:
-            stopped = run.error if late is None else interrupt_reason(late)
-            break
-    records = [fold_repeats(rs) for rs in runs.values()]
-    if stopped is not None:
-        records += record_unstarted(plan, set(runs), f"not started: the run was {stopped}")
-    write_text_atomic(plan.out_dir / "summary.md", summary_markdown(records))
+    # Interrupts raise only while an engine starts or runs (which record them); one that
+    # comes between (an engine set up, a record written) waits until the records are.
+    with deferred_interrupts() as held:
+        for repeat, (name, engine) in itertools.product(range(plan.repeats), plan.engines):
+            if any(r.status != "ok" for r in runs.get(name, [])):
+                continue
+            label = name if plan.repeats == 1 else f"{name} ({repeat + 1}/{plan.repeats})"
+            progress = on_engine(label) if on_engine else None
+            run, config = start_and_run(plan, engine, progress, quality=quality)
+            earlier = runs.get(name, [])
+            try:
+                runs[name] = _write_record(plan, earlier, name, run, config)
+            except KeyboardInterrupt as exc:
+                late = exc
+                runs[name] = _write_record(plan, earlier, name, run, config)
+            if run.status == "interrupted" or late is not None or held.signum is not None:
+                stopped = (run.error if run.status == "interrupted" else
+                           interrupt_reason(late) if late is not None else held.reason)
+                break
+        records = [fold_repeats(rs) for rs in runs.values()]
+        if stopped is not None:
+            records += record_unstarted(plan, set(runs), f"not started: the run was {stopped}")
+        write_text_atomic(plan.out_dir / "summary.md", summary_markdown(records))
     if late is not None:
         raise late
+    held.deliver()
     # After the records: a figure that fails to draw costs only itself.
     if plots:
         plan.warnings += write_plots(records, plan.out_dir)[1]

@@ -33,7 +33,7 @@ from kvbench.engines.replay import (
 from kvbench.run.clocks import Clock, VirtualClock
 from kvbench.run.columns import Column, column_of
 from kvbench.run.gaps import GapLog
-from kvbench.run.signals import interrupt_reason
+from kvbench.run.signals import allow_interrupts, interrupt_reason
 from kvbench.run.stepstats import Folded, fold
 from kvbench.run.telemetry import OK, RssProbe, Telemetry
 from kvbench.workloads.model import Request, Workload
@@ -258,96 +258,99 @@ def run_engine(
     wall0 = time.perf_counter()
     clock.start()
     try:
-        for wave in range(waves):
-            requests = wave_requests(workload, wave, waves, clock.now() if wave else 0.0)
-            for r in requests:
-                timings[r.id].request = r
-            n, idx = len(requests), 0
-            if replay is not None:
-                arrivals = Arrivals(requests, limit, send_late=max_concurrency is not None)
-                done = _replay_wave(run, replay, clock, arrivals,  # type: ignore[arg-type]
-                                    done, warmup_done, on_progress)
-                idx = n
-            while idx < n or engine.has_unfinished():
+        # Interrupts raise here only: outside, while a caller holds them back
+        # (kvbench.run.signals), they wait for the next block that turns them into a record.
+        with allow_interrupts():
+            for wave in range(waves):
+                requests = wave_requests(workload, wave, waves, clock.now() if wave else 0.0)
+                for r in requests:
+                    timings[r.id].request = r
+                n, idx = len(requests), 0
+                if replay is not None:
+                    arrivals = Arrivals(requests, limit, send_late=max_concurrency is not None)
+                    done = _replay_wave(run, replay, clock, arrivals,  # type: ignore[arg-type]
+                                        done, warmup_done, on_progress)
+                    idx = n
+                while idx < n or engine.has_unfinished():
+                    if foldable:
+                        fold(steps, run.warmup_step)
+                    now = clock.now()
+                    while idx < n and requests[idx].arrival_s <= now and in_flight < limit:
+                        request = requests[idx]
+                        if max_concurrency is not None and request.arrival_s < now:
+                            request = dataclasses.replace(request, arrival_s=now)
+                            timings[request.id].request = request
+                        engine.add(request)
+                        in_flight += 1
+                        idx += 1
+                    if not engine.has_unfinished():
+                        clock.wait_until(requests[idx].arrival_s)
+                        continue
+                    if bulk:
+                        # Steps until the next arrival the harness would add (none while the
+                        # concurrency limit holds it back).
+                        due = requests[idx].arrival_s if idx < n and in_flight < limit else math.inf
+                        w0 = time.perf_counter()
+                        taken = _fast_forward(run, engine, clock, due)  # type: ignore[arg-type]
+                        if taken:
+                            idle = 0
+                            w1 = time.perf_counter()
+                            if w1 >= tel.next_due_s:
+                                tel.sample(len(steps) - 1, w1)
+                            run.step_wall_s += time.perf_counter() - w0
+                            continue
+                    if quiet is not None:
+                        due = requests[idx].arrival_s if idx < n and in_flight < limit else math.inf
+                        w0 = time.perf_counter()
+                        block = quiet(due)
+                        if block is not None:
+                            _log_quiet(run, block, clock)
+                            idle = 0
+                            w1 = time.perf_counter()
+                            if w1 >= tel.next_due_s:
+                                tel.sample(len(steps) - 1, w1)
+                            run.step_wall_s += time.perf_counter() - w0
+                            continue
+                    w0 = time.perf_counter()
+                    t0 = clock.now()
+                    report = engine.step()
+                    clock.after_step(report)
+                    t1 = clock.now()
+                    ended = _record_requests(run, report, t0, t1, clock)
+                    in_flight -= ended
+                    w1 = time.perf_counter()
+                    _log_step(run, report, t0, t1)
+                    step = len(steps) - 1
+                    crossed = done < warmup_done <= done + ended
+                    if crossed or w1 >= tel.next_due_s:
+                        tel.sample(step, w1, force=crossed)
+                        if crossed:
+                            run.warmup_step = step
+                    done += ended
+                    w2 = time.perf_counter()
+                    run.step_wall_s += w2 - w0
+                    run.telemetry_wall_s += w2 - w1
+                    if on_progress is not None:
+                        on_progress(done)
+                    # A live server's stalls are bounded by the engine's request timeouts; its
+                    # steps only observe, so an empty one is no sign of a stuck scheduler.
+                    stalled = report.batch.num_tokens == 0 and report.stamps is None
+                    if stalled and not report.finished and idx >= n:
+                        idle += 1
+                        if idle >= _MAX_IDLE_STEPS:
+                            raise RuntimeError(
+                                f"engine {engine.name!r} made no progress for {idle} steps "
+                                f"({report.num_waiting} waiting, {report.num_running} running)"
+                            )
+                    else:
+                        idle = 0
                 if foldable:
                     fold(steps, run.warmup_step)
-                now = clock.now()
-                while idx < n and requests[idx].arrival_s <= now and in_flight < limit:
-                    request = requests[idx]
-                    if max_concurrency is not None and request.arrival_s < now:
-                        request = dataclasses.replace(request, arrival_s=now)
-                        timings[request.id].request = request
-                    engine.add(request)
-                    in_flight += 1
-                    idx += 1
-                if not engine.has_unfinished():
-                    clock.wait_until(requests[idx].arrival_s)
-                    continue
-                if bulk:
-                    # Steps until the next arrival the harness would add (none while the
-                    # concurrency limit holds it back).
-                    due = requests[idx].arrival_s if idx < n and in_flight < limit else math.inf
-                    w0 = time.perf_counter()
-                    taken = _fast_forward(run, engine, clock, due)  # type: ignore[arg-type]
-                    if taken:
-                        idle = 0
-                        w1 = time.perf_counter()
-                        if w1 >= tel.next_due_s:
-                            tel.sample(len(steps) - 1, w1)
-                        run.step_wall_s += time.perf_counter() - w0
-                        continue
-                if quiet is not None:
-                    due = requests[idx].arrival_s if idx < n and in_flight < limit else math.inf
-                    w0 = time.perf_counter()
-                    block = quiet(due)
-                    if block is not None:
-                        _log_quiet(run, block, clock)
-                        idle = 0
-                        w1 = time.perf_counter()
-                        if w1 >= tel.next_due_s:
-                            tel.sample(len(steps) - 1, w1)
-                        run.step_wall_s += time.perf_counter() - w0
-                        continue
-                w0 = time.perf_counter()
-                t0 = clock.now()
-                report = engine.step()
-                clock.after_step(report)
-                t1 = clock.now()
-                ended = _record_requests(run, report, t0, t1, clock)
-                in_flight -= ended
-                w1 = time.perf_counter()
-                _log_step(run, report, t0, t1)
-                step = len(steps) - 1
-                crossed = done < warmup_done <= done + ended
-                if crossed or w1 >= tel.next_due_s:
-                    tel.sample(step, w1, force=crossed)
-                    if crossed:
-                        run.warmup_step = step
-                done += ended
-                w2 = time.perf_counter()
-                run.step_wall_s += w2 - w0
-                run.telemetry_wall_s += w2 - w1
-                if on_progress is not None:
-                    on_progress(done)
-                # A live server's stalls are bounded by the engine's request timeouts; its
-                # steps only observe, so an empty one is no sign of a stuck scheduler.
-                stalled = report.batch.num_tokens == 0 and report.stamps is None
-                if stalled and not report.finished and idx >= n:
-                    idle += 1
-                    if idle >= _MAX_IDLE_STEPS:
-                        raise RuntimeError(
-                            f"engine {engine.name!r} made no progress for {idle} steps "
-                            f"({report.num_waiting} waiting, {report.num_running} running)"
-                        )
-                else:
-                    idle = 0
-            if foldable:
-                fold(steps, run.warmup_step)
-            if steps.t_s:
-                tel.sample(len(steps) - 1, time.perf_counter(), force=True)
-                run.wave_ends.append(
-                    WaveEnd(len(steps) - 1, steps.t_s[-1], run.last_kv, tel.latest())
-                )
+                if steps.t_s:
+                    tel.sample(len(steps) - 1, time.perf_counter(), force=True)
+                    run.wave_ends.append(
+                        WaveEnd(len(steps) - 1, steps.t_s[-1], run.last_kv, tel.latest())
+                    )
     except KeyboardInterrupt as exc:
         run.status, run.error = "interrupted", interrupt_reason(exc)
     except DeviceOutOfMemory as exc:

@@ -1,12 +1,18 @@
 """SIGTERM (what CI cancellation sends) handled like Ctrl-C: both interrupt the run where it
-is, the records of what ran are written, and the exit status says which signal it was."""
+is, the records of what ran are written, and the exit status says which signal it was.
+
+Where an interrupt may land matters: one that came while an engine was set up or its record
+written would lose records. :func:`deferred_interrupts` holds both signals back, except
+inside :func:`allow_interrupts` blocks (an engine starting, its run loop), whose callers turn
+the interrupt into an interrupted record; one held back is raised at the next such block or
+when the caller asks (:meth:`Held.deliver`)."""
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 
 EXIT_SIGINT = 130
@@ -53,3 +59,79 @@ def sigterm_interrupts() -> Iterator[Interrupts]:
         yield state
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@dataclass(slots=True)
+class Held:
+    """What :func:`deferred_interrupts` holds: the first signal that came outside an
+    :func:`allow_interrupts` block (``signum``), and the handlers that raise each signal."""
+
+    signum: int | None = None
+    handlers: dict[int, Callable[[int, FrameType | None], object]] = field(default_factory=dict)
+    depth: int = 0  # allow_interrupts blocks entered
+
+    @property
+    def reason(self) -> str:
+        return interrupt_reason(Terminated() if self.signum == signal.SIGTERM
+                                else KeyboardInterrupt())
+
+    def deliver(self) -> None:
+        """Raise the interrupt held back, if one came, as its own handler would."""
+        if self.signum is not None:
+            signum, self.signum = self.signum, None
+            self.handlers[signum](signum, None)
+
+
+_held: Held | None = None
+
+
+@contextmanager
+def deferred_interrupts() -> Iterator[Held]:
+    """Within the block, Ctrl-C and SIGTERM wait (the first is kept) except inside
+    :func:`allow_interrupts` blocks. Only signals whose handler raises are held (an ignored
+    SIGINT stays ignored, a default SIGTERM still ends the process); nothing is held outside
+    the main thread. A block inside another shares the outer's."""
+    global _held
+    if _held is not None:
+        yield _held
+        return
+    held = Held()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if held.depth:
+            held.handlers[signum](signum, frame)
+        elif held.signum is None:
+            held.signum = signum
+
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                signal.signal(signum, on_signal)
+                held.handlers[signum] = handler
+    except ValueError:  # not the main thread
+        yield held
+        return
+    _held = held
+    try:
+        yield held
+    finally:
+        _held = None
+        for signum, handler in held.handlers.items():
+            signal.signal(signum, handler)
+
+
+@contextmanager
+def allow_interrupts() -> Iterator[None]:
+    """Within :func:`deferred_interrupts`, a block where interrupts raise (one held back
+    first); elsewhere nothing changes."""
+    held = _held
+    if held is None:
+        yield
+        return
+    held.depth += 1
+    try:
+        held.deliver()
+        yield
+    finally:
+        held.depth -= 1
