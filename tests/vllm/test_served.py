@@ -194,7 +194,10 @@ PEER_BOUND = 2.0
 # A second peer starts slowly (tens of seconds a run) and is run for fewer rounds. Each runs
 # its client as several processes, which on a 2-core machine take CPU from the server while
 # it measures (GuideLLM's raw TPOT came out 1.46x kvbench's at load 1.5-2.4): its paced
-# ratios are held to the same 10%, its raw ones to a factor of 3.
+# ratios are held to 20% (kvbench / GuideLLM paced TTFT 1.12, 0.83, 0.88 and 0.90 in four
+# runs of the same code on a quiet 2-core machine, two rounds each), its raw ones to a factor
+# of 3.
+SECOND_PEER_PACED_TOLERANCE = 0.20
 SECOND_PEER_BOUND = 3.0
 # A peer with more of its chunk gaps near zero than kvbench's in the same rounds of the same
 # server read the stream late (its client behind, not the server): its TTFT then times its
@@ -299,9 +302,9 @@ def test_latencies_agree_with_a_second_peer(server, tmp_path, tool) -> None:
     # GuideLLM records no chunk gaps: its ITL is None, and not compared.
     paced = {m: v for m, v in paced_ratios(pooled)[tool].items() if v is not None}
     assert {"ttft", "tpot"} <= paced.keys()
-    off = {m: v for m, v in paced.items() if not abs(v - 1) <= PACED_TOLERANCE}
+    off = {m: v for m, v in paced.items() if not abs(v - 1) <= SECOND_PEER_PACED_TOLERANCE}
     assert not off, (f"with the server's pace divided out, kvbench and {tool} differ by more "
-                     f"than {PACED_TOLERANCE:.0%}: {off}")
+                     f"than {SECOND_PEER_PACED_TOLERANCE:.0%}: {off}")
     off = {m: v for m, v in r.items()
            if v is not None and not 1 / SECOND_PEER_BOUND <= v <= SECOND_PEER_BOUND}
     assert not off, f"kvbench and {tool} differ by more than {SECOND_PEER_BOUND}x: {off}"
@@ -391,12 +394,14 @@ def test_in_process_and_served_vllm_hold_the_same_kv(server, tmp_path) -> None:
           f"{sc['mean_ms']:.0f} ms, slowest {sc['max_ms']:.0f} ms; readings up to "
           f"{gap_ms:.0f} ms apart; one block's decode "
           f"{block_ms:.0f} ms: the served peak may miss up to {missable} blocks")
-    assert abs(peak_a - peak_b) <= missable * BLOCK_BYTES
+    # Readings that do not resolve the run can miss all of it (seen once on 2 cores: six
+    # readings up to 699 ms apart, none while KV was held, in a run of about a second).
     run_ms = 1000 * read100.summary["duration_s"]
     if run_ms < MIN_GAPS * gap_ms:
         pytest.skip(f"the served run's /metrics readings came up to {gap_ms:.0f} ms apart in a "
                     f"run of {run_ms:.0f} ms: its KV curve does not resolve the run, and its "
-                    "mean usage is printed, not compared")
+                    "peak and mean usage are printed, not compared")
+    assert abs(peak_a - peak_b) <= missable * BLOCK_BYTES
     assert abs(mean_a - mean_b) <= MEAN_TOLERANCE
     # Same dummy weights and greedy decoding; batches may differ, so this is reported only.
     digests = {r.id: r.output_digest for r in inproc.requests}
