@@ -294,10 +294,7 @@ def run_engine(
                         taken = _fast_forward(run, engine, clock, due)  # type: ignore[arg-type]
                         if taken:
                             idle = 0
-                            w1 = time.perf_counter()
-                            if w1 >= tel.next_due_s:
-                                tel.sample(len(steps) - 1, w1)
-                            run.step_wall_s += time.perf_counter() - w0
+                            _taken_in_bulk(run, tel, w0)
                             continue
                     if quiet is not None:
                         due = requests[idx].arrival_s if idx < n and in_flight < limit else math.inf
@@ -306,10 +303,7 @@ def run_engine(
                         if block is not None:
                             _log_quiet(run, block, clock)
                             idle = 0
-                            w1 = time.perf_counter()
-                            if w1 >= tel.next_due_s:
-                                tel.sample(len(steps) - 1, w1)
-                            run.step_wall_s += time.perf_counter() - w0
+                            _taken_in_bulk(run, tel, w0)
                             continue
                     w0 = time.perf_counter()
                     t0 = clock.now()
@@ -374,6 +368,15 @@ def run_engine(
                 run.status, run.error = "failed", f"close() failed: {exc}"
         tel.close()
     return run
+
+
+def _taken_in_bulk(run: EngineRun, tel: Telemetry, w0: float) -> None:
+    """After steps taken in one call, begun at wall time ``w0``: a telemetry reading if one is
+    due, and their wall time."""
+    w1 = time.perf_counter()
+    if w1 >= tel.next_due_s:
+        tel.sample(len(run.steps) - 1, w1)
+    run.step_wall_s += time.perf_counter() - w0
 
 
 def _fast_forward_mode(engine: Engine, clock: Clock, arrivals_known: bool) -> str | None:
