@@ -260,11 +260,18 @@ def advance(plan: AttentionPlan, layout: np.ndarray, context: np.ndarray,
     seqs = tuple(_lengthened(sp) for sp in plan.seqs)
     short = plan.short
     if short is not None:
-        visible = np.arange(short.visible.shape[1])[None, :] < context[short.rows.numpy(), None]
-        mask = np.where(visible, np.float32(0), np.float32("-inf"))[:, None, None]
-        short = replace(short, visible=torch.from_numpy(visible), mask=torch.from_numpy(mask))
+        visible, mask = _visible(short.visible.shape[1], context[short.rows.numpy()])
+        short = replace(short, visible=visible, mask=mask)
     return replace(plan, seqs=seqs, short=short,
                    source=Source(src.layout, context, src.steps - 1))
+
+
+def _visible(width: int, context: np.ndarray) -> tuple[Tensor, Tensor]:
+    """Of a batch of short decodes' ``width`` copied slots, which are each one's keys (its
+    first ``context``), and the fused kernel's additive mask of that ``[n, 1, 1, width]``."""
+    visible = np.arange(width)[None, :] < context[:, None]
+    mask = np.where(visible, np.float32(0), np.float32("-inf"))[:, None, None]
+    return torch.from_numpy(visible), torch.from_numpy(mask)
 
 
 def _lengthened(sp: SeqPlan) -> SeqPlan:
@@ -336,11 +343,9 @@ class _Planner:
         units[np.repeat(owner, num_units), np.repeat(key // unit, num_units) + offset] = (
             np.repeat(slot // unit, num_units) + offset
         )
-        visible = np.arange(width * unit)[None, :] < ctx[:, None]
-        mask = np.where(visible, np.float32(0), np.float32("-inf"))[:, None, None]
+        visible, mask = _visible(width * unit, ctx)
         return ShortDecodes(in_plan, torch.tensor([cu[b] for b in group]), unit,
-                            torch.from_numpy(units), torch.from_numpy(visible),
-                            torch.from_numpy(mask),
+                            torch.from_numpy(units), visible, mask,
                             torch.from_numpy(self._pair(units.ravel(), unit)))
 
     def decodes(self, runs: Runs, cu: list[int], batched: set[int]

@@ -362,7 +362,7 @@ def fragmentation_metrics(sums: StepSums) -> dict[str, Any]:
     out["fragmentation_wait_steps"] = int(sums.sum["waits"])
     out["fragmentation_wait_s"] = sums.sum["waits_dt"]
     if sums.worst is not None:
-        free, _, t_s, largest, need = sums.worst
+        free, t_s, largest, need = sums.worst
         out.update(zip((f"fragmentation_wait_{n}" for n in FRAGMENTATION_WORST),
                        (t_s, int(free), largest, need), strict=True))
     return out

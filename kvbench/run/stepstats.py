@@ -61,7 +61,7 @@ class StepSums:
     """Reductions of a run of steps: their count and total length; per quantity its sum,
     maximum, minimum and count (names in :func:`reduce_steps`); the columns with an absent
     value (their metrics are absent); the worst fragmentation wait (most memory free, the
-    first of equals: free, step, start time, largest free, need); the modelled device's
+    first of equals: free, start time, largest free, need); the modelled device's
     peak (used bytes, then the components there); and the inter-token gaps with how many
     times each counts."""
 
@@ -72,7 +72,7 @@ class StepSums:
     min: dict[str, float] = field(default_factory=dict)
     count: dict[str, int] = field(default_factory=dict)
     missing: set[str] = field(default_factory=set)
-    worst: tuple[float, int, float, int, int] | None = None
+    worst: tuple[float, float, int, int] | None = None
     peak: tuple[float, tuple[float, ...]] | None = None
     gaps: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0, dtype=np.int64))
 
@@ -114,10 +114,9 @@ def _floats(column: Column, n: int) -> np.ndarray:
     return column.head(n)[0].astype(np.float64, copy=False)
 
 
-def reduce_steps(s: Any, first: int, n: int, weights: np.ndarray) -> StepSums:
-    """The reductions of the first ``n`` steps held by step log ``s`` (step ``first`` of
-    the run on); ``weights``: how many requests' tokens followed on at each of them
-    (:class:`~kvbench.run.gaps.GapLog`)."""
+def reduce_steps(s: Any, n: int, weights: np.ndarray) -> StepSums:
+    """The reductions of the first ``n`` steps held by step log ``s``; ``weights``: how many
+    requests' tokens followed on at each of them (:class:`~kvbench.run.gaps.GapLog`)."""
     out = StepSums(steps=n)
     if not n:
         return out
@@ -163,7 +162,7 @@ def reduce_steps(s: Any, first: int, n: int, weights: np.ndarray) -> StepSums:
         if waits.any():
             # argmax keeps the first of equal maxima.
             i = int(np.argmax(np.where(waits, refused_free, -1.0)))
-            out.worst = (float(refused_free[i]), first + i, s.t_s[i] - s.dt_s[i],
+            out.worst = (float(refused_free[i]), s.t_s[i] - s.dt_s[i],
                          int(refused_largest[i]), int(need[i]))
     for m, col in s.kv_modality_bytes.items():
         values = _full(col, n)
@@ -294,7 +293,7 @@ def fold(s: Any, keep: int | None = None) -> None:
 def _fold(s: Any, n: int, keep: int | None) -> None:
     folded = s.folded = s.folded if s.folded is not None else Folded(fine=FINE_STEPS)
     first, fine = folded.steps, folded.fine
-    sums = reduce_steps(s, first, n, s.gaps.drop(n))
+    sums = reduce_steps(s, n, s.gaps.drop(n))
     folded.sums = folded.sums.add(sums) if first else sums
     starts = np.arange(0, n, fine)
     curves = bucket(curve_columns(s, n), starts)
@@ -316,7 +315,7 @@ def _fold(s: Any, n: int, keep: int | None) -> None:
 def run_sums(s: Any) -> StepSums:
     """The reductions of every step of step log ``s``, the folded ones included."""
     held = len(s.t_s)
-    sums = reduce_steps(s, len(s) - held, held, s.gaps.weights(len(s)))
+    sums = reduce_steps(s, held, s.gaps.weights(len(s)))
     return s.folded.sums.add(sums) if s.folded is not None else sums
 
 
