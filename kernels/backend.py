@@ -14,7 +14,7 @@ and is imported only when asked for, so the reference path never needs triton.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -71,7 +71,26 @@ def _triton(device: torch.device | None) -> KernelBackend:
     )
 
 
+def _native(device: torch.device | None) -> KernelBackend:
+    if device is not None and device.type != "cpu":
+        raise KvbenchError(
+            f"the native attention backend runs on the CPU, not {device}; use --attention auto")
+    from kvbench.kernels import cpu_native
+
+    cpu_native.library()  # built now, so that a missing compiler is refused before a run
+    # The reference's KV store, slot copies and merges; the native kernel's decodes.
+    return replace(
+        _reference(device),
+        name="native",
+        paged_attention=cpu_native.paged_attention,
+        contiguous_attention=cpu_native.contiguous_attention,
+        plan_paged=cpu_native.plan_paged,
+        plan_contiguous=cpu_native.plan_contiguous,
+    )
+
+
 _BACKENDS: dict[str, Callable[[torch.device | None], KernelBackend]] = {
+    "native": _native,
     "reference": _reference,
     "triton": _triton,
 }
@@ -92,12 +111,18 @@ def backend_names() -> list[str]:
 def get_backend(name: str, device: torch.device | str | None = None) -> KernelBackend:
     """The backend ``name``, checked to run on ``device`` when one is given.
 
-    ``auto`` is triton on CUDA when triton is installed, else the reference.
+    ``auto`` is triton on CUDA when triton is installed, the native kernel on the CPU when
+    it builds here (a C compiler), else the reference.
     """
     dev = torch.device(device) if device is not None else None
     if name == AUTO:
-        cuda = dev is not None and dev.type == "cuda"
-        name = "triton" if cuda and triton_installed() else "reference"
+        name = "reference"
+        if dev is not None and dev.type == "cuda" and triton_installed():
+            name = "triton"
+        elif dev is not None and dev.type == "cpu":
+            from kvbench.kernels import cpu_native
+
+            name = "native" if cpu_native.available() else "reference"
     try:
         factory = _BACKENDS[name]
     except KeyError:

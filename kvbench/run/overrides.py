@@ -74,7 +74,8 @@ class RunFlags:
     )
     attention: str | None = _flag(
         "run.attention", "Attention kernels of real compute: auto (triton on CUDA when "
-        "installed, else reference) | triton | reference."
+        "installed; on the CPU native, a C decode kernel built with the machine's compiler, "
+        "where one is found; else reference) | native | triton | reference."
     )
     request_rate: float | None = _flag(
         "run.request_rate", "Re-time arrivals at R requests/s (inf: all at once, an offline, "

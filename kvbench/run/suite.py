@@ -83,8 +83,9 @@ class RunSection(_Strict):
     # Intra-op threads of real compute on a CPU (None: torch's default). Small models gain
     # little from threads, and spinning OpenMP threads on a busy machine slow them ~10x.
     cpu_threads: int | None = Field(default=None, ge=1)
-    # Kernels of real compute: auto = Triton on CUDA when installed, else the torch reference.
-    attention: Literal["auto", "reference", "triton"] = "auto"
+    # Kernels of real compute: auto = Triton on CUDA when installed, the native C decode
+    # kernel on the CPU where it builds, else the torch reference.
+    attention: Literal["auto", "native", "reference", "triton"] = "auto"
     # Most requests in flight at once (client-side, as vllm bench serve's): None, no limit.
     max_concurrency: int | None = Field(default=None, ge=1)
     # Re-time the workload's arrivals at this many requests/s (inf: all at once), gamma gaps
