@@ -46,10 +46,12 @@ def _workload():
 
 def _outputs(engine: str, kv_tokens: int, *, chunked: bool = True, batched: int = 512,
              prefix: bool = True, section: EngineSection | None = None,
-             preset: ModelPreset | None = None) -> tuple[dict[str, str], dict]:
+             preset: ModelPreset | None = None, attention: str = "auto",
+             ) -> tuple[dict[str, str], dict]:
     preset = preset or get_preset("tiny")
     opts = EngineSettings(
         preset=preset,
+        attention=attention,
         device=parse_device("cpu"),
         kv_bytes=kv_tokens * preset.kv_bytes_per_token,
         block_size=16,
@@ -75,6 +77,12 @@ def reference() -> dict[str, str]:
 
 def test_paged_matches_contiguous(reference) -> None:
     assert _outputs("paged", 8192, chunked=False, prefix=False)[0] == reference
+
+
+@pytest.mark.parametrize("engine", ["paged", "contiguous-request"])
+def test_the_torch_reference_kernels_give_the_same_tokens(reference, engine) -> None:
+    # The fixture runs the CPU's default kernels (the native decode kernel where it builds).
+    assert _outputs(engine, 8192, chunked=False, attention="reference")[0] == reference
 
 
 def test_chunked_prefill_matches(reference) -> None:

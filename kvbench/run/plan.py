@@ -8,7 +8,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbench.engines.config import EngineConfig, EngineSection, EngineSettings, engine_config
+from kvbench.engines.config import (
+    EngineConfig,
+    EngineSection,
+    EngineSettings,
+    KVPolicy,
+    engine_config,
+)
 from kvbench.engines.device_memory import MemoryOptions
 from kvbench.engines.hardware import DeviceSpec
 from kvbench.engines.presets import ModelPreset, get_preset
@@ -226,6 +232,12 @@ def _precheck(plan: RunPlan, name: str, config: EngineConfig) -> None:
             "--clock wall (and a real --device, not sim:...)"
         )
     plan.warnings += [f"engine {name!r}: {w}" for w in section.check(config)]
+    if isinstance(section, KVPolicy) and config.device.kind != "sim":
+        # The kernels of real compute, built or imported now (a missing compiler or triton
+        # says so before any engine runs).
+        from kvbench.kernels.backend import get_backend
+
+        get_backend(config.attention, config.device.torch_device)
     rejection = section.admission(config)
     reasons = [r for r in map(rejection, plan.workload.requests) if r is not None]
     if len(reasons) == len(plan.workload.requests):
