@@ -15,7 +15,8 @@
 - ``SimMemory.track_*``: what a long simulated replay keeps for its record (step log and
   request timings), in bytes per simulated step and per request, counted by tracemalloc:
   deterministic for a given Python and numpy, so a step in the graph is a code change.
-- ``Attention.time_*``: the torch reference attention kernels on small shapes.
+- ``Attention.time_*``, ``NativeAttention.time_*``: decodes on small shapes through the torch
+  reference attention kernels and the native C decode kernel (skipped without a C compiler).
 - ``peakmem_*``: peak process memory of a short real-compute run.
 - ``TraceImport.time_import``: importing the full public traces.
 - ``EngineBound.track_output_throughput``, ``EngineBoundVsVLLM.track_*``: output tokens/s on
@@ -288,16 +289,18 @@ class SimMemory:
     track_bytes_per_request.unit = "bytes per request"  # type: ignore[attr-defined]
 
 
-class Attention:
+class _Decodes:
+    """Eight decodes of the tiny model at ``context`` keys, paged (scattered blocks) or
+    contiguous, through ``kernels``' attention: ``self.fn(*self.args)``."""
+
     params = (["paged", "contiguous"], [256, 1024])
     param_names = ("layout", "context")
 
-    def setup(self, layout: str, context: int) -> None:
+    def build(self, kernels, layout: str, context: int) -> None:
         import numpy as np
         import torch
 
         from kvbench.engines.presets import get_preset
-        from kvbench.kernels import reference
 
         tiny, block, seqs = get_preset("tiny"), 16, 8
         gen = torch.Generator().manual_seed(0)
@@ -312,14 +315,33 @@ class Attention:
         if layout == "paged":
             order = np.random.default_rng(0).permutation(seqs * blocks)
             tables = torch.tensor(order.reshape(seqs, blocks), dtype=torch.int32)
-            self.fn = reference.paged_attention
+            self.fn = kernels.paged_attention
             self.args = (q, k, v, tables, lens, cu, block, scale)
         else:
             starts = torch.arange(seqs, dtype=torch.int64) * blocks * block
-            self.fn = reference.contiguous_attention
+            self.fn = kernels.contiguous_attention
             self.args = (q, k, v, starts, lens, cu, scale)
 
+
+class Attention(_Decodes):
+    def setup(self, layout: str, context: int) -> None:
+        from kvbench.kernels import reference
+
+        self.build(reference, layout, context)
+
     def time_reference_decode(self, layout, context):
+        self.fn(*self.args)
+
+
+class NativeAttention(_Decodes):
+    def setup(self, layout: str, context: int) -> None:
+        from kvbench.kernels import cpu_native
+
+        if not cpu_native.available():
+            raise NotImplementedError("the native kernel needs a C compiler")
+        self.build(cpu_native, layout, context)
+
+    def time_native_decode(self, layout, context):
         self.fn(*self.args)
 
 

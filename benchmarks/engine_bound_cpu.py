@@ -4,7 +4,7 @@ wall-clock tokens/s (a process's share of the CPUs). Run the engines side by sid
 at a time, and compare their figures.
 
 ``python benchmarks/engine_bound_cpu.py ENGINE [--threads N] [--num-requests N]
-[--workload PRESET]`` prints one JSON line.
+[--workload PRESET] [--attention KERNELS]`` prints one JSON line.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--num-requests", type=int)
     ap.add_argument("--workload", help="another workload preset (e.g. mixed-multimodal)")
+    ap.add_argument("--attention", help="the built-in engine's kernels (default: auto)")
     args = ap.parse_args()
     suite, base = resolve_suite("engine-bound", RunFlags(
         engines=args.engine, cpu_threads=args.threads, num_requests=args.num_requests,
-        workload=args.workload))
+        workload=args.workload, attention=args.attention))
     plan = plan_run(suite, base, None, "engine_bound_cpu")
     set_cpu_threads(args.threads)
     ((_, config),) = plan.engines
@@ -45,6 +46,7 @@ def main() -> None:
         load = f.read().split()[:3]
     print(json.dumps({
         "engine": args.engine, "workload": plan.workload.name, "status": run.status,
+        "attention": engine.describe().get("executor", {}).get("attention"),
         "threads": torch_threads(),
         "output_tokens": tokens, "cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
         "output_tokens_per_cpu_s": round(tokens / cpu, 1),

@@ -1,4 +1,5 @@
-"""Micro-benchmarks of the reference attention on CPU: paged versus contiguous KV layouts.
+"""Micro-benchmarks of the CPU attention kernels: paged versus contiguous KV layouts, the torch
+reference and (decodes) the native C kernel (``kernel``), which reads both layouts in place.
 
 Run with ``OMP_NUM_THREADS=1 pytest benchmarks/test_bench_attention_cpu.py --benchmark-only``;
 it is outside the test suite's ``testpaths``. Head shapes are the ``tiny`` preset's (8 query
@@ -27,7 +28,7 @@ import pytest
 import torch
 
 from kvbench.engines.presets import get_preset
-from kvbench.kernels import reference
+from kvbench.kernels import cpu_native, reference
 
 HEADS = {"tiny": get_preset("tiny"), "7b": get_preset("mistral-7b")}
 BLOCK_SIZE = 16
@@ -47,7 +48,7 @@ def _quantised(k_cache: torch.Tensor, v_cache: torch.Tensor, kv: str):
 
 
 def _inputs(layout: str, heads: str, q_lens: list[int], ctx_lens: list[int],
-            kv: str = "float32"):
+            kv: str = "float32", kernels=reference):
     preset = HEADS[heads]
     hkv, d = preset.num_kv_heads, preset.head_dim
     gen = torch.Generator().manual_seed(0)
@@ -56,7 +57,7 @@ def _inputs(layout: str, heads: str, q_lens: list[int], ctx_lens: list[int],
     num_slots = sum(blocks) * BLOCK_SIZE
     k_cache = torch.randn(num_slots, hkv, d, generator=gen)
     v_cache = torch.randn(num_slots, hkv, d, generator=gen)
-    paged_fn, scales = reference.paged_attention, {}
+    paged_fn, scales = kernels.paged_attention, {}
     if kv != "float32":
         (k_cache, v_cache), scales = _quantised(k_cache, v_cache, kv)
         paged_fn = partial(reference.paged_attention, **scales)
@@ -67,7 +68,7 @@ def _inputs(layout: str, heads: str, q_lens: list[int], ctx_lens: list[int],
     first = np.cumsum([0, *blocks])
     if layout == "contiguous":
         starts = torch.tensor(first[:-1] * BLOCK_SIZE, dtype=torch.int64)
-        return reference.contiguous_attention, (query, k_cache, v_cache, starts, lens, cu, scale)
+        return kernels.contiguous_attention, (query, k_cache, v_cache, starts, lens, cu, scale)
     ids = np.arange(first[-1])
     if layout == "paged-scattered":
         ids = np.random.default_rng(0).permutation(ids)
@@ -86,20 +87,24 @@ def _run(benchmark, fn, args, **info) -> None:
     assert out.shape == args[0].shape and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("kernel", ["reference", "native"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("lengths", ["equal", "ragged"])
 @pytest.mark.parametrize("context", [256, 1024, 4096])
 @pytest.mark.parametrize("batch", [16, 64])
 @pytest.mark.parametrize("heads", list(HEADS))
-def test_decode(benchmark, heads, batch, context, lengths, layout):
+def test_decode(benchmark, heads, batch, context, lengths, layout, kernel):
+    if kernel == "native" and not cpu_native.available():
+        pytest.skip("the native kernel needs a C compiler")
     if lengths == "equal":
         ctx = [context] * batch
     else:
         ctx = np.linspace(context // 8, context, batch).astype(int).tolist()
-    fn, args = _inputs(layout, heads, [1] * batch, ctx)
+    fn, args = _inputs(layout, heads, [1] * batch, ctx,
+                       kernels=cpu_native if kernel == "native" else reference)
     benchmark.group = f"decode {heads} batch={batch} context={context} {lengths}"
     _run(benchmark, fn, args, layout=layout, heads=heads, batch=batch, context=context,
-         lengths=lengths)
+         lengths=lengths, kernel=kernel)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

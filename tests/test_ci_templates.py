@@ -151,7 +151,8 @@ def test_asv_config_and_benchmark_module() -> None:
     for cls in (module.KVMetrics, module.SimSpeed, module.SimMemory):
         tracks = [getattr(cls, n) for n in dir(cls) if n.startswith("track_")]
         assert tracks and all(getattr(t, "unit", "") for t in tracks), cls
-    for cls in (module.KVMetrics, module.EngineStep, module.Attention, module.SimMemory):
+    for cls in (module.KVMetrics, module.EngineStep, module.Attention, module.NativeAttention,
+                module.SimMemory):
         assert len(cls.params) == len(cls.param_names)
     assert any(n.startswith("time_") for n in dir(module.EngineStep))
     assert module.peakmem_cpu_run.params == module.ENGINES
