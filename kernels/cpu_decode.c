@@ -197,11 +197,37 @@ static inline __attribute__((always_inline)) void decode_one(
     }
 }
 
+/* Whether every key of every sequence lies in the pool's num_slots slots. */
+static int keys_in_pool(int64_t n, const int64_t *seqs, const int32_t *context_lens,
+                        const int32_t *block_tables, int64_t table_stride, int64_t block_size,
+                        const int64_t *extent_starts, int64_t num_slots)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t seq = seqs[i], ctx = context_lens[seq];
+        if (ctx < 0)
+            return 0;
+        if (block_tables == NULL) {
+            if (ctx > 0 && (extent_starts[seq] < 0 || extent_starts[seq] + ctx > num_slots))
+                return 0;
+            continue;
+        }
+        const int32_t *table = block_tables + seq * table_stride;
+        for (int64_t b = 0; b * block_size < ctx; b++) {
+            const int64_t used = ctx - b * block_size < block_size ? ctx - b * block_size
+                                                                   : block_size;
+            if (table[b] < 0 || (int64_t)table[b] * block_size + used > num_slots)
+                return 0;
+        }
+    }
+    return 1;
+}
+
 /* The kernel's entry; returns 0, -1 when its buffers cannot be allocated, -2 for a head size
- * that is not a multiple of 8 or over 256. */
+ * that is not a multiple of 8 or over 256, -3 when a block table or extent reaches outside
+ * the pool (nothing is written then). */
 int kvb_decode_attention(
     const float *query, int64_t q_row_stride, int64_t q_head_stride,
-    const float *k_cache, const float *v_cache, int64_t slot_stride,
+    const float *k_cache, const float *v_cache, int64_t slot_stride, int64_t num_slots,
     int64_t n, const int64_t *seqs, const int64_t *rows, const int32_t *context_lens,
     const int32_t *block_tables, int64_t table_stride, int64_t block_size,
     const int64_t *extent_starts,
@@ -210,6 +236,9 @@ int kvb_decode_attention(
 {
     if (d % W != 0 || d > MAX_VECS * W)
         return -2;
+    if (!keys_in_pool(n, seqs, context_lens, block_tables, table_stride, block_size,
+                      extent_starts, num_slots))
+        return -3;
     float *buf = malloc(sizeof(float) * (size_t)(hq * (d + CHUNK + 2)));
     int64_t *slots = malloc(sizeof(int64_t) * CHUNK);
     if (buf == NULL || slots == NULL) {

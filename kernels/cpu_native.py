@@ -127,7 +127,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvb_decode_attention.restype = ctypes.c_int
     lib.kvb_decode_attention.argtypes = [
         ptr, i64, i64,                 # query and its row, head strides
-        ptr, ptr, i64,                 # k, v caches and their slot stride
+        ptr, ptr, i64, i64,            # k, v caches, their slot stride and slots
         i64, ptr, ptr, ptr,            # n, seqs, rows, context_lens
         ptr, i64, i64,                 # block tables, their row stride, block size
         ptr,                           # extent starts
@@ -337,7 +337,7 @@ def _attend(query: Tensor, k_cache: Tensor, v_cache: Tensor, context_lens: Tenso
         def attend(seqs: Tensor, rows: Tensor) -> None:
             rc = kernel(
                 query.data_ptr(), query.stride(0), query.stride(1),
-                k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.shape[0],
                 seqs.shape[0], seqs.data_ptr(), rows.data_ptr(), ctx.data_ptr(),
                 tables.data_ptr() if tables is not None else None,
                 tables.stride(0) if tables is not None else 0, block_size,
@@ -346,6 +346,10 @@ def _attend(query: Tensor, k_cache: Tensor, v_cache: Tensor, context_lens: Tenso
                 out.data_ptr(), lse.data_ptr() if lse is not None else None)
             if rc == -1:
                 raise MemoryError("the native attention kernel could not allocate its buffers")
+            if rc == -3:
+                raise KvbenchError(
+                    "a block table or extent of a decode reaches outside the KV pool "
+                    f"({k_cache.shape[0]} slots)")
             assert rc == 0, f"native attention kernel returned {rc}"
 
         # ctypes lets go of the GIL during the call: the parts run at once, on their own rows.

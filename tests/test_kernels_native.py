@@ -236,3 +236,20 @@ def test_a_run_asking_for_native_without_a_compiler_stops_before_any_engine(monk
     finally:
         cpu_native._load.cache_clear()
     assert not (tmp_path / "out").exists()
+
+
+@native_only
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_tables_or_extents_outside_the_pool_are_refused(layout):
+    """The kernel reads the pool through raw pointers: a table entry or extent past its end is
+    refused with an error, before anything is read or written."""
+    case = Case([1, 1], [40, 20], 2, 16, torch.float32)
+    if layout == "paged":
+        case.block_tables[1, 1] = case.paged_k.shape[0] // 16  # one block past the end
+    else:
+        case.extent_starts[1] = case.cont_k.shape[0] - 19  # its 20 keys end one slot past it
+    with pytest.raises(KvbenchError, match="outside the KV pool"):
+        _native(case, layout)
+    case.block_tables[1, 1], case.extent_starts[1] = -1, -5
+    with pytest.raises(KvbenchError, match="outside the KV pool"):
+        _native(case, layout)
