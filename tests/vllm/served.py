@@ -171,3 +171,24 @@ def overloaded(load_before: float) -> str | None:
     if load <= 2 * cores:
         return None
     return f"the machine was overloaded (load average {load:.1f} on {cores} cores)"
+
+
+# A round whose median TTFT is more than this many times a tool's median over its rounds
+# was stalled by something outside the tools (seen on a 2-core CI machine: one round of 16
+# requests at a median of 91 ms among rounds of 25-30 ms, the server's own pace steady),
+# which moves a pooled median by more than the agreement checked.
+STALLED_ROUND = 2.0
+
+
+def stalled(pooled: dict) -> str | None:
+    """Why the pooled latencies cannot be compared, or None: a round in which one tool's
+    median TTFT was over STALLED_ROUND times that tool's median of round medians."""
+    for name, samples in pooled.items():
+        medians = sorted(r["ttft"] for r in samples.rounds if r.get("ttft") is not None)
+        if not medians:
+            continue
+        typical = medians[len(medians) // 2]
+        if medians[-1] > STALLED_ROUND * typical:
+            return (f"a round of {name} stalled (median TTFT {medians[-1]:.1f} ms against "
+                    f"{typical:.1f} ms over its rounds)")
+    return None

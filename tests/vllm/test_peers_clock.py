@@ -134,3 +134,14 @@ def test_a_peer_that_always_cuts_short_fails_the_test(monkeypatch, tmp_path) -> 
     with pytest.raises(RuntimeError, match=rf"5 of 16 requests, in each of {tries} tries"):
         peers.interleaved(_Server(), tmp_path, {"peer": tool}, rounds=1, warmup=0)
     assert len(ran) == tries
+
+
+def test_a_stalled_round_is_named() -> None:
+    from served import stalled
+
+    steady, hiccup = Samples(), Samples()
+    steady.rounds = [{"ttft": t} for t in (27.4, 25.2, 24.4, 24.2, 25.2, 26.2)]
+    hiccup.rounds = [{"ttft": t} for t in (25.3, 29.9, 27.3, 91.1, 24.9, 27.7)]
+    assert stalled({"vllm bench serve": steady}) is None
+    assert "a round of kvbench stalled (median TTFT 91.1 ms" in stalled(
+        {"vllm bench serve": steady, "kvbench": hiccup})
