@@ -402,6 +402,12 @@ def test_in_process_and_served_vllm_hold_the_same_kv(server, tmp_path) -> None:
         pytest.skip(f"the served run's /metrics readings came up to {gap_ms:.0f} ms apart in a "
                     f"run of {run_ms:.0f} ms: its KV curve does not resolve the run, and its "
                     "peak and mean usage are printed, not compared")
+    # Readings that saw no KV at all fell outside the engine's busy steps (seen on 2 cores: 4
+    # readings up to 112 ms apart in a served run of about 0.6 s, every one at 0 blocks);
+    # that the served curve holds KV at all is test_the_servers_kv_and_queues_become_curves'.
+    if peak_b == 0:
+        pytest.skip(f"none of the served run's {sc['count']} /metrics readings saw KV held: "
+                    "its peak and mean usage are printed, not compared")
     assert abs(peak_a - peak_b) <= missable * BLOCK_BYTES
     assert abs(mean_a - mean_b) <= MEAN_TOLERANCE
     # Same dummy weights and greedy decoding; batches may differ, so this is reported only.
