@@ -149,17 +149,18 @@ def available() -> bool:
 @dataclass(frozen=True, slots=True)
 class NativePlan:
     """One step's split: the decodes (sequence indices, their query rows, int64) for the C
-    kernel, in ``parts`` of about equal keys, one per CPU thread; the other sequences ``rest``
-    (indices, their rows, their ``cu_seqlens_q``) with the reference's ``rest_plan`` of them
-    (None when there are none)."""
+    kernel, in ``parts`` of about equal keys, one per CPU thread; the other sequences (their
+    query rows, their layout's rows, context lengths and ``cu_seqlens_q``) with the
+    reference's ``rest_plan`` of them (all None when there are none)."""
 
     num_rows: int
     num_slots: int
     parts: tuple[tuple[Tensor, Tensor], ...]
-    rest: Tensor | None
-    rest_rows: Tensor | slice | None
-    rest_cu: Tensor | None
-    rest_plan: AttentionPlan | None
+    rest_rows: Tensor | slice | None = None
+    rest_layout: Tensor | None = None
+    rest_lens: Tensor | None = None
+    rest_cu: Tensor | None = None
+    rest_plan: AttentionPlan | None = None
 
 
 # Decodes are split among torch's CPU threads only when they read this many keys or more.
@@ -169,22 +170,26 @@ class NativePlan:
 PARALLEL_MIN_KEYS = 16384
 
 
-def _split(context_lens: Tensor, cu_seqlens_q: Tensor, num_slots: int
-           ) -> tuple[NativePlan, np.ndarray | None]:
+def _split(layout: Tensor, context_lens: Tensor, cu_seqlens_q: Tensor, num_slots: int
+           ) -> NativePlan:
+    """The decodes in parts and the other sequences of ``layout`` (tables or extents), no
+    ``rest_plan`` yet."""
     cu = cu_seqlens_q.cpu().numpy().astype(np.int64)
     lens = np.diff(cu)
     dec = np.flatnonzero(lens == 1)
     other = np.flatnonzero(lens != 1)
-    rest = rest_rows = rest_cu = None
+    rest: dict[str, Any] = {}
     if other.size:
-        rest = torch.from_numpy(other)
-        ranges = [np.arange(cu[b], cu[b + 1]) for b in other]
-        rows = np.concatenate(ranges)
+        rows = np.concatenate([np.arange(cu[b], cu[b + 1]) for b in other])
         # Usually the prefill chunks' rows are one run: a view rather than a copy.
         contiguous = rows.size and rows[-1] - rows[0] + 1 == rows.size
-        rest_rows = (slice(int(rows[0]), int(rows[-1]) + 1) if contiguous
-                     else torch.from_numpy(rows))
-        rest_cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens[other])]).astype(np.int32))
+        index = torch.from_numpy(other)
+        rest = dict(
+            rest_rows=(slice(int(rows[0]), int(rows[-1]) + 1) if contiguous
+                       else torch.from_numpy(rows)),
+            rest_layout=layout[index], rest_lens=context_lens[index],
+            rest_cu=torch.from_numpy(np.concatenate([[0], np.cumsum(lens[other])])
+                                     .astype(np.int32)))
     keys = np.cumsum(context_lens.cpu().numpy()[dec], dtype=np.int64)
     threads = min(torch.get_num_threads(), dec.size)
     cuts = [0, dec.size]
@@ -192,8 +197,7 @@ def _split(context_lens: Tensor, cu_seqlens_q: Tensor, num_slots: int
         cuts[1:1] = np.searchsorted(keys, keys[-1] * np.arange(1, threads) / threads).tolist()
     parts = tuple((torch.from_numpy(dec[a:b]), torch.from_numpy(cu[dec[a:b]]))
                   for a, b in itertools.pairwise(cuts) if b > a)
-    plan = NativePlan(int(cu[-1]), num_slots, parts, rest, rest_rows, rest_cu, None)
-    return plan, (other if other.size else None)
+    return NativePlan(int(cu[-1]), num_slots, parts, **rest)
 
 
 def _cache_ok(k_cache: Tensor, v_cache: Tensor) -> bool:
@@ -248,11 +252,10 @@ def _plan(ref: Callable[..., AttentionPlan], layout: Tensor, context_lens: Tenso
     if positions or window is not None or not _cache_ok(k_cache, v_cache):
         return ref(layout, context_lens, cu_seqlens_q, positions=positions, window=window,
                    previous=previous)
-    plan, other = _split(context_lens, cu_seqlens_q, k_cache.shape[0])
-    if other is None:
+    plan = _split(layout, context_lens, cu_seqlens_q, k_cache.shape[0])
+    if plan.rest_layout is None:
         return plan
-    assert plan.rest_cu is not None
-    return replace(plan, rest_plan=ref(layout[other], context_lens[other], plan.rest_cu,
+    return replace(plan, rest_plan=ref(plan.rest_layout, plan.rest_lens, plan.rest_cu,
                                        previous=previous))
 
 
@@ -276,11 +279,10 @@ def paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
                           v_cache, query.shape[1])
     assert isinstance(plan, NativePlan)
 
-    def rest(q: Tensor, cu: Tensor, p: AttentionPlan, **kw: Any) -> Any:
-        assert plan.rest is not None
-        return reference.paged_attention(q, k_cache, v_cache, block_tables[plan.rest],
-                                         context_lens[plan.rest], cu, block_size, scale,
-                                         plan=p, **kw)
+    def rest(q: Tensor, plan: NativePlan, **kw: Any) -> Any:
+        return reference.paged_attention(q, k_cache, v_cache, plan.rest_layout, plan.rest_lens,
+                                         plan.rest_cu, block_size, scale, plan=plan.rest_plan,
+                                         **kw)
 
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
     return _attend(query, k_cache, v_cache, context_lens, scale, plan, options, rest,
@@ -301,10 +303,10 @@ def contiguous_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor,
                                query.shape[1])
     assert isinstance(plan, NativePlan)
 
-    def rest(q: Tensor, cu: Tensor, p: AttentionPlan, **kw: Any) -> Any:
-        assert plan.rest is not None
-        return reference.contiguous_attention(q, k_cache, v_cache, extent_starts[plan.rest],
-                                              context_lens[plan.rest], cu, scale, plan=p, **kw)
+    def rest(q: Tensor, plan: NativePlan, **kw: Any) -> Any:
+        return reference.contiguous_attention(q, k_cache, v_cache, plan.rest_layout,
+                                              plan.rest_lens, plan.rest_cu, scale,
+                                              plan=plan.rest_plan, **kw)
 
     starts = extent_starts if extent_starts.dtype == torch.int64 else extent_starts.long()
     return _attend(query, k_cache, v_cache, context_lens, scale, plan, options, rest,
@@ -357,12 +359,10 @@ def _attend(query: Tensor, k_cache: Tensor, v_cache: Tensor, context_lens: Tenso
         attend(*plan.parts[0])
         for f in others:
             f.result()
-    if plan.rest is not None:
-        assert plan.rest_plan is not None and plan.rest_cu is not None
+    if plan.rest_rows is not None:
         sel = plan.rest_rows
         q = query[sel] if isinstance(sel, slice) else query.index_select(0, sel)
-        got = rest(q, plan.rest_cu, plan.rest_plan, return_lse=return_lse,
-                   **{k: v for k, v in options.items() if k != "return_lse"})
+        got = rest(q, plan, **options)
         o, part_lse = got if return_lse else (got, None)
         out[sel] = o
         if lse is not None:
