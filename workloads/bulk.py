@@ -71,9 +71,11 @@ def new_request(
     session_id: str | None,
     n: int,
 ) -> Request:
-    """``Request(id, arrival_s, segments, output_tokens, prefix_group, session_id, n)``."""
+    """``Request(id, arrival_s, segments, output_tokens, prefix_group, session_id, n)``,
+    its prompt length summed as the constructor sums it."""
     r = _new(Request)
-    set_id, set_arrival, set_segments, set_output, set_group, set_session, set_n = _REQUEST_SLOTS
+    (set_id, set_arrival, set_segments, set_output, set_group, set_session, set_n,
+     set_prompt) = _REQUEST_SLOTS
     set_id(r, id)
     set_arrival(r, arrival_s)
     set_segments(r, segments)
@@ -81,6 +83,7 @@ def new_request(
     set_group(r, prefix_group)
     set_session(r, session_id)
     set_n(r, n)
+    set_prompt(r, sum(s.tokens for s in segments))
     return r
 
 

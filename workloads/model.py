@@ -114,10 +114,11 @@ class Request:
     prefix_group: str | None = None
     session_id: str | None = None
     n: int = 1
+    # Their sum, read at every admission and reservation (a trace prompt has tens of segments).
+    prompt_tokens: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(s.tokens for s in self.segments)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_tokens", sum(s.tokens for s in self.segments))
 
     def tokens_of(self, kind: str) -> int:
         return sum(s.tokens for s in self.segments if s.kind == kind)
