@@ -85,35 +85,49 @@ def _load() -> ctypes.CDLL | str:
     if cc is None:
         return ("the native attention backend needs a C compiler (set CC, or install gcc or "
                 "clang), or use --attention reference")
-    source = SOURCE.read_bytes()
+    try:
+        return _bind(build(SOURCE, cc))
+    except BuildError as e:
+        return f"could not build the native attention kernel ({e}); use --attention reference"
+
+
+class BuildError(Exception):
+    """A C source that did not build or load with any flag set (what the compiler said)."""
+
+
+def build(source: Path, cc: str) -> ctypes.CDLL:
+    """``source`` compiled with ``cc`` for this machine, by the first of :data:`FLAG_SETS`
+    that works, and loaded; built once per source, flags, compiler and CPU."""
+    text = source.read_bytes()
     errors = []
     for flags in FLAG_SETS:
         key = hashlib.sha256(b"\0".join(
-            [source, " ".join(flags).encode(), cc.encode(), _cpu_identity().encode()]))
+            [text, " ".join(flags).encode(), cc.encode(), _cpu_identity().encode()]))
         try:
-            return _bind(ctypes.CDLL(str(_build(cc, flags, key.hexdigest()[:16]))))
+            return ctypes.CDLL(str(_build(cc, flags, key.hexdigest()[:16], source)))
         except (OSError, subprocess.CalledProcessError) as e:
             detail = getattr(e, "stderr", None) or str(e)
             errors.append(f"{cc} {' '.join(flags)}: {detail.strip()}")
-    return ("could not build the native attention kernel (" + "; ".join(errors)
-            + "); use --attention reference")
+    raise BuildError("; ".join(errors))
 
 
-def _build(cc: str, flags: tuple[str, ...], key: str) -> Path:
-    """Compile the kernel into the cache (atomically: a finished file or none) and return its
-    path; a cache that cannot be written falls back to a temporary folder."""
+def _build(cc: str, flags: tuple[str, ...], key: str, source: Path | None = None) -> Path:
+    """Compile ``source`` (the kernel's by default) into the cache (atomically: a finished
+    file or none) and return its path; a cache that cannot be written falls back to a
+    temporary folder."""
+    source = SOURCE if source is None else source
     try:
         folder = cache_dir()
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
         folder = Path(tempfile.mkdtemp(prefix="kvbench-native-"))
-    path = folder / f"cpu_decode-{key}.so"
+    path = folder / f"{source.stem}-{key}.so"
     if path.exists():
         return path
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"],
+        subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(source), "-lm"],
                        check=True, capture_output=True, text=True)
         os.replace(tmp, path)
     finally:

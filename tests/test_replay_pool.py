@@ -5,11 +5,17 @@ after every operation of random sequences of the calls the replay makes."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.engines.kv.block_pool import BlockPool
-from kvbench.engines.replay.pool import ArrayPool
+from kvbench.engines.replay import pool as replay_pool
+from kvbench.engines.replay.pool import ArrayPool, NativePool
+
+# The numpy pool, and the C one where a compiler builds it.
+POOLS = [ArrayPool, pytest.param(NativePool, marks=pytest.mark.skipif(
+    replay_pool._library() is None, reason="no C compiler"))]
 
 BS = 4
 
@@ -31,15 +37,17 @@ def _keys(keys: list[int]) -> np.ndarray:
     return np.asarray(keys, dtype=np.uint64)
 
 
-def _counters(pool: BlockPool | ArrayPool) -> tuple[int, ...]:
+def _counters(pool: BlockPool | ArrayPool | NativePool) -> tuple[int, ...]:
     return (pool.num_free, pool.num_plain_free, pool.num_shared, pool.num_allocs,
             pool.num_frees, pool.num_evictions)
 
 
+@pytest.mark.parametrize("pool", POOLS)
 @settings(max_examples=150, deadline=None)
 @given(num_blocks=st.integers(4, 24), data=st.data())
-def test_array_pool_matches_block_pool(num_blocks: int, data: st.DataObject) -> None:
-    ref, arr = BlockPool(num_blocks, BS, "lru"), ArrayPool(num_blocks, BS)
+def test_replay_pool_matches_block_pool(pool: type, num_blocks: int,
+                                        data: st.DataObject) -> None:
+    ref, arr = BlockPool(num_blocks, BS, "lru"), pool(num_blocks, BS)
     # Live tables: blocks, keys cached per block (None: not yet), slots filled.
     tables: list[tuple[list[int], list[int | None], int]] = []
     # Keys from a small range, so that duplicates across tables and hits happen; within a
@@ -115,6 +123,7 @@ def test_array_pool_matches_block_pool(num_blocks: int, data: st.DataObject) -> 
             i = data.draw(st.integers(0, len(tables) - 1))
             blocks, _, filled = tables.pop(i)
             filled = min(filled + data.draw(st.integers(0, BS - 1)), len(blocks) * BS)
+            assert arr.count_alone(blocks) == sum(ref.ref[b] == 1 for b in blocks)
             assert arr.release(blocks, filled) == ref.release(blocks, filled)
         assert _counters(arr) == _counters(ref)
         probe = data.draw(st.lists(key, max_size=4))
@@ -124,3 +133,28 @@ def test_array_pool_matches_block_pool(num_blocks: int, data: st.DataObject) -> 
         assert arr.release(blocks, filled) == ref.release(blocks, filled)
     assert arr.take(num_blocks) == ref.take(num_blocks)
     assert _counters(arr) == _counters(ref)
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_the_free_queue_wraps_around(pool: type) -> None:
+    """Blocks cached and freed one at a time, hundreds of times over, some taken back by a
+    hit (holes) and some evicted: the free queue outgrows its array and is compacted, with
+    the same eviction order as BlockPool's."""
+    num_blocks = 5
+    ref, arr = BlockPool(num_blocks, BS, "lru"), pool(num_blocks, BS)
+    rng = np.random.default_rng(0)
+    for i in range(600):
+        key = int(rng.integers(0, 40))
+        hits = ref.lookup([key])
+        assert arr.lookup(_keys([key])) == hits
+        assert arr.touch(hits) == ref.touch(hits)
+        fresh = ref.take(2)
+        assert arr.take(2) == fresh
+        new = [key] if not hits else []
+        ref.cache(fresh[: len(new)], new, 0, len(new))
+        arr.cache(fresh[: len(new)], new, 0, len(new))
+        table = hits + fresh
+        filled = len(table) * BS - int(rng.integers(0, BS))
+        assert arr.release(table, filled) == ref.release(table, filled), i
+        assert _counters(arr) == _counters(ref), i
+    assert arr.take(num_blocks) == ref.take(num_blocks)

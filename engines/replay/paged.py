@@ -29,7 +29,7 @@ import numpy as np
 from kvbench.engines.base import KVStats
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
 from kvbench.engines.kv.paged import PagedKVManager
-from kvbench.engines.replay.pool import ArrayPool
+from kvbench.engines.replay.pool import new_pool
 from kvbench.engines.replay.seq import Seq
 from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.workloads.model import contents_token_ids
@@ -53,7 +53,7 @@ class PagedBook:
         self.capacity = self.num_blocks * self.block_bytes
         self.vocab = vocab_size
         self.footprint = manager.footprint
-        self.pool = ArrayPool(manager.num_blocks, bs)
+        self.pool = new_pool(manager.num_blocks, bs)
         self.hasher = BlockHasher(bs)
         self.used = self.sum_limit = self.sum_committed = self.entries = 0
         self.hit_tokens = self.query_tokens = 0
@@ -329,7 +329,7 @@ class PagedBook:
                     # What it holds alone goes free (with no block shared, all of it).
                     table = seq.table
                     freed += taken + (len(table) if not pool.num_shared  # type: ignore[arg-type]
-                                      else int((pool.ref[table] == 1).sum()))
+                                      else pool.count_alone(table))  # type: ignore[arg-type]
                 returns.append(freed)
             room = room + np.fromiter(accumulate(returns, initial=0), np.int64,
                                       len(returns) + 1)[before]

@@ -14,12 +14,14 @@ sequences and compares them after every call). The differences are internal:
 
 from __future__ import annotations
 
+import ctypes
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from functools import partial
+from functools import cache, partial
 from itertools import takewhile
 from operator import is_not
+from pathlib import Path
 
 import numpy as np
 
@@ -153,13 +155,13 @@ class ArrayPool:
             return []  # the common miss, without converting the rest
         return list(takewhile(_IS_BLOCK, map(get, keys.tolist())))
 
-    def any_cached(self, keys: np.ndarray) -> bool:
-        """Whether a block already caches one of ``keys``."""
-        return not self._by_key.keys().isdisjoint(keys.tolist())
-
     def count_free(self, blocks: list[int]) -> int:
         """How many of ``blocks`` sit in the free queue (a hit on them consumes free space)."""
         return int((self.ref[blocks] == 0).sum()) if blocks else 0
+
+    def count_alone(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` no other table holds (they go free with this one)."""
+        return int((self.ref[blocks] == 1).sum()) if blocks else 0
 
     def touch(self, blocks: list[int]) -> int:
         """Reference cached ``blocks`` for a prefix hit; returns how many were free before."""
@@ -269,3 +271,172 @@ def _ints(n: int, fill: int = 0) -> tuple[array, np.ndarray]:
     a = array("q", [fill]) * n
     return a, np.frombuffer(a, dtype=np.int64)
 _IS_BLOCK = partial(is_not, None)
+
+
+class NativePool:
+    """:class:`ArrayPool` in C (``pool.c``): the same blocks, keys, counters and eviction
+    order, with the prefix cache's key index in an open-addressing table rather than a dict
+    (a Mooncake replay makes millions of key lookups, insertions and deletions). Built with
+    the attention kernel's machinery (:mod:`kvbench.kernels.cpu_native`); :func:`new_pool`
+    falls back to :class:`ArrayPool` where there is no C compiler."""
+
+    __slots__ = ("_c", "_out", "_p", "_ptr", "block_size", "num_blocks", "ref")
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        lib = _library()
+        if lib is None:
+            raise RuntimeError("the C block pool did not build")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        p = lib.kvp_new(num_blocks, block_size)
+        if not p:
+            raise MemoryError(f"no memory for a pool of {num_blocks} blocks")
+        self._p = p
+        arrays = (ctypes.c_void_p * 5)()
+        lib.kvp_arrays(p, arrays)
+        n = max(num_blocks, 1)
+        self.ref = np.ctypeslib.as_array(ctypes.cast(arrays[0], ctypes.POINTER(ctypes.c_int64)),
+                                         (n,))[:num_blocks]
+        self._c = (ctypes.c_int64 * 8).from_address(arrays[4])
+        self._out = np.empty(n, dtype=np.int64)
+        self._ptr = self._out.ctypes.data
+
+    def __del__(self) -> None:
+        lib = _library()
+        if lib is not None and getattr(self, "_p", None):
+            lib.kvp_free(self._p)
+            self._p = None
+
+    @property
+    def num_free(self) -> int:
+        c = self._c
+        return c[0] + c[2] - c[1] - c[3]
+
+    @property
+    def num_plain_free(self) -> int:
+        return self._c[0]
+
+    @property
+    def num_shared(self) -> int:
+        return self._c[4]
+
+    @property
+    def num_allocs(self) -> int:
+        return self._c[5]
+
+    @property
+    def num_evictions(self) -> int:
+        return self._c[6]
+
+    @property
+    def num_frees(self) -> int:
+        return self._c[7]
+
+    def take(self, n: int) -> list[int]:
+        _LIB.kvp_take(self._p, n, self._ptr)
+        return self._out[:n].tolist()
+
+    def lookup(self, keys: np.ndarray) -> list[int]:
+        keys = _keys(keys)
+        n = _LIB.kvp_lookup(self._p, _addr(keys), len(keys), self._ptr)
+        return self._out[:n].tolist()
+
+    def count_free(self, blocks: list[int]) -> int:
+        return self._count(blocks, 0)
+
+    def count_alone(self, blocks: list[int]) -> int:
+        return self._count(blocks, 1)
+
+    def _count(self, blocks: list[int], refs: int) -> int:
+        if not blocks:
+            return 0
+        b = array("q", blocks)
+        return _LIB.kvp_count_refs(self._p, b.buffer_info()[0], len(b), refs)
+
+    def touch(self, blocks: list[int]) -> int:
+        if not blocks:
+            return 0
+        b = array("q", blocks)
+        return _LIB.kvp_touch(self._p, b.buffer_info()[0], len(b))
+
+    def share(self, blocks: list[int]) -> None:
+        raise NotImplementedError("the replay has no forks")
+
+    def cache_placeholders(self, blocks: list[int]) -> None:
+        if blocks:
+            b = array("q", blocks)
+            _LIB.kvp_cache_placeholders(self._p, b.buffer_info()[0], len(b))
+
+    def cache(self, blocks: list[int], keys: Sequence[int] | np.ndarray, start: int,
+              end: int) -> None:
+        b = array("q", blocks[start:end])
+        k = _keys(keys[start:end])
+        if len(b) != len(k):
+            raise ValueError("cache() needs one key per block")
+        if b and _LIB.kvp_cache(self._p, b.buffer_info()[0], _addr(k), len(b)) < 0:
+            raise MemoryError("the block pool's key table could not grow")
+
+    def rekey(self, blocks: list[int], keys: np.ndarray) -> None:
+        b, k = array("q", blocks), _keys(keys)
+        if len(b) != len(k):
+            raise ValueError("rekey() needs one key per block")
+        if b and _LIB.kvp_rekey(self._p, b.buffer_info()[0], _addr(k), len(b)) < 0:
+            raise MemoryError("the block pool's key table could not grow")
+
+    def release(self, blocks: list[int], num_filled: int) -> int:
+        if not blocks:
+            return 0
+        b = array("q", blocks)
+        return _LIB.kvp_release(self._p, b.buffer_info()[0], len(b), num_filled)
+
+
+def _keys(keys: Sequence[int] | np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(keys, dtype=np.uint64)
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+_LIB: ctypes.CDLL
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    """The C pool, or None where it cannot be built here."""
+    global _LIB
+    from kvbench.kernels import cpu_native
+
+    cc = cpu_native.compiler()
+    if cc is None:
+        return None
+    try:
+        lib = cpu_native.build(Path(__file__).with_name("pool.c"), cc)
+    except cpu_native.BuildError:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.kvp_new.restype = ptr
+    lib.kvp_new.argtypes = [i64, i64]
+    signatures = {
+        "kvp_free": (None, [ptr]),
+        "kvp_arrays": (None, [ptr, ptr]),
+        "kvp_take": (None, [ptr, i64, ptr]),
+        "kvp_lookup": (i64, [ptr, ptr, i64, ptr]),
+        "kvp_count_refs": (i64, [ptr, ptr, i64, i64]),
+        "kvp_touch": (i64, [ptr, ptr, i64]),
+        "kvp_cache_placeholders": (None, [ptr, ptr, i64]),
+        "kvp_cache": (i64, [ptr, ptr, ptr, i64]),
+        "kvp_rekey": (i64, [ptr, ptr, ptr, i64]),
+        "kvp_release": (i64, [ptr, ptr, i64, i64]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        f = getattr(lib, name)
+        f.restype, f.argtypes = restype, argtypes
+    _LIB = lib
+    return lib
+
+
+def new_pool(num_blocks: int, block_size: int) -> NativePool | ArrayPool:
+    """The C pool where it builds, else the numpy one (the same behaviour, slower)."""
+    if _library() is not None:
+        return NativePool(num_blocks, block_size)
+    return ArrayPool(num_blocks, block_size)
