@@ -59,7 +59,7 @@ def test_replay_pool_matches_block_pool(pool: type, num_blocks: int,
             # A sequence looks up a prefix, hits what it can, and takes fresh blocks.
             keys = data.draw(st.lists(key, max_size=5, unique=True))
             hits = ref.lookup(keys)
-            assert arr.lookup(_keys(keys)) == hits
+            assert list(arr.lookup(_keys(keys))) == hits
             fresh = data.draw(st.integers(0, 4))
             if fresh + ref.count_free(hits) > ref.num_free:
                 assert fresh + arr.count_free(hits) > arr.num_free
@@ -67,7 +67,7 @@ def test_replay_pool_matches_block_pool(pool: type, num_blocks: int,
             assert arr.count_free(hits) == ref.count_free(hits)
             assert arr.touch(hits) == ref.touch(hits)
             got = ref.take(fresh)
-            assert arr.take(fresh) == got
+            assert list(arr.take(fresh)) == got
             blocks = hits + got
             cached: list[int | None] = [keys[i] for i in range(len(hits))]
             tables.append((blocks, cached + [None] * fresh, len(hits) * BS))
@@ -75,7 +75,7 @@ def test_replay_pool_matches_block_pool(pool: type, num_blocks: int,
             i = data.draw(st.integers(0, len(tables) - 1))
             blocks, cached, filled = tables[i]
             got = ref.take(1)
-            assert arr.take(1) == got
+            assert list(arr.take(1)) == got
             tables[i] = (blocks + got, [*cached, None], filled)
         elif op == "cache" and tables:
             # Fill the next uncached blocks of a table with KV and cache them: content keys
@@ -127,11 +127,11 @@ def test_replay_pool_matches_block_pool(pool: type, num_blocks: int,
             assert arr.release(blocks, filled) == ref.release(blocks, filled)
         assert _counters(arr) == _counters(ref)
         probe = data.draw(st.lists(key, max_size=4))
-        assert arr.lookup(_keys(probe)) == ref.lookup(probe)
+        assert list(arr.lookup(_keys(probe))) == ref.lookup(probe)
     # Everything handed back: the same blocks come out in the same order.
     for blocks, _, filled in tables:
         assert arr.release(blocks, filled) == ref.release(blocks, filled)
-    assert arr.take(num_blocks) == ref.take(num_blocks)
+    assert list(arr.take(num_blocks)) == ref.take(num_blocks)
     assert _counters(arr) == _counters(ref)
 
 
@@ -146,10 +146,10 @@ def test_the_free_queue_wraps_around(pool: type) -> None:
     for i in range(600):
         key = int(rng.integers(0, 40))
         hits = ref.lookup([key])
-        assert arr.lookup(_keys([key])) == hits
+        assert list(arr.lookup(_keys([key]))) == hits
         assert arr.touch(hits) == ref.touch(hits)
         fresh = ref.take(2)
-        assert arr.take(2) == fresh
+        assert list(arr.take(2)) == fresh
         new = [key] if not hits else []
         ref.cache(fresh[: len(new)], new, 0, len(new))
         arr.cache(fresh[: len(new)], new, 0, len(new))
@@ -157,4 +157,4 @@ def test_the_free_queue_wraps_around(pool: type) -> None:
         filled = len(table) * BS - int(rng.integers(0, BS))
         assert arr.release(table, filled) == ref.release(table, filled), i
         assert _counters(arr) == _counters(ref), i
-    assert arr.take(num_blocks) == ref.take(num_blocks)
+    assert list(arr.take(num_blocks)) == ref.take(num_blocks)

@@ -159,7 +159,8 @@ class PagedBook:
         if num_fresh + pool.count_free(hits) > pool.num_free:
             return False
         self.used += pool.touch(hits) * bs
-        table = hits + pool.take(num_fresh)
+        fresh = pool.take(num_fresh)
+        table = hits + fresh if hits else fresh
         seq.table = table
         seq.indexed = len(hits)
         self.entries += len(table)

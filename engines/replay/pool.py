@@ -280,7 +280,7 @@ class NativePool:
     the attention kernel's machinery (:mod:`kvbench.kernels.cpu_native`); :func:`new_pool`
     falls back to :class:`ArrayPool` where there is no C compiler."""
 
-    __slots__ = ("_c", "_out", "_p", "_ptr", "block_size", "num_blocks", "ref")
+    __slots__ = ("_c", "_p", "block_size", "num_blocks", "ref")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         lib = _library()
@@ -297,8 +297,6 @@ class NativePool:
         self.ref = np.ctypeslib.as_array(ctypes.cast(arrays[0], ctypes.POINTER(ctypes.c_int64)),
                                          (n,))[:num_blocks]
         self._c = (ctypes.c_int64 * 8).from_address(arrays[4])
-        self._out = np.empty(n, dtype=np.int64)
-        self._ptr = self._out.ctypes.data
 
     def __del__(self) -> None:
         lib = _library()
@@ -331,62 +329,73 @@ class NativePool:
     def num_frees(self) -> int:
         return self._c[7]
 
-    def take(self, n: int) -> list[int]:
-        _LIB.kvp_take(self._p, n, self._ptr)
-        return self._out[:n].tolist()
+    def take(self, n: int) -> array:
+        out = array("q", bytes(8 * n))
+        _LIB.kvp_take(self._p, n, out.buffer_info()[0])
+        return out
 
-    def lookup(self, keys: np.ndarray) -> list[int]:
+    def lookup(self, keys: np.ndarray) -> array:
         keys = _keys(keys)
-        n = _LIB.kvp_lookup(self._p, _addr(keys), len(keys), self._ptr)
-        return self._out[:n].tolist()
+        out = array("q", bytes(8 * len(keys)))
+        del out[_LIB.kvp_lookup(self._p, _addr(keys), len(keys), out.buffer_info()[0]):]
+        return out
 
-    def count_free(self, blocks: list[int]) -> int:
+    def count_free(self, blocks: Blocks) -> int:
         return self._count(blocks, 0)
 
-    def count_alone(self, blocks: list[int]) -> int:
+    def count_alone(self, blocks: Blocks) -> int:
         return self._count(blocks, 1)
 
-    def _count(self, blocks: list[int], refs: int) -> int:
+    def _count(self, blocks: Blocks, refs: int) -> int:
         if not blocks:
             return 0
-        b = array("q", blocks)
+        b = _blocks(blocks)
         return _LIB.kvp_count_refs(self._p, b.buffer_info()[0], len(b), refs)
 
-    def touch(self, blocks: list[int]) -> int:
+    def touch(self, blocks: Blocks) -> int:
         if not blocks:
             return 0
-        b = array("q", blocks)
+        b = _blocks(blocks)
         return _LIB.kvp_touch(self._p, b.buffer_info()[0], len(b))
 
-    def share(self, blocks: list[int]) -> None:
+    def share(self, blocks: Blocks) -> None:
         raise NotImplementedError("the replay has no forks")
 
-    def cache_placeholders(self, blocks: list[int]) -> None:
+    def cache_placeholders(self, blocks: Blocks) -> None:
         if blocks:
-            b = array("q", blocks)
+            b = _blocks(blocks)
             _LIB.kvp_cache_placeholders(self._p, b.buffer_info()[0], len(b))
 
-    def cache(self, blocks: list[int], keys: Sequence[int] | np.ndarray, start: int,
+    def cache(self, blocks: Blocks, keys: Sequence[int] | np.ndarray, start: int,
               end: int) -> None:
-        b = array("q", blocks[start:end])
+        b = _blocks(blocks[start:end])
         k = _keys(keys[start:end])
         if len(b) != len(k):
             raise ValueError("cache() needs one key per block")
         if b and _LIB.kvp_cache(self._p, b.buffer_info()[0], _addr(k), len(b)) < 0:
             raise MemoryError("the block pool's key table could not grow")
 
-    def rekey(self, blocks: list[int], keys: np.ndarray) -> None:
-        b, k = array("q", blocks), _keys(keys)
+    def rekey(self, blocks: Blocks, keys: np.ndarray) -> None:
+        b, k = _blocks(blocks), _keys(keys)
         if len(b) != len(k):
             raise ValueError("rekey() needs one key per block")
         if b and _LIB.kvp_rekey(self._p, b.buffer_info()[0], _addr(k), len(b)) < 0:
             raise MemoryError("the block pool's key table could not grow")
 
-    def release(self, blocks: list[int], num_filled: int) -> int:
+    def release(self, blocks: Blocks, num_filled: int) -> int:
         if not blocks:
             return 0
-        b = array("q", blocks)
+        b = _blocks(blocks)
         return _LIB.kvp_release(self._p, b.buffer_info()[0], len(b), num_filled)
+
+
+# Block ids: the C pool hands them out as int64 arrays (its tables stay arrays, passed to
+# it without conversion); the numpy pool as lists.
+Blocks = list[int] | array
+
+
+def _blocks(blocks: Blocks) -> array:
+    return blocks if type(blocks) is array else array("q", blocks)
 
 
 def _keys(keys: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 
 from kvbench.workloads.model import Request, key_hash
@@ -40,7 +42,7 @@ class Seq:
         self.order = self.fin = self.phase = -1
         self.decoding = self.running = self.scheduled = False
         self.run_start: int | None = None
-        self.table: list[int] | None = None
+        self.table: list[int] | array | None = None  # as its pool hands blocks out
         self.indexed = 0
         self.hashes: np.ndarray | None = None
         self.start = self.length = 0
