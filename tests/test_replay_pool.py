@@ -10,8 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.engines.kv.block_pool import BlockPool
+from kvbench.engines.kv.hashing import BlockHasher
 from kvbench.engines.replay import pool as replay_pool
 from kvbench.engines.replay.pool import ArrayPool, NativePool
+from kvbench.workloads.model import contents_token_ids, key_hash
 
 # The numpy pool, and the C one where a compiler builds it.
 POOLS = [ArrayPool, pytest.param(NativePool, marks=pytest.mark.skipif(
@@ -158,3 +160,18 @@ def test_the_free_queue_wraps_around(pool: type) -> None:
         assert arr.release(table, filled) == ref.release(table, filled), i
         assert _counters(arr) == _counters(ref), i
     assert list(arr.take(num_blocks)) == ref.take(num_blocks)
+
+
+@pytest.mark.skipif(replay_pool._library() is None, reason="no C compiler")
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("vocab_size", [2, 32000, 151936])
+def test_contents_digests_in_c_are_numpys(block_size: int, vocab_size: int) -> None:
+    """The prompt digests the C pass makes are those of the numpy passes, bit for bit."""
+    rng = np.random.default_rng(block_size * vocab_size)
+    keys = [f"segment-{i}" for i in range(20)]
+    counts = (rng.integers(0, 40, len(keys)) * block_size).tolist()
+    hasher = BlockHasher(block_size)
+    got = replay_pool.contents_digests(np.array([key_hash(k) for k in keys], dtype=np.uint64),
+                                       counts, vocab_size, hasher)
+    want = hasher.digests(contents_token_ids(keys, counts, vocab_size))
+    assert got.dtype == np.uint64 and np.array_equal(got, want)

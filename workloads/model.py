@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from json.encoder import encode_basestring_ascii
@@ -56,7 +57,13 @@ def contents_token_ids(keys: list[str], counts: list[int], vocab_size: int) -> n
     return _token_ids([key_hash(k) for k in keys], counts, vocab_size)
 
 
-def _token_ids(bases: list[int], counts: list[int], vocab_size: int,
+def hashed_contents_token_ids(bases: Sequence[int] | np.ndarray, counts: list[int],
+                              vocab_size: int) -> np.ndarray:
+    """:func:`contents_token_ids` of contents given by their keys' :func:`key_hash`."""
+    return _token_ids(bases, counts, vocab_size)
+
+
+def _token_ids(bases: Sequence[int] | np.ndarray, counts: list[int], vocab_size: int,
                start: int = 0) -> np.ndarray:
     """Token ids of consecutive runs: run ``i`` holds positions ``[start, start+counts[i])``
     of the content whose key hashes to ``bases[i]``, all in one pass over the whole prompt."""

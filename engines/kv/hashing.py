@@ -50,14 +50,14 @@ def _splitmix_np(x: np.ndarray) -> np.ndarray:
 class BlockHasher:
     """Computes chained block hashes for one block size."""
 
-    __slots__ = ("_p_pows", "_q_pows", "_weights", "_weights_list", "block_size")
+    __slots__ = ("_p_pows", "_q_pows", "_weights_list", "block_size", "weights")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._weights_list = [
             _splitmix_int((k + 1) * _GOLDEN & _MASK) | 1 for k in range(block_size)
         ]
-        self._weights = np.array(self._weights_list, dtype=np.uint64)
+        self.weights = np.array(self._weights_list, dtype=np.uint64)
         self._p_pows = np.ones(1, dtype=np.uint64)
         self._q_pows = np.ones(1, dtype=np.uint64)
 
@@ -70,7 +70,7 @@ class BlockHasher:
             head = token_ids[: n * bs]
             return self._chain_py(parent, head if isinstance(head, list) else head.tolist())
         blocks = np.ascontiguousarray(token_ids[: n * bs], dtype=np.uint64).reshape(n, bs)
-        digests = _splitmix_np(blocks @ self._weights + np.uint64(_GOLDEN))
+        digests = _splitmix_np(blocks @ self.weights + np.uint64(_GOLDEN))
         p_pows, q_pows = self._powers(n)
         # uint64 arithmetic wraps, which is exactly mod 2**64.
         sums = np.cumsum(digests * q_pows) + np.uint64(parent * _P & _MASK)
@@ -79,7 +79,7 @@ class BlockHasher:
     def digests(self, ids: np.ndarray) -> np.ndarray:
         """Each full block's digest (``ids`` a multiple of the block size long)."""
         blocks = np.ascontiguousarray(ids, dtype=np.uint64).reshape(-1, self.block_size)
-        return _splitmix_np(blocks @ self._weights + np.uint64(_GOLDEN))
+        return _splitmix_np(blocks @ self.weights + np.uint64(_GOLDEN))
 
     def chain_each(self, digests: np.ndarray, blocks: np.ndarray) -> list[np.ndarray]:
         """``chain(ROOT_HASH, ...)`` of many sequences in one pass, from their blocks'

@@ -29,10 +29,10 @@ import numpy as np
 from kvbench.engines.base import KVStats
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
 from kvbench.engines.kv.paged import PagedKVManager
-from kvbench.engines.replay.pool import new_pool
+from kvbench.engines.replay.pool import contents_digests, new_pool
 from kvbench.engines.replay.seq import Seq
 from kvbench.kernels.slot_copy import SlotCopy
-from kvbench.workloads.model import contents_token_ids
+from kvbench.workloads.model import key_hash
 
 # Segments whose block digests are kept for the next prompts that share them.
 _DIGESTS_KEPT = 1 << 16
@@ -277,8 +277,8 @@ class PagedBook:
                         need[g.key] = n
         if need:
             keys = list(need)
-            digests = self.hasher.digests(
-                contents_token_ids(keys, [need[k] * bs for k in keys], self.vocab))
+            digests = contents_digests(np.fromiter(map(key_hash, keys), np.uint64, len(keys)),
+                                       [need[k] * bs for k in keys], self.vocab, self.hasher)
             ends = np.cumsum([need[k] for k in keys]).tolist()
             for key, a, b in zip(keys, [0, *ends[:-1]], ends, strict=True):
                 kept[key] = digests[a:b]

@@ -25,6 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from kvbench.engines.kv.hashing import BlockHasher
+from kvbench.workloads.model import hashed_contents_token_ids
+
 
 class ArrayPool:
     __slots__ = (
@@ -274,13 +277,13 @@ _IS_BLOCK = partial(is_not, None)
 
 
 class NativePool:
-    """:class:`ArrayPool` in C (``pool.c``): the same blocks, keys, counters and eviction
+    """:class:`ArrayPool` in C (``native.c``): the same blocks, keys, counters and eviction
     order, with the prefix cache's key index in an open-addressing table rather than a dict
     (a Mooncake replay makes millions of key lookups, insertions and deletions). Built with
     the attention kernel's machinery (:mod:`kvbench.kernels.cpu_native`); :func:`new_pool`
     falls back to :class:`ArrayPool` where there is no C compiler."""
 
-    __slots__ = ("_c", "_p", "block_size", "num_blocks", "ref")
+    __slots__ = ("_c", "_p", "block_size", "num_blocks")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         lib = _library()
@@ -291,12 +294,7 @@ class NativePool:
         if not p:
             raise MemoryError(f"no memory for a pool of {num_blocks} blocks")
         self._p = p
-        arrays = (ctypes.c_void_p * 5)()
-        lib.kvp_arrays(p, arrays)
-        n = max(num_blocks, 1)
-        self.ref = np.ctypeslib.as_array(ctypes.cast(arrays[0], ctypes.POINTER(ctypes.c_int64)),
-                                         (n,))[:num_blocks]
-        self._c = (ctypes.c_int64 * 8).from_address(arrays[4])
+        self._c = (ctypes.c_int64 * 8).from_address(lib.kvp_counters(p))
 
     def __del__(self) -> None:
         lib = _library()
@@ -411,7 +409,7 @@ _LIB: ctypes.CDLL
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    """The C pool, or None where it cannot be built here."""
+    """The replay's C helpers (``native.c``), or None where they cannot be built here."""
     global _LIB
     from kvbench.kernels import cpu_native
 
@@ -419,7 +417,7 @@ def _library() -> ctypes.CDLL | None:
     if cc is None:
         return None
     try:
-        lib = cpu_native.build(Path(__file__).with_name("pool.c"), cc)
+        lib = cpu_native.build(Path(__file__).with_name("native.c"), cc)
     except cpu_native.BuildError:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -427,7 +425,7 @@ def _library() -> ctypes.CDLL | None:
     lib.kvp_new.argtypes = [i64, i64]
     signatures = {
         "kvp_free": (None, [ptr]),
-        "kvp_arrays": (None, [ptr, ptr]),
+        "kvp_counters": (ptr, [ptr]),
         "kvp_take": (None, [ptr, i64, ptr]),
         "kvp_lookup": (i64, [ptr, ptr, i64, ptr]),
         "kvp_count_refs": (i64, [ptr, ptr, i64, i64]),
@@ -436,12 +434,32 @@ def _library() -> ctypes.CDLL | None:
         "kvp_cache": (i64, [ptr, ptr, ptr, i64]),
         "kvp_rekey": (i64, [ptr, ptr, ptr, i64]),
         "kvp_release": (i64, [ptr, ptr, i64, i64]),
+        "kvh_digests": (None, [ptr, ptr, i64, ctypes.c_uint64, i64, ptr, ptr]),
     }
     for name, (restype, argtypes) in signatures.items():
         f = getattr(lib, name)
         f.restype, f.argtypes = restype, argtypes
     _LIB = lib
     return lib
+
+
+def contents_digests(contents: np.ndarray, counts: list[int], vocab_size: int,
+                     hasher: BlockHasher) -> np.ndarray:
+    """The block digests of the first ``counts[i]`` token ids (a multiple of the block size)
+    of each content, given by its key's hash (:func:`~kvbench.workloads.model.key_hash`), one
+    after another: ``hasher.digests`` of those ids. In C where it builds, in one pass without
+    an array of every token (a Mooncake replay digests millions of prompt tokens), else with
+    numpy."""
+    if vocab_size < 1:
+        raise ValueError(f"a vocabulary of {vocab_size} tokens")
+    if _library() is None:
+        return hasher.digests(hashed_contents_token_ids(contents, counts, vocab_size))
+    bases = np.ascontiguousarray(contents, dtype=np.uint64)
+    tokens = np.asarray(counts, dtype=np.int64)
+    out = np.empty(int(tokens.sum()) // hasher.block_size, dtype=np.uint64)
+    _LIB.kvh_digests(_addr(bases), _addr(tokens), len(bases), vocab_size, hasher.block_size,
+                     _addr(hasher.weights), _addr(out))
+    return out
 
 
 def new_pool(num_blocks: int, block_size: int) -> NativePool | ArrayPool:

@@ -1,26 +1,33 @@
-/* The event replay's block pool (pool.py's ArrayPool) in C: the same blocks handed out, the
- * same keys, counters and LRU eviction order, with the prefix cache's key -> block index in an
- * open-addressing table instead of a Python dict. A Mooncake replay makes millions of
- * lookups, insertions and deletions of block keys; in a dict each one is a Python call and a
- * cache miss on a large table.
+/* The event replay's C helpers, built on first use like the native attention kernel:
  *
- * Per-block state lives in arrays Python reads in place (reference counts for the replay's
- * room estimate; the rest for tests): ref, hit, state, key. Counters are in `c`:
+ * - The block pool (pool.py's ArrayPool): the same blocks handed out, the same keys,
+ *   counters and LRU eviction order, with the prefix cache's key -> block index in an
+ *   open-addressing table instead of a Python dict. A Mooncake replay makes millions of
+ *   lookups, insertions and deletions of block keys; in a dict each one is a Python call and
+ *   a cache miss on a large table.
+ * - Prompt block digests (kvh_digests, at the end).
+ *
+ * Counters are in `c`, which Python reads in place:
  *   c[0] plain free blocks (the stack's top), c[1] queue head, c[2] queue tail,
  *   c[3] holes in the queue, c[4] shared, c[5] allocations, c[6] evictions, c[7] frees.
  *
  * Plain free blocks form a stack whose top is block 0 in a fresh pool. Freed blocks holding
  * cached content (a key or a placeholder) queue least recently freed first; a prefix hit
  * that takes one back leaves a hole (-1) that eviction skips. The key table uses linear
- * probing with deletion by backward shift, sized for twice the blocks (a block holds one key
- * at a time); kvp_cache and kvp_rekey return -1 where it could not grow (out of memory). */
+ * probing with deletion by backward shift, sized for four times the blocks (a block holds one
+ * key at a time): short probe runs; kvp_cache and kvp_rekey return -1 where it could not
+ * grow (out of memory). */
 
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 enum { NONE = 0, PLACEHOLDER = 1, KEYED = 2 };
 enum { TOP, QHEAD, QTAIL, QHOLES, SHARED, ALLOCS, EVICTIONS, FREES, NCOUNTERS };
+
+typedef struct {
+    uint64_t key;
+    int64_t block;
+} Entry;
 
 typedef struct {
     int64_t n, bs, qcap;
@@ -29,10 +36,9 @@ typedef struct {
     int8_t *state;
     uint64_t *key;
     int64_t c[NCOUNTERS];
-    /* the key table: hkey[i] -> hblk[i], hblk[i] < 0 where empty */
+    /* the key table: entries key -> block, block < 0 where empty */
     int64_t hbits, hmask, hcount;
-    uint64_t *hkey;
-    int64_t *hblk;
+    Entry *h;
 } Pool;
 
 static inline int64_t home(const Pool *p, uint64_t k) {
@@ -42,73 +48,64 @@ static inline int64_t home(const Pool *p, uint64_t k) {
 /* The slot holding key k, or the empty slot ending its probe run. */
 static inline int64_t slot_of(const Pool *p, uint64_t k) {
     int64_t i = home(p, k);
-    while (p->hblk[i] >= 0 && p->hkey[i] != k) i = (i + 1) & p->hmask;
+    while (p->h[i].block >= 0 && p->h[i].key != k) i = (i + 1) & p->hmask;
     return i;
 }
 
 /* The block caching key k, or -1. */
 static inline int64_t get(const Pool *p, uint64_t k) {
-    return p->hblk[slot_of(p, k)];
+    return p->h[slot_of(p, k)].block;
 }
 
 /* The table at twice the size, entries reinserted; 0 when out of memory (then unchanged). */
 static int grow_table(Pool *p) {
     int64_t old_size = p->hmask + 1, size = 2 * old_size;
-    uint64_t *hkey = malloc(size * sizeof(uint64_t)), *okey = p->hkey;
-    int64_t *hblk = malloc(size * sizeof(int64_t)), *oblk = p->hblk;
-    if (!hkey || !hblk) {
-        free(hkey);
-        free(hblk);
-        return 0;
-    }
-    for (int64_t i = 0; i < size; i++) hblk[i] = -1;
-    p->hkey = hkey;
-    p->hblk = hblk;
+    Entry *h = malloc(size * sizeof(Entry)), *old = p->h;
+    if (!h) return 0;
+    for (int64_t i = 0; i < size; i++) h[i].block = -1;
+    p->h = h;
     p->hbits++;
     p->hmask = size - 1;
     for (int64_t i = 0; i < old_size; i++) {
-        if (oblk[i] < 0) continue;
-        int64_t j = slot_of(p, okey[i]);
-        hkey[j] = okey[i];
-        hblk[j] = oblk[i];
+        if (old[i].block < 0) continue;
+        h[slot_of(p, old[i].key)] = old[i];
     }
-    free(okey);
-    free(oblk);
+    free(old);
     return 1;
 }
 
 /* The block caching k, made b where none does; -2 when the table cannot take it. */
 static inline int64_t setdefault(Pool *p, uint64_t k, int64_t b) {
     int64_t i = slot_of(p, k);
-    if (p->hblk[i] >= 0) return p->hblk[i];
-    /* A block holds one key, so the table stays half empty, unless blocks are keyed again
-     * under other keys (their old entries stay, as a dict's would): then it grows. */
-    if (4 * (p->hcount + 1) > 3 * (p->hmask + 1)) {
+    if (p->h[i].block >= 0) return p->h[i].block;
+    /* A block holds one key, so the table stays at most a quarter full, unless blocks are
+     * keyed again under other keys (their old entries stay, as a dict's would): then it
+     * grows. */
+    if (2 * (p->hcount + 1) > p->hmask + 1) {
         if (!grow_table(p)) return -2;
         i = slot_of(p, k);
     }
-    p->hkey[i] = k;
-    p->hblk[i] = b;
+    p->h[i].key = k;
+    p->h[i].block = b;
     p->hcount++;
     return b;
 }
 
 static void del(Pool *p, uint64_t k) {
     int64_t i = slot_of(p, k), j = i, mask = p->hmask;
-    if (p->hblk[i] < 0) return;
+    if (p->h[i].block < 0) return;
     for (;;) {
         j = (j + 1) & mask;
-        if (p->hblk[j] < 0) break;
-        int64_t h = home(p, p->hkey[j]);
+        if (p->h[j].block < 0) break;
+        int64_t h = home(p, p->h[j].key);
         /* The entry at j may fill the hole at i unless its home lies cyclically in (i, j]. */
         int stays = i <= j ? (i < h && h <= j) : (i < h || h <= j);
         if (!stays) {
-            p->hkey[i] = p->hkey[j];
-            p->hblk[i] = p->hblk[j];
+            p->h[i] = p->h[j];
             i = j;
         }
     }
-    p->hblk[i] = -1;
+    p->h[i].block = -1;
     p->hcount--;
 }
 
@@ -119,7 +116,7 @@ Pool *kvp_new(int64_t n, int64_t bs) {
     p->bs = bs;
     p->qcap = 2 * n + 64;
     p->hbits = 4;
-    while ((1LL << p->hbits) < 2 * n) p->hbits++;
+    while ((1LL << p->hbits) < 4 * n) p->hbits++;
     int64_t hsize = 1LL << p->hbits;
     p->hmask = hsize - 1;
     p->ref = calloc(n ? n : 1, sizeof(int64_t));
@@ -129,12 +126,11 @@ Pool *kvp_new(int64_t n, int64_t bs) {
     p->hit = calloc(n ? n : 1, 1);
     p->state = calloc(n ? n : 1, 1);
     p->key = calloc(n ? n : 1, sizeof(uint64_t));
-    p->hkey = malloc(hsize * sizeof(uint64_t));
-    p->hblk = malloc(hsize * sizeof(int64_t));
+    p->h = malloc(hsize * sizeof(Entry));
     if (!p->ref || !p->plain || !p->q || !p->qpos || !p->hit || !p->state || !p->key
-        || !p->hkey || !p->hblk) {
+        || !p->h) {
         free(p->ref); free(p->plain); free(p->q); free(p->qpos); free(p->hit);
-        free(p->state); free(p->key); free(p->hkey); free(p->hblk); free(p);
+        free(p->state); free(p->key); free(p->h); free(p);
         return NULL;
     }
     for (int64_t i = 0; i < n; i++) {
@@ -142,7 +138,7 @@ Pool *kvp_new(int64_t n, int64_t bs) {
         p->qpos[i] = -1;
     }
     for (int64_t i = 0; i < p->qcap; i++) p->q[i] = -1;
-    for (int64_t i = 0; i < hsize; i++) p->hblk[i] = -1;
+    for (int64_t i = 0; i < hsize; i++) p->h[i].block = -1;
     p->c[TOP] = n;
     return p;
 }
@@ -150,16 +146,12 @@ Pool *kvp_new(int64_t n, int64_t bs) {
 void kvp_free(Pool *p) {
     if (!p) return;
     free(p->ref); free(p->plain); free(p->q); free(p->qpos); free(p->hit);
-    free(p->state); free(p->key); free(p->hkey); free(p->hblk); free(p);
+    free(p->state); free(p->key); free(p->h); free(p);
 }
 
-/* Where Python reads the pool's state: ref, hit, state, key, counters. */
-void kvp_arrays(Pool *p, void **out) {
-    out[0] = p->ref;
-    out[1] = p->hit;
-    out[2] = p->state;
-    out[3] = p->key;
-    out[4] = p->c;
+/* Where Python reads the pool's counters. */
+int64_t *kvp_counters(Pool *p) {
+    return p->c;
 }
 
 /* Hand out m blocks into out, each with one reference (the caller checked they are free):
@@ -302,4 +294,36 @@ int64_t kvp_release(Pool *p, const int64_t *blocks, int64_t m, int64_t num_fille
         else p->plain[c[TOP]++] = b;
     }
     return any_alive ? filled : num_filled;
+}
+
+/* Prompt block digests (kvbench.engines.kv.hashing.BlockHasher.digests) of the token ids of
+ * consecutive contents (kvbench.workloads.model.contents_token_ids): content i, whose key
+ * hashes to bases[i], contributes its first counts[i] ids (a multiple of bs), and each block
+ * of bs ids becomes one digest in out. The same uint64 arithmetic as those numpy passes, in
+ * one pass and without their arrays of every token. */
+
+static inline uint64_t splitmix(uint64_t x) {
+    x ^= x >> 30;
+    x *= 0xBF58476D1CE4E5B9ULL;
+    x ^= x >> 27;
+    x *= 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+
+void kvh_digests(const uint64_t *bases, const int64_t *counts, int64_t n, uint64_t vocab,
+                 int64_t bs, const uint64_t *weights, uint64_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t base = bases[i];
+        for (int64_t start = 0; start < counts[i]; start += bs) {
+            uint64_t dot = 0;
+            for (int64_t j = 0; j < bs; j++) {
+                uint64_t pos = (uint64_t)(start + j);
+                uint64_t id = splitmix(pos * GOLDEN + base + GOLDEN) % vocab;
+                dot += id * weights[j];
+            }
+            *out++ = splitmix(dot + GOLDEN);
+        }
+    }
 }
