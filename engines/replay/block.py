@@ -153,8 +153,8 @@ class StepBlock:
         offsets = np.cumsum(lengths) - lengths
         out: list[Any] = []
         for values in zip(*self._rows, strict=True):
-            col = np.asarray(values, dtype=object if None in values else None)
-            out.append(np.repeat(col, lengths))
+            # A column holding None comes out as objects (numpy's own inference).
+            out.append(np.repeat(np.asarray(values), lengths))
         # Steps into their segment, from 1.
         nth = np.arange(1, n + 1, dtype=np.int64) - np.repeat(offsets, lengths)
         ramp = np.repeat(np.asarray(self._ramps, dtype=np.int64), lengths) * nth
