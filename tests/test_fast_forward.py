@@ -17,6 +17,7 @@ from kvbench.engines.hardware import get_gpu
 from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.presets import get_preset
 from kvbench.engines.registry import KINDS, NAMED_ENGINES
+from kvbench.engines.replay import pool as replay_pool
 from kvbench.run import stepstats
 from kvbench.run.execute import record_of, start_and_run
 from kvbench.run.plan import plan_run
@@ -91,6 +92,19 @@ def test_every_builtin_engine_mooncake_slice(tmp_path: Path, engine: str) -> Non
     prefill, prefix caching with eviction in a tight pool."""
     workload = WorkloadSection(trace="mooncake", path=str(MOONCAKE), num_requests=24)
     _check(tmp_path, workload, "qwen2.5-7b", [engine], kv_memory="6GiB",
+           max_model_len=32768)
+
+
+@pytest.mark.parametrize("kv_memory", ["3GiB", "6GiB"])
+def test_the_replay_without_a_c_compiler(tmp_path: Path, monkeypatch: Any,
+                                         kv_memory: str) -> None:
+    """Where the replay's C helpers cannot be built, it runs its numpy pool and numpy prompt
+    digests, with the same records as step by step (a Mooncake slice: evictions, shared
+    prefixes; preempting where KV is tightest)."""
+    monkeypatch.setattr(replay_pool, "_library", lambda: None)
+    assert isinstance(replay_pool.new_pool(4, 16), replay_pool.ArrayPool)
+    workload = WorkloadSection(trace="mooncake", path=str(MOONCAKE), num_requests=24)
+    _check(tmp_path, workload, "qwen2.5-7b", ["paged"], kv_memory=kv_memory,
            max_model_len=32768)
 
 
