@@ -15,8 +15,8 @@
  * cached content (a key or a placeholder) queue least recently freed first; a prefix hit
  * that takes one back leaves a hole (-1) that eviction skips. The key table uses linear
  * probing with deletion by backward shift, sized for four times the blocks (a block holds one
- * key at a time): short probe runs; kvp_cache and kvp_rekey return -1 where it could not
- * grow (out of memory). */
+ * key at a time): short probe runs; kvp_cache returns -1 where it could not grow (out of
+ * memory). */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -221,28 +221,17 @@ void kvp_cache_placeholders(Pool *p, const int64_t *blocks, int64_t m) {
 }
 
 /* Make blocks findable by keys; a key another block (or an earlier one here) caches keeps
- * that block, the duplicate staying as it was. */
-int64_t kvp_cache(Pool *p, const int64_t *blocks, const uint64_t *keys, int64_t m) {
+ * that block, the duplicate staying as it was, or (rekey: blocks held under placeholders
+ * getting their content's keys) going uncached. */
+int64_t kvp_cache(Pool *p, const int64_t *blocks, const uint64_t *keys, int64_t m,
+                  int64_t rekey) {
     for (int64_t i = 0; i < m; i++) {
         int64_t b = blocks[i], held = setdefault(p, keys[i], b);
         if (held == -2) return -1;
         if (held == b) {
             p->key[b] = keys[i];
             p->state[b] = KEYED;
-        }
-    }
-    return 0;
-}
-
-/* Give blocks held under placeholders their content's keys; a duplicate goes uncached. */
-int64_t kvp_rekey(Pool *p, const int64_t *blocks, const uint64_t *keys, int64_t m) {
-    for (int64_t i = 0; i < m; i++) {
-        int64_t b = blocks[i], held = setdefault(p, keys[i], b);
-        if (held == -2) return -1;
-        if (held == b) {
-            p->key[b] = keys[i];
-            p->state[b] = KEYED;
-        } else {
+        } else if (rekey) {
             p->state[b] = NONE;
         }
     }

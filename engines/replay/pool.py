@@ -366,18 +366,16 @@ class NativePool:
 
     def cache(self, blocks: Blocks, keys: Sequence[int] | np.ndarray, start: int,
               end: int) -> None:
-        b = _blocks(blocks[start:end])
-        k = _keys(keys[start:end])
-        if len(b) != len(k):
-            raise ValueError("cache() needs one key per block")
-        if b and _LIB.kvp_cache(self._p, b.buffer_info()[0], _addr(k), len(b)) < 0:
-            raise MemoryError("the block pool's key table could not grow")
+        self._key(blocks[start:end], keys[start:end], False)
 
     def rekey(self, blocks: Blocks, keys: np.ndarray) -> None:
+        self._key(blocks, keys, True)
+
+    def _key(self, blocks: Blocks, keys: Sequence[int] | np.ndarray, rekey: bool) -> None:
         b, k = _blocks(blocks), _keys(keys)
         if len(b) != len(k):
-            raise ValueError("rekey() needs one key per block")
-        if b and _LIB.kvp_rekey(self._p, b.buffer_info()[0], _addr(k), len(b)) < 0:
+            raise ValueError("one key per block")
+        if b and _LIB.kvp_cache(self._p, b.buffer_info()[0], _addr(k), len(b), rekey) < 0:
             raise MemoryError("the block pool's key table could not grow")
 
     def release(self, blocks: Blocks, num_filled: int) -> int:
@@ -431,8 +429,7 @@ def _library() -> ctypes.CDLL | None:
         "kvp_count_refs": (i64, [ptr, ptr, i64, i64]),
         "kvp_touch": (i64, [ptr, ptr, i64]),
         "kvp_cache_placeholders": (None, [ptr, ptr, i64]),
-        "kvp_cache": (i64, [ptr, ptr, ptr, i64]),
-        "kvp_rekey": (i64, [ptr, ptr, ptr, i64]),
+        "kvp_cache": (i64, [ptr, ptr, ptr, i64, i64]),
         "kvp_release": (i64, [ptr, ptr, i64, i64]),
         "kvh_digests": (None, [ptr, ptr, i64, ctypes.c_uint64, i64, ptr, ptr]),
     }
