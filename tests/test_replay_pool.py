@@ -175,3 +175,22 @@ def test_contents_digests_in_c_are_numpys(block_size: int, vocab_size: int) -> N
                                        counts, vocab_size, hasher)
     want = hasher.digests(contents_token_ids(keys, counts, vocab_size))
     assert got.dtype == np.uint64 and np.array_equal(got, want)
+
+
+@pytest.mark.skipif(replay_pool._library() is None, reason="no C compiler")
+def test_the_c_pool_refuses_ids_outside_it_and_takes_beyond_its_free_blocks() -> None:
+    """The C pool reads block ids through raw pointers: one outside the pool, or a take of
+    more blocks than are free, is refused before anything changes."""
+    pool = NativePool(4, BS)
+    table = pool.take(2)
+    before = _counters(pool)
+    for call in (lambda: pool.touch([4]), lambda: pool.release([0, -1], 4),
+                 lambda: pool.count_free([7]), lambda: pool.cache_placeholders([4]),
+                 lambda: pool.cache([9], [1], 0, 1), lambda: pool.rekey([4], _keys([1]))):
+        with pytest.raises(IndexError):
+            call()
+    with pytest.raises(RuntimeError, match="take"):
+        pool.take(3)
+    assert _counters(pool) == before
+    assert pool.release(table, 2 * BS) == 2 * BS
+    assert list(pool.take(4)) == [0, 1, 2, 3]

@@ -15,8 +15,8 @@
  * cached content (a key or a placeholder) queue least recently freed first; a prefix hit
  * that takes one back leaves a hole (-1) that eviction skips. The key table uses linear
  * probing with deletion by backward shift, sized for four times the blocks (a block holds one
- * key at a time): short probe runs; kvp_cache returns -1 where it could not grow (out of
- * memory). */
+ * key at a time): short probe runs. Block ids from Python are checked: a call with one
+ * outside the pool (or taking more blocks than are free) returns -1 having done nothing. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -154,10 +154,18 @@ int64_t *kvp_counters(Pool *p) {
     return p->c;
 }
 
-/* Hand out m blocks into out, each with one reference (the caller checked they are free):
- * plain ones first, then the least recently freed cached ones, evicted. */
-void kvp_take(Pool *p, int64_t m, int64_t *out) {
+/* Hand out m blocks into out, each with one reference: plain ones first, then the least
+ * recently freed cached ones, evicted (-1, nothing done, where fewer are free). */
+/* Block ids from Python outside the pool: refused (-1) before anything is touched. */
+static int outside(const Pool *p, const int64_t *blocks, int64_t m) {
+    for (int64_t i = 0; i < m; i++)
+        if ((uint64_t)blocks[i] >= (uint64_t)p->n) return 1;
+    return 0;
+}
+
+int64_t kvp_take(Pool *p, int64_t m, int64_t *out) {
     int64_t *c = p->c, top = c[TOP];
+    if (m < 0 || m > top + c[QTAIL] - c[QHEAD] - c[QHOLES]) return -1;
     int64_t k = m < top ? m : top;
     for (int64_t i = 0; i < k; i++) out[i] = p->plain[top - 1 - i];
     c[TOP] = top - k;
@@ -177,6 +185,7 @@ void kvp_take(Pool *p, int64_t m, int64_t *out) {
     c[EVICTIONS] += m - k;
     for (int64_t i = 0; i < m; i++) p->ref[out[i]] = 1;
     c[ALLOCS] += m;
+    return 0;
 }
 
 /* The blocks caching the longest leading run of keys, into out; returns how many. */
@@ -193,6 +202,7 @@ int64_t kvp_lookup(const Pool *p, const uint64_t *keys, int64_t m, int64_t *out)
 /* How many of blocks have refs references. */
 int64_t kvp_count_refs(const Pool *p, const int64_t *blocks, int64_t m, int64_t refs) {
     int64_t count = 0;
+    if (outside(p, blocks, m)) return -1;
     for (int64_t i = 0; i < m; i++) count += p->ref[blocks[i]] == refs;
     return count;
 }
@@ -200,6 +210,7 @@ int64_t kvp_count_refs(const Pool *p, const int64_t *blocks, int64_t m, int64_t 
 /* Reference cached blocks for a prefix hit; returns how many were free before. */
 int64_t kvp_touch(Pool *p, const int64_t *blocks, int64_t m) {
     int64_t *c = p->c, free_ = 0;
+    if (outside(p, blocks, m)) return -1;
     for (int64_t i = 0; i < m; i++) {
         int64_t b = blocks[i], r = p->ref[b];
         if (r == 0) {
@@ -216,15 +227,18 @@ int64_t kvp_touch(Pool *p, const int64_t *blocks, int64_t m) {
     return free_;
 }
 
-void kvp_cache_placeholders(Pool *p, const int64_t *blocks, int64_t m) {
+int64_t kvp_cache_placeholders(Pool *p, const int64_t *blocks, int64_t m) {
+    if (outside(p, blocks, m)) return -1;
     for (int64_t i = 0; i < m; i++) p->state[blocks[i]] = PLACEHOLDER;
+    return 0;
 }
 
 /* Make blocks findable by keys; a key another block (or an earlier one here) caches keeps
  * that block, the duplicate staying as it was, or (rekey: blocks held under placeholders
- * getting their content's keys) going uncached. */
+ * getting their content's keys) going uncached. -1: out of memory; -2: a block outside. */
 int64_t kvp_cache(Pool *p, const int64_t *blocks, const uint64_t *keys, int64_t m,
                   int64_t rekey) {
+    if (outside(p, blocks, m)) return -2;
     for (int64_t i = 0; i < m; i++) {
         int64_t b = blocks[i], held = setdefault(p, keys[i], b);
         if (held == -2) return -1;
@@ -265,6 +279,7 @@ static void enqueue(Pool *p, int64_t b) {
  * the filled slots no table references any more. Freed blocks go back tail first. */
 int64_t kvp_release(Pool *p, const int64_t *blocks, int64_t m, int64_t num_filled) {
     int64_t *c = p->c, bs = p->bs, num_full = num_filled / bs, filled = 0, any_alive = 0;
+    if (outside(p, blocks, m)) return -1;
     for (int64_t i = m - 1; i >= 0; i--) {
         int64_t b = blocks[i], r = p->ref[b] - 1;
         p->ref[b] = r;

@@ -329,7 +329,8 @@ class NativePool:
 
     def take(self, n: int) -> array:
         out = array("q", bytes(8 * n))
-        _LIB.kvp_take(self._p, n, out.buffer_info()[0])
+        if _LIB.kvp_take(self._p, n, out.buffer_info()[0]) < 0:
+            raise RuntimeError(f"take({n}) with {self.num_free} blocks free")
         return out
 
     def lookup(self, keys: np.ndarray) -> array:
@@ -348,13 +349,13 @@ class NativePool:
         if not blocks:
             return 0
         b = _blocks(blocks)
-        return _LIB.kvp_count_refs(self._p, b.buffer_info()[0], len(b), refs)
+        return _checked(_LIB.kvp_count_refs(self._p, b.buffer_info()[0], len(b), refs))
 
     def touch(self, blocks: Blocks) -> int:
         if not blocks:
             return 0
         b = _blocks(blocks)
-        return _LIB.kvp_touch(self._p, b.buffer_info()[0], len(b))
+        return _checked(_LIB.kvp_touch(self._p, b.buffer_info()[0], len(b)))
 
     def share(self, blocks: Blocks) -> None:
         raise NotImplementedError("the replay has no forks")
@@ -362,7 +363,7 @@ class NativePool:
     def cache_placeholders(self, blocks: Blocks) -> None:
         if blocks:
             b = _blocks(blocks)
-            _LIB.kvp_cache_placeholders(self._p, b.buffer_info()[0], len(b))
+            _checked(_LIB.kvp_cache_placeholders(self._p, b.buffer_info()[0], len(b)))
 
     def cache(self, blocks: Blocks, keys: Sequence[int] | np.ndarray, start: int,
               end: int) -> None:
@@ -375,19 +376,29 @@ class NativePool:
         b, k = _blocks(blocks), _keys(keys)
         if len(b) != len(k):
             raise ValueError("one key per block")
-        if b and _LIB.kvp_cache(self._p, b.buffer_info()[0], _addr(k), len(b), rekey) < 0:
-            raise MemoryError("the block pool's key table could not grow")
+        if b:
+            got = _LIB.kvp_cache(self._p, b.buffer_info()[0], _addr(k), len(b), rekey)
+            if got == -1:
+                raise MemoryError("the block pool's key table could not grow")
+            if got == -2:
+                _checked(-1)
 
     def release(self, blocks: Blocks, num_filled: int) -> int:
         if not blocks:
             return 0
         b = _blocks(blocks)
-        return _LIB.kvp_release(self._p, b.buffer_info()[0], len(b), num_filled)
+        return _checked(_LIB.kvp_release(self._p, b.buffer_info()[0], len(b), num_filled))
 
 
 # Block ids: the C pool hands them out as int64 arrays (its tables stay arrays, passed to
 # it without conversion); the numpy pool as lists.
 Blocks = list[int] | array
+
+
+def _checked(result: int) -> int:
+    if result < 0:
+        raise IndexError("a block id outside the pool")
+    return result
 
 
 def _blocks(blocks: Blocks) -> array:
@@ -424,11 +435,11 @@ def _library() -> ctypes.CDLL | None:
     signatures = {
         "kvp_free": (None, [ptr]),
         "kvp_counters": (ptr, [ptr]),
-        "kvp_take": (None, [ptr, i64, ptr]),
+        "kvp_take": (i64, [ptr, i64, ptr]),
         "kvp_lookup": (i64, [ptr, ptr, i64, ptr]),
         "kvp_count_refs": (i64, [ptr, ptr, i64, i64]),
         "kvp_touch": (i64, [ptr, ptr, i64]),
-        "kvp_cache_placeholders": (None, [ptr, ptr, i64]),
+        "kvp_cache_placeholders": (i64, [ptr, ptr, i64]),
         "kvp_cache": (i64, [ptr, ptr, ptr, i64, i64]),
         "kvp_release": (i64, [ptr, ptr, i64, i64]),
         "kvh_digests": (None, [ptr, ptr, i64, ctypes.c_uint64, i64, ptr, ptr]),
