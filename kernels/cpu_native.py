@@ -111,11 +111,9 @@ def build(source: Path, cc: str) -> ctypes.CDLL:
     raise BuildError("; ".join(errors))
 
 
-def _build(cc: str, flags: tuple[str, ...], key: str, source: Path | None = None) -> Path:
-    """Compile ``source`` (the kernel's by default) into the cache (atomically: a finished
-    file or none) and return its path; a cache that cannot be written falls back to a
-    temporary folder."""
-    source = SOURCE if source is None else source
+def _build(cc: str, flags: tuple[str, ...], key: str, source: Path) -> Path:
+    """Compile ``source`` into the cache (atomically: a finished file or none) and return
+    its path; a cache that cannot be written falls back to a temporary folder."""
     try:
         folder = cache_dir()
         folder.mkdir(parents=True, exist_ok=True)

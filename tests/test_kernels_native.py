@@ -190,9 +190,9 @@ def test_the_built_kernel_is_cached_once(monkeypatch, tmp_path):
         pytest.skip("no C compiler")
     monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
     cc = cpu_native.compiler()
-    first = cpu_native._build(cc, cpu_native.FLAG_SETS[-1], "k")
+    first = cpu_native._build(cc, cpu_native.FLAG_SETS[-1], "k", cpu_native.SOURCE)
     mtime = first.stat().st_mtime_ns
-    assert cpu_native._build(cc, cpu_native.FLAG_SETS[-1], "k") == first
+    assert cpu_native._build(cc, cpu_native.FLAG_SETS[-1], "k", cpu_native.SOURCE) == first
     assert first.stat().st_mtime_ns == mtime
     assert [p.name for p in (tmp_path / "native").iterdir()] == [first.name]
 

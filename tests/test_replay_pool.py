@@ -171,9 +171,9 @@ def test_contents_digests_in_c_are_numpys(block_size: int, vocab_size: int) -> N
     keys = [f"segment-{i}" for i in range(20)]
     counts = (rng.integers(0, 40, len(keys)) * block_size).tolist()
     hasher = BlockHasher(block_size)
-    got = replay_pool.contents_digests(np.array([key_hash(k) for k in keys], dtype=np.uint64),
-                                       counts, vocab_size, hasher)
-    want = hasher.digests(contents_token_ids(keys, counts, vocab_size))
+    contents = np.array([key_hash(k) for k in keys], dtype=np.uint64)
+    got = replay_pool.contents_digests(contents, counts, vocab_size, hasher)
+    want = hasher.digests(contents_token_ids(contents, counts, vocab_size))
     assert got.dtype == np.uint64 and np.array_equal(got, want)
 
 

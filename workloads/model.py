@@ -52,15 +52,11 @@ def segment_token_ids(key: str, n: int, vocab_size: int, start: int = 0) -> np.n
     return _token_ids([key_hash(key)], [n], vocab_size, start)
 
 
-def contents_token_ids(keys: list[str], counts: list[int], vocab_size: int) -> np.ndarray:
-    """The first ``counts[i]`` token ids of each content ``keys[i]``, one after another."""
-    return _token_ids([key_hash(k) for k in keys], counts, vocab_size)
-
-
-def hashed_contents_token_ids(bases: Sequence[int] | np.ndarray, counts: list[int],
-                              vocab_size: int) -> np.ndarray:
-    """:func:`contents_token_ids` of contents given by their keys' :func:`key_hash`."""
-    return _token_ids(bases, counts, vocab_size)
+def contents_token_ids(contents: Sequence[int] | np.ndarray, counts: list[int],
+                       vocab_size: int) -> np.ndarray:
+    """The first ``counts[i]`` token ids of each content, given by its key's
+    :func:`key_hash`, one after another."""
+    return _token_ids(contents, counts, vocab_size)
 
 
 def _token_ids(bases: Sequence[int] | np.ndarray, counts: list[int], vocab_size: int,

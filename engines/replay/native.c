@@ -235,13 +235,13 @@ int64_t kvp_cache_placeholders(Pool *p, const int64_t *blocks, int64_t m) {
 
 /* Make blocks findable by keys; a key another block (or an earlier one here) caches keeps
  * that block, the duplicate staying as it was, or (rekey: blocks held under placeholders
- * getting their content's keys) going uncached. -1: out of memory; -2: a block outside. */
+ * getting their content's keys) going uncached. -1: a block outside; -2: out of memory. */
 int64_t kvp_cache(Pool *p, const int64_t *blocks, const uint64_t *keys, int64_t m,
                   int64_t rekey) {
-    if (outside(p, blocks, m)) return -2;
+    if (outside(p, blocks, m)) return -1;
     for (int64_t i = 0; i < m; i++) {
         int64_t b = blocks[i], held = setdefault(p, keys[i], b);
-        if (held == -2) return -1;
+        if (held == -2) return -2;
         if (held == b) {
             p->key[b] = keys[i];
             p->state[b] = KEYED;

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbench.engines.kv.hashing import BlockHasher
-from kvbench.workloads.model import hashed_contents_token_ids
+from kvbench.workloads.model import contents_token_ids
 
 
 class ArrayPool:
@@ -184,9 +184,6 @@ class ArrayPool:
         self.num_allocs += len(free)
         return len(free)
 
-    def share(self, blocks: list[int]) -> None:
-        raise NotImplementedError("the replay has no forks")
-
     def cache_placeholders(self, blocks: list[int]) -> None:
         """:meth:`cache` of ``blocks`` under placeholder keys (cached, not findable). A block
         not cached holds no key, so marking it is all there is to do."""
@@ -307,25 +304,12 @@ class NativePool:
         c = self._c
         return c[0] + c[2] - c[1] - c[3]
 
-    @property
-    def num_plain_free(self) -> int:
-        return self._c[0]
-
-    @property
-    def num_shared(self) -> int:
-        return self._c[4]
-
-    @property
-    def num_allocs(self) -> int:
-        return self._c[5]
-
-    @property
-    def num_evictions(self) -> int:
-        return self._c[6]
-
-    @property
-    def num_frees(self) -> int:
-        return self._c[7]
+    # The counters native.c keeps in c[]: read in place.
+    num_plain_free = property(lambda self: self._c[0])
+    num_shared = property(lambda self: self._c[4])
+    num_allocs = property(lambda self: self._c[5])
+    num_evictions = property(lambda self: self._c[6])
+    num_frees = property(lambda self: self._c[7])
 
     def take(self, n: int) -> array:
         out = array("q", bytes(8 * n))
@@ -357,9 +341,6 @@ class NativePool:
         b = _blocks(blocks)
         return _checked(_LIB.kvp_touch(self._p, b.buffer_info()[0], len(b)))
 
-    def share(self, blocks: Blocks) -> None:
-        raise NotImplementedError("the replay has no forks")
-
     def cache_placeholders(self, blocks: Blocks) -> None:
         if blocks:
             b = _blocks(blocks)
@@ -378,10 +359,9 @@ class NativePool:
             raise ValueError("one key per block")
         if b:
             got = _LIB.kvp_cache(self._p, b.buffer_info()[0], _addr(k), len(b), rekey)
-            if got == -1:
-                raise MemoryError("the block pool's key table could not grow")
             if got == -2:
-                _checked(-1)
+                raise MemoryError("the block pool's key table could not grow")
+            _checked(got)
 
     def release(self, blocks: Blocks, num_filled: int) -> int:
         if not blocks:
@@ -461,7 +441,7 @@ def contents_digests(contents: np.ndarray, counts: list[int], vocab_size: int,
     if vocab_size < 1:
         raise ValueError(f"a vocabulary of {vocab_size} tokens")
     if _library() is None:
-        return hasher.digests(hashed_contents_token_ids(contents, counts, vocab_size))
+        return hasher.digests(contents_token_ids(contents, counts, vocab_size))
     bases = np.ascontiguousarray(contents, dtype=np.uint64)
     tokens = np.asarray(counts, dtype=np.int64)
     out = np.empty(int(tokens.sum()) // hasher.block_size, dtype=np.uint64)
