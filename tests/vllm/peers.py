@@ -37,7 +37,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -489,3 +489,22 @@ def paced_ratios(pooled: dict[str, Samples], ours: str = "kvbench"
     :func:`by_server_clock` over the peer's, what differs between the two clients'
     measurements of the same server."""
     return _against_peers(pooled, by_server_clock, ours)
+
+
+def off_the_clocks(pooled: dict[str, Samples], peer: str, metrics: Iterable[str], tol: float,
+                   ours: str = "kvbench") -> dict[str, tuple[float | None, float | None]]:
+    """The metrics on which kvbench, as an instrument, agrees neither with the peer nor
+    with the server. By the server's clock (:func:`by_server_clock`) the server itself is
+    1, and kvbench's figure must lie between 1 and the peer's figure, widened by ``tol``
+    on either side (which holds wherever the paced ratio is within ``tol``). A client adds
+    its own time to the server's, and a peer whose client was held up (two cores shared
+    with the server) adds more: kvbench nearer the server's clock than such a peer is not
+    kvbench's error, while kvbench under the server's figure, or over both, is. Gives
+    kvbench's and the peer's figures by the server's clock for each metric off (None
+    where missing)."""
+    off: dict[str, tuple[float | None, float | None]] = {}
+    for m in metrics:
+        a, b = by_server_clock(pooled[ours], m), by_server_clock(pooled[peer], m)
+        if a is None or b is None or not min(1.0, b) * (1 - tol) <= a <= max(1.0, b) * (1 + tol):
+            off[m] = (a, b)
+    return off

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import peers
 import pytest
-from peers import Samples, paced_ratios, paces, ratios, server_histograms
+from peers import Samples, off_the_clocks, paced_ratios, paces, ratios, server_histograms
 
 # Two engine series of each histogram (sums in seconds), as a vLLM server with two engines
 # publishes them; buckets are not read.
@@ -89,6 +89,29 @@ def test_the_servers_pace_is_divided_out() -> None:
     slow = _pooled(_tool([66.0, 66.0], [7.56, 7.56], 60.0, 7.2))
     assert paced_ratios({"kvbench": kv, "peer": slow})["peer"]["ttft"] == pytest.approx(
         (52.5 / 50.0) / (66.0 / 60.0))
+
+
+def test_kvbench_agrees_with_the_peer_or_with_the_server() -> None:
+    def off(kv_ttft: float, peer_ttft: float) -> dict:
+        # The server took 30 ms over either tool's requests; TPOT and ITL agree exactly.
+        pooled = {"kvbench": _pooled(_tool([kv_ttft], [6.0], 30.0, 6.0)),
+                  "peer": _pooled(_tool([peer_ttft], [6.0], 30.0, 6.0))}
+        return off_the_clocks(pooled, "peer", ["ttft", "tpot", "itl"], 0.10)
+
+    assert off(31.0, 33.0) == {}  # within 10% of the peer
+    # The peer's client added 15% to the server's 30 ms, kvbench's 1%: paced 0.88, but
+    # kvbench is nearer the server's clock, so it is not kvbench's error.
+    assert off(30.3, 34.5) == {}
+    assert off(28.0, 34.5) == {}  # 7% under the server, within the 10% slack
+    # Under the server's figure by more than the slack, or over both: kvbench is off.
+    assert off(26.0, 34.5) == {"ttft": pytest.approx((26 / 30, 34.5 / 30))}
+    assert off(40.0, 34.5) == {"ttft": pytest.approx((40 / 30, 34.5 / 30))}
+    assert off(34.5, 30.0)["ttft"] == pytest.approx((1.15, 1.0))
+    # Missing server figures for either tool: off, with None in its place.
+    kv = _pooled(_tool([30.0], [6.0], 30.0, 6.0))
+    bare = Samples([30.0], [6.0], [6.0], 1)
+    assert off_the_clocks({"kvbench": kv, "peer": bare}, "peer", ["ttft"], 0.1) == {
+        "ttft": (pytest.approx(1.0), None)}
 
 
 def test_other_traffic_drops_the_servers_figures() -> None:

@@ -26,6 +26,7 @@ from peers import (
     interleaved,
     kvbench_tool,
     mean_ratios,
+    off_the_clocks,
     paced_ratios,
     paces,
     peer_executable,
@@ -187,9 +188,13 @@ PEER_ROUNDS, SECOND_PEER_ROUNDS = 6, 2
 # run), and each client measures what the server did, so the raw medians of two tools run
 # in different rounds differ by that too (1.28x TTFT, 1.66x TPOT in one table run at load
 # 1-2.7; 0.93x, 0.95x in a quiet one). With the server's clock of each tool's own requests
-# divided out (`paced_ratios`), the two clients' measurements must agree within 10%; the raw
-# medians, which also carry the server's drift, within a factor of 2 (a unit or definition
-# error shows as far more).
+# divided out (`paced_ratios`), the two clients' measurements must agree within 10%, or
+# kvbench's lie nearer the server's own clock than the peer's (`off_the_clocks`): a client
+# only adds time to the server's, and on a 2-core CI machine bench serve's client once added
+# more than kvbench's (median TTFT 34.3 ms against the server's mean of 30.6 ms for its
+# requests; kvbench's 29.9 ms against 29.6 ms; paced TTFT 0.85). The raw medians, which
+# also carry the server's drift, must agree within a factor of 2 (a unit or definition error
+# shows as far more).
 PACED_TOLERANCE = 0.10
 PEER_BOUND = 2.0
 # A second peer starts slowly (tens of seconds a run) and is run for fewer rounds. Each runs
@@ -224,10 +229,12 @@ def _print_comparison(title: str, pooled: dict[str, Samples], rounds: int) -> No
                          else f"{m}     n/a" for m in METRICS)
         server = "  ".join(f"{m} {v:7.2f}" if (v := s.server_mean(m)) is not None
                            else f"{m}     n/a" for m in METRICS)
+        clock = _fmt_ratios({m: by_server_clock(s, m) for m in METRICS})
         per_round = [round(r["ttft"], 1) for r in s.rounds]
         burst = s.burst_share()
         print(f"  {name:17s} {s.requests:3d} requests, medians ms: {meds}; server's means "
-              f"ms: {server}; mean ITL {s.mean('itl') or float('nan'):.2f}, gaps < "
+              f"ms: {server}; means by the server's clock: {clock}; "
+              f"mean ITL {s.mean('itl') or float('nan'):.2f}, gaps < "
               f"{BURST_GAP_MS} ms {'n/a' if burst is None else f'{100 * burst:.0f}%'}; "
               f"per-round median TTFT {per_round}")
     pace, paced = paces(pooled), paced_ratios(pooled)
@@ -266,9 +273,10 @@ def test_latencies_agree_with_vllm_bench_serve(server, tmp_path) -> None:
     paced = paced_ratios(pooled)[bench]
     if (busy := overloaded(load) or stalled(pooled)) is not None:
         pytest.skip(f"{busy}: the figures above are printed, their agreement not asserted")
-    off = {m: v for m, v in paced.items() if v is None or not abs(v - 1) <= PACED_TOLERANCE}
-    assert not off, (f"with the server's pace divided out, kvbench and vllm bench serve differ "
-                     f"by more than {PACED_TOLERANCE:.0%}: {off}")
+    off = off_the_clocks(pooled, bench, METRICS, PACED_TOLERANCE)
+    assert not off, (f"by the server's clock, kvbench is neither within {PACED_TOLERANCE:.0%} "
+                     f"of vllm bench serve nor nearer the server (kvbench, bench serve): {off}; "
+                     f"paced ratios {_fmt_ratios(paced)}")
     off = {m: v for m, v in raw.items() if v is None or not 1 / PEER_BOUND <= v <= PEER_BOUND}
     assert not off, f"kvbench and vllm bench serve differ by more than {PEER_BOUND}x: {off}"
 
@@ -303,9 +311,10 @@ def test_latencies_agree_with_a_second_peer(server, tmp_path, tool) -> None:
     # GuideLLM records no chunk gaps: its ITL is None, and not compared.
     paced = {m: v for m, v in paced_ratios(pooled)[tool].items() if v is not None}
     assert {"ttft", "tpot"} <= paced.keys()
-    off = {m: v for m, v in paced.items() if not abs(v - 1) <= SECOND_PEER_PACED_TOLERANCE}
-    assert not off, (f"with the server's pace divided out, kvbench and {tool} differ by more "
-                     f"than {SECOND_PEER_PACED_TOLERANCE:.0%}: {off}")
+    off = off_the_clocks(pooled, tool, paced, SECOND_PEER_PACED_TOLERANCE)
+    assert not off, (f"by the server's clock, kvbench is neither within "
+                     f"{SECOND_PEER_PACED_TOLERANCE:.0%} of {tool} nor nearer the server "
+                     f"(kvbench, {tool}): {off}; paced ratios {_fmt_ratios(paced)}")
     off = {m: v for m, v in r.items()
            if v is not None and not 1 / SECOND_PEER_BOUND <= v <= SECOND_PEER_BOUND}
     assert not off, f"kvbench and {tool} differ by more than {SECOND_PEER_BOUND}x: {off}"
