@@ -49,20 +49,14 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 def segment_token_ids(key: str, n: int, vocab_size: int, start: int = 0) -> np.ndarray:
     """Token ids ``[start, start+n)`` of the content named ``key``, each in ``[0, vocab_size)``."""
-    return _token_ids([key_hash(key)], [n], vocab_size, start)
+    return contents_token_ids([key_hash(key)], [n], vocab_size, start)
 
 
 def contents_token_ids(contents: Sequence[int] | np.ndarray, counts: list[int],
-                       vocab_size: int) -> np.ndarray:
-    """The first ``counts[i]`` token ids of each content, given by its key's
-    :func:`key_hash`, one after another."""
-    return _token_ids(contents, counts, vocab_size)
-
-
-def _token_ids(bases: Sequence[int] | np.ndarray, counts: list[int], vocab_size: int,
-               start: int = 0) -> np.ndarray:
-    """Token ids of consecutive runs: run ``i`` holds positions ``[start, start+counts[i])``
-    of the content whose key hashes to ``bases[i]``, all in one pass over the whole prompt."""
+                       vocab_size: int, start: int = 0) -> np.ndarray:
+    """Token ids of consecutive runs, one after another: run ``i`` holds positions
+    ``[start, start+counts[i])`` of the content whose key's :func:`key_hash` is
+    ``contents[i]``, all in one pass over the whole prompt."""
     total = sum(counts)
     x = np.arange(total, dtype=np.uint64)
     if len(counts) > 1:
@@ -73,7 +67,7 @@ def _token_ids(bases: Sequence[int] | np.ndarray, counts: list[int], vocab_size:
         if start:
             x += np.uint64(start)
         x *= _GOLDEN
-        x += np.repeat(np.array(bases, dtype=np.uint64), counts)
+        x += np.repeat(np.array(contents, dtype=np.uint64), counts)
     x = _splitmix64(x)
     x %= np.uint64(vocab_size)
     return x.astype(np.int64)
@@ -129,8 +123,8 @@ class Request:
     def prompt_token_ids(self, vocab_size: int) -> np.ndarray:
         """All prompt token ids (int64); image/audio positions get placeholder ids from the key."""
         segments = self.segments
-        return _token_ids([key_hash(s.key) for s in segments], [s.tokens for s in segments],
-                          vocab_size)
+        return contents_token_ids([key_hash(s.key) for s in segments],
+                                  [s.tokens for s in segments], vocab_size)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
