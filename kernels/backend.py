@@ -9,12 +9,20 @@ where it does none).
 The torch reference runs anywhere; the Triton backend (:mod:`kvbench.kernels.triton_attention`,
 :mod:`kvbench.kernels.triton_kv`) has the same signatures, is checked against the reference,
 and is imported only when asked for, so the reference path never needs triton.
+
+What a user must know about the kernels chosen (``auto`` falling back to the reference, a
+build cache that cannot be used) is said once per process by :func:`warn_once`: on stderr,
+or into a caller's list inside :func:`collected_warnings` (a run's warnings).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
+from functools import cache
 from typing import Any
 
 import torch
@@ -24,6 +32,31 @@ from kvbench.errors import KvbenchError
 from kvbench.kernels import reference
 
 AUTO = "auto"
+
+# The list a caller collects the kernels' warnings into; None: they go to stderr.
+_collector: ContextVar[list[str] | None] = ContextVar("kernel_warnings", default=None)
+
+
+@contextmanager
+def collected_warnings() -> Iterator[list[str]]:
+    """The warnings :func:`warn_once` says inside the block, for the caller to report with
+    its own (a run's warnings list) rather than printed."""
+    said: list[str] = []
+    token = _collector.set(said)
+    try:
+        yield said
+    finally:
+        _collector.reset(token)
+
+
+@cache
+def warn_once(message: str) -> None:
+    """Say ``message`` once per process: to the collecting caller, else on stderr."""
+    said = _collector.get()
+    if said is not None:
+        said.append(message)
+    else:
+        print(f"warning: {message}", file=sys.stderr)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +122,20 @@ def _native(device: torch.device | None) -> KernelBackend:
     )
 
 
+def _auto_cpu() -> str:
+    """``auto``'s backend on the CPU: native where it builds, else the reference (warned)."""
+    from kvbench.kernels import cpu_native
+
+    why = cpu_native.unavailable_reason()
+    if why is None:
+        return "native"
+    warn_once(
+        f"--attention auto falls back to the torch reference kernel: {why}. Its timings "
+        "differ from the native kernel's: fix the C compiler (CC), or pass --attention "
+        "reference to choose the reference")
+    return "reference"
+
+
 _BACKENDS: dict[str, Callable[[torch.device | None], KernelBackend]] = {
     "native": _native,
     "reference": _reference,
@@ -112,7 +159,8 @@ def get_backend(name: str, device: torch.device | str | None = None) -> KernelBa
     """The backend ``name``, checked to run on ``device`` when one is given.
 
     ``auto`` is triton on CUDA when triton is installed, the native kernel on the CPU when
-    it builds here (a C compiler), else the reference.
+    it builds here (a C compiler), else the reference; falling back to the reference on the
+    CPU is warned about, since it changes the timings.
     """
     dev = torch.device(device) if device is not None else None
     if name == AUTO:
@@ -120,9 +168,7 @@ def get_backend(name: str, device: torch.device | str | None = None) -> KernelBa
         if dev is not None and dev.type == "cuda" and triton_installed():
             name = "triton"
         elif dev is not None and dev.type == "cpu":
-            from kvbench.kernels import cpu_native
-
-            name = "native" if cpu_native.available() else "reference"
+            name = _auto_cpu()
     try:
         factory = _BACKENDS[name]
     except KeyError:

@@ -190,11 +190,14 @@ def test_the_built_kernel_is_cached_once(monkeypatch, tmp_path):
         pytest.skip("no C compiler")
     monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
     cc = cpu_native.compiler()
-    first = cpu_native._build(cc, cpu_native.FLAG_SETS[-1], "k", cpu_native.SOURCE)
+    name = "k.so"
+    first = cpu_native._build(cc, cpu_native.FLAG_SETS[-1], name, cpu_native.SOURCE)
     mtime = first.stat().st_mtime_ns
-    assert cpu_native._build(cc, cpu_native.FLAG_SETS[-1], "k", cpu_native.SOURCE) == first
+    assert cpu_native._build(cc, cpu_native.FLAG_SETS[-1], name, cpu_native.SOURCE) == first
     assert first.stat().st_mtime_ns == mtime
-    assert [p.name for p in (tmp_path / "native").iterdir()] == [first.name]
+    # The build and the digest it is checked against before every load, in a private folder.
+    assert sorted(p.name for p in (tmp_path / "native").iterdir()) == [name, f"{name}.sha256"]
+    assert (tmp_path / "native").stat().st_mode & 0o777 == 0o700
 
 
 def test_native_is_refused_off_the_cpu():
