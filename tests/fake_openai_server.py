@@ -8,6 +8,14 @@ requests (or none, or unrelated ones), and misbehaves on request: HTTP errors, h
 wrong usage counts for requests of a given ``max_tokens``, an API key, or dying (the whole
 process, at once) after a number of streamed tokens. ``GET /_log`` returns the bodies and
 authorization headers it received.
+
+Hostile replies, for the engine's defences: ``echo_auth`` (error messages quote the
+Authorization header), ``raw_on`` (for a ``max_tokens``: a status and body frames sent
+verbatim, ``{auth}`` and ``{key}`` standing for the header and its key, a frame
+``[text, times]`` repeated), ``factor_on`` (that many times the tokens asked for),
+``crlf`` (events separated by CRLF), ``redirect`` (307 to ``host`` or the same host, on
+``paths``), ``metrics_page`` (served verbatim), ``metrics_series`` (a page of that many
+series) and ``nan_while_busy`` (NaN and +Inf gauges while requests are in flight).
 """
 
 from __future__ import annotations
@@ -43,25 +51,39 @@ class Fake:
                                          "max_model_len": self.cfg.get("max_model_len", 512)}]}
         )
 
+    async def models_or_redirect(self, request: web.Request) -> web.Response:
+        return self._redirect(request) or await self.models(request)
+
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": "fake-1"})
 
     async def metrics(self, request: web.Request) -> web.Response:
+        if (redirected := self._redirect(request)) is not None:
+            return redirected
         kind = self.cfg.get("metrics", "vllm")
         if kind == "none":
             raise web.HTTPNotFound()
-        running = len(self.inflight)
+        if "metrics_page" in self.cfg:
+            return web.Response(text=self.cfg["metrics_page"], content_type="text/plain")
+        if "metrics_series" in self.cfg:
+            lines = (f'vllm:num_requests_running{{i="{i}"}} 1\n'
+                     for i in range(self.cfg["metrics_series"]))
+            return web.Response(text="".join(lines), content_type="text/plain")
+        running: float = len(self.inflight)
         blocks = sum(math.ceil(sum(v) / BLOCK) for v in self.inflight.values())
         tokens = sum(sum(v) for v in self.inflight.values())
+        usage = blocks / (NUM_BLOCKS - 1)
+        if self.cfg.get("nan_while_busy") and self.inflight:
+            usage, running = math.nan, math.inf
         if kind == "vllm":
             lab = f'{{engine="0",model_name="{self.model}"}}'
             text = (
                 "# HELP vllm:num_requests_running running\n# TYPE vllm:num_requests_running gauge\n"
-                f"vllm:num_requests_running{lab} {running}.0\n"
+                f"vllm:num_requests_running{lab} {float(running)}\n"
                 "# TYPE vllm:num_requests_waiting gauge\n"
                 f"vllm:num_requests_waiting{lab} 0.0\n"
                 "# TYPE vllm:kv_cache_usage_perc gauge\n"
-                f"vllm:kv_cache_usage_perc{lab} {blocks / (NUM_BLOCKS - 1)}\n"
+                f"vllm:kv_cache_usage_perc{lab} {usage}\n"
                 "# TYPE vllm:prefix_cache_queries counter\n"
                 f"vllm:prefix_cache_queries_total{lab} {self.prefix_queries}.0\n"
                 "# TYPE vllm:prefix_cache_hits counter\n"
@@ -97,26 +119,37 @@ class Fake:
             return web.json_response({"error": {"message": "bad key"}}, status=401)
         return None
 
+    def _redirect(self, request: web.Request) -> web.Response | None:
+        """A 307 to the same path on ``redirect.host`` (or this host), once: the target
+        carries ``hop=1``."""
+        spec = self.cfg.get("redirect")
+        if spec is None or request.path not in spec["paths"] or "hop" in request.query:
+            return None
+        host = spec.get("host") or request.url.host
+        location = f"http://{host}:{request.url.port}{request.path}?hop=1"
+        return web.Response(status=307, headers={"Location": location})
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        if (redirected := self._redirect(request)) is not None:
+            return redirected
+        auth = request.headers.get("Authorization")
+        entry = {"path": request.path, "host": request.url.host, "authorization": auth}
+        self.log.append(entry)
         if (denied := self._auth(request)) is not None:
             return denied
         body = await request.json()
-        self.log.append({"path": request.path, "body": body,
-                         "authorization": request.headers.get("Authorization")})
+        entry["body"] = body
         out = int(body["max_tokens"])
         status = self.cfg.get("status_on", {}).get(str(out))
         if status is not None:
-            return web.json_response({"error": {"message": f"scripted {status}"}}, status=status)
+            echo = f" for {auth}" if self.cfg.get("echo_auth") else ""
+            return web.json_response({"error": {"message": f"scripted {status}{echo}"}},
+                                     status=status)
+        if str(out) in self.cfg.get("raw_on", {}):
+            return await self._raw(request, self.cfg["raw_on"][str(out)], auth or "")
         if str(out) in self.cfg.get("hang_on", []):
             await asyncio.sleep(60)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list):
-            prompt_len = len(prompt)
-        elif isinstance(prompt, str):
-            prompt_len = len(prompt.split())
-        else:  # chat: count text words and one token per image
-            parts = body["messages"][0]["content"]
-            prompt_len = sum(len(p["text"].split()) if p["type"] == "text" else 1 for p in parts)
+        prompt_len = _prompt_len(body)
         n = int(body.get("n", 1))
         self.prefix_queries += prompt_len
         rid = self.next_id
@@ -125,38 +158,66 @@ class Fake:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         chat = "messages" in body
+        end = "\r\n\r\n" if self.cfg.get("crlf") else "\n\n"
+        streamed = out * self.cfg.get("factor_on", {}).get(str(out), 1)
         try:
             await asyncio.sleep(self.cfg.get("first_token_delay_s", 0.005))
-            for i in range(out):
+            for i in range(streamed):
                 for index in range(n):
                     choice: dict[str, Any] = {"index": index, "finish_reason": (
-                        "length" if i == out - 1 else None)}
+                        "length" if i == streamed - 1 else None)}
                     if chat:
                         choice["delta"] = {"content": f" w{i}"}
                     else:
                         choice["text"] = f" w{i}"
                     if not self.cfg.get("no_token_ids"):
                         choice["token_ids"] = [(7 * i + index) % 4096]
-                    await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+                    await resp.write(f"data: {json.dumps({'choices': [choice]})}{end}".encode())
                 self.inflight[rid][1] += 1
                 self.streamed += 1
                 if self.streamed == self.cfg.get("die_after_tokens"):
                     os._exit(1)  # the server dies at once, connections and all
                 await asyncio.sleep(self.cfg.get("token_delay_s", 0.002))
-            completion = out * n + int(self.cfg.get("usage_off_by", 0))
+            completion = streamed * n + int(self.cfg.get("usage_off_by", 0))
             usage = {"prompt_tokens": prompt_len, "completion_tokens": completion,
                      "total_tokens": prompt_len + completion}
-            await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
-            await resp.write(b"data: [DONE]\n\n")
+            await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}{end}".encode())
+            await resp.write(f"data: [DONE]{end}".encode())
         finally:
             del self.inflight[rid]
         return resp
+
+    async def _raw(self, request: web.Request, spec: dict[str, Any],
+                   auth: str) -> web.StreamResponse:
+        """A scripted reply: ``status`` (200) and ``frames`` written as they are."""
+        resp = web.StreamResponse(status=spec.get("status", 200),
+                                  headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        key = auth.removeprefix("Bearer ")
+        for frame in spec["frames"]:
+            text, times = (frame, 1) if isinstance(frame, str) else frame
+            data = text.replace("{auth}", auth).replace("{key}", key).encode("utf-8",
+                                                                             "surrogateescape")
+            for _ in range(times):
+                await resp.write(data)
+        return resp
+
+
+def _prompt_len(body: dict[str, Any]) -> int:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        return len(prompt)
+    if isinstance(prompt, str):
+        return len(prompt.split())
+    # chat: count text words and one token per image
+    parts = body["messages"][0]["content"]
+    return sum(len(p["text"].split()) if p["type"] == "text" else 1 for p in parts)
 
 
 def main() -> None:
     fake = Fake(json.loads(sys.argv[1]))
     app = web.Application()
-    app.router.add_get("/v1/models", fake.models)
+    app.router.add_get("/v1/models", fake.models_or_redirect)
     app.router.add_get("/version", fake.version)
     app.router.add_get("/metrics", fake.metrics)
     app.router.add_get("/_log", fake.get_log)

@@ -8,28 +8,47 @@ serve`` stamps them: TTFT, ITL, TPOT and E2EL come from these stamps. A request
 ends at its last token chunk (the usage chunk and ``[DONE]`` follow it).
 
 A request never raises: an HTTP status other than 200, an error event in the stream, a
-timeout or a lost connection ends it with a :class:`Failed` event saying why. After a lost
-connection the task asks whether the server is still there, so the engine can tell a
-dropped request from a server that died.
+malformed reply (:mod:`kvbench.engines.openai.reply`), a refused redirect, a timeout or a
+lost connection ends it with a :class:`Failed` event saying why, scrubbed of secrets. After
+a lost connection the task asks whether the server is still there, so the engine can tell
+a dropped request from a server that died. ``/metrics`` pages are read up to a cap and
+parsed in a worker thread, so a large page never holds the loop that stamps tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import queue
 import statistics
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
 
-from kvbench.engines.openai.server_metrics import ServerSample, parse_metrics
+from kvbench.engines.openai.redirects import RedirectPolicy, RedirectRefused, follow
+from kvbench.engines.openai.reply import (
+    ERROR_BODY_BYTES,
+    Ask,
+    BadReply,
+    Reply,
+    SseReader,
+    Usage,
+    read_body,
+    read_head,
+)
+from kvbench.engines.openai.scrub import scrub
+from kvbench.engines.openai.server_metrics import (
+    MAX_PAGE_BYTES,
+    MetricsError,
+    ServerSample,
+    parse_metrics,
+)
 
 T = TypeVar("T")
 # How long to wait for an answer about whether the server is still up.
@@ -43,6 +62,10 @@ RECENT_SCRAPES = 5
 # A /metrics page rendered late (a server busy streaming answers it after its other work) is
 # still a reading: only one this late, or a server not answering, counts as failed.
 SCRAPE_TIMEOUT_FLOOR_S = 5.0
+# Of an error body, this much is kept in the request's reason; of any reason, the second.
+REASON_CHARS = 300
+MAX_REASON_CHARS = 1000
+_JSON = {"Content-Type": "application/json"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +89,13 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """The stream ended; ``t`` is its last token chunk's time, ``usage`` the server's counts."""
+    """The stream ended; ``t`` is its last token chunk's time, ``usage`` the server's counts,
+    ``counts`` the tokens streamed per sample."""
 
     rid: str
     t: float
-    usage: dict[str, Any] | None
+    usage: Usage | None
+    counts: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +150,8 @@ class LoopThread:
 class ClientConfig:
     base_url: str  # the endpoint, ending in /v1
     metrics_url: str | None
-    headers: dict[str, str]
+    api_key: str | None  # sent as a bearer token; scrubbed from all that is kept
+    allow_other_hosts: bool  # follow redirects to other hosts
     max_connections: int
     request_timeout_s: float
     scrape_interval_s: float
@@ -144,6 +170,8 @@ class ScrapeCost:
     last_error: str | None = None
     longest_interval_s: float = 0.0  # the interval the duty cap stretched the reads to
     recent_s: list[float] = field(default_factory=list)  # the last few durations
+    # Readings per field whose value was non-finite or absurd (absent in those readings).
+    dropped: Counter[str] = field(default_factory=Counter)
 
     def add(self, scrape: Scrape) -> None:
         self.count += 1
@@ -153,6 +181,8 @@ class ScrapeCost:
         if scrape.sample is None:
             self.failed += 1
             self.last_error = scrape.error
+        else:
+            self.dropped.update(scrape.sample.dropped)
 
     def to_json(self) -> dict[str, Any]:
         mean = self.total_s / self.count if self.count else None
@@ -160,7 +190,7 @@ class ScrapeCost:
             "count": self.count, "failed": self.failed,
             "mean_ms": None if mean is None else 1000 * mean, "max_ms": 1000 * self.max_s,
             "longest_interval_ms": 1000 * self.longest_interval_s,
-            "last_error": self.last_error,
+            "last_error": self.last_error, "values_dropped": dict(self.dropped),
         }
 
     def typical_s(self) -> float:
@@ -188,7 +218,11 @@ class Client:
     config: ClientConfig
     events: queue.SimpleQueue[Event]
     session: aiohttp.ClientSession
+    redirects: RedirectPolicy
+    # /metrics pages are parsed here, off the loop that stamps streamed tokens.
+    parser: ThreadPoolExecutor
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    streams: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
     cost: ScrapeCost = field(default_factory=ScrapeCost)
 
     @classmethod
@@ -199,85 +233,104 @@ class Client:
         )
         # trust_env=False: no proxy from the environment stands between client and server.
         session = aiohttp.ClientSession(
-            connector=connector, headers=config.headers, trust_env=False,
+            connector=connector, trust_env=False,
             timeout=aiohttp.ClientTimeout(total=config.request_timeout_s),
         )
-        return cls(config, events, session)
+        parser = ThreadPoolExecutor(1, thread_name_prefix="kvbench-metrics")
+        return cls(config, events, session, RedirectPolicy(config.allow_other_hosts), parser)
 
-    def spawn(self, coro: Awaitable[None]) -> None:
+    def spawn(self, coro: Awaitable[None]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        return task
 
     async def close(self) -> None:
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.session.close()
+        self.parser.shutdown(wait=False, cancel_futures=True)
+
+    def scrub(self, text: str) -> str:
+        return scrub(text, self.config.api_key)
+
+    def _auth(self) -> dict[str, str]:
+        key = self.config.api_key
+        return {} if key is None else {"Authorization": f"Bearer {key}"}
 
     # -- requests -------------------------------------------------------------------------
 
-    def send(self, rid: str, path: str, body: bytes) -> None:
-        self.spawn(self._stream(rid, path, body))
+    def send(self, rid: str, path: str, body: bytes, ask: Ask) -> None:
+        task = self.spawn(self._stream(rid, path, body, ask))
+        self.streams[rid] = task
+        task.add_done_callback(lambda _: self.streams.pop(rid, None))
 
-    async def _stream(self, rid: str, path: str, body: bytes) -> None:
-        put = self.events.put
-        url = self.config.base_url + path
-        last = time.perf_counter()
-        put(Sent(rid, last))
+    def cancel(self, rids: list[str]) -> None:
+        """Stop the given requests' streams (the engine has already failed them)."""
+        for rid in rids:
+            task = self.streams.pop(rid, None)
+            if task is not None:
+                task.cancel()
+
+    async def _stream(self, rid: str, path: str, body: bytes, ask: Ask) -> None:
+        self.events.put(Sent(rid, time.perf_counter()))
+        gone = False
         try:
-            async with self.session.post(
-                url, data=body, headers={"Content-Type": "application/json"}
-            ) as resp:
-                if resp.status != 200:
-                    detail = (await resp.text())[:300].strip()
-                    put(Failed(rid, time.perf_counter(), f"HTTP {resp.status} {resp.reason}: "
-                               f"{detail}"))
-                    return
-                usage, done, buf = None, False, b""
-                async for data in resp.content.iter_any():
-                    buf += data
-                    *messages, buf = buf.split(b"\n\n")
-                    for message in messages:
-                        # Each event its own stamp, as bench serve takes them: chunks that
-                        # arrive together still count as separate inter-token gaps.
-                        t = time.perf_counter()
-                        payload = _sse_data(message)
-                        if payload is None:
-                            continue
-                        if payload == "[DONE]":
-                            done = True
-                            break
-                        obj = json.loads(payload)
-                        if obj.get("error"):
-                            put(Failed(rid, t, f"error event: {_error_text(obj['error'])}"))
-                            return
-                        usage = obj.get("usage") or usage
-                        for choice in obj.get("choices") or ():
-                            count, ids = _choice_tokens(choice)
-                            if count:
-                                put(Chunk(rid, t, int(choice.get("index", 0)), count, ids))
-                                last = t
-                if not done:
-                    put(Failed(rid, time.perf_counter(), "stream ended before [DONE]"))
-                    return
-                put(Done(rid, last, usage))
+            reason = await self._exchange(rid, self.config.base_url + path, body, ask)
         except asyncio.CancelledError:
             raise
         except TimeoutError:
-            put(Failed(rid, time.perf_counter(),
-                       f"timeout after {self.config.request_timeout_s:g} s"))
+            reason = f"timeout after {self.config.request_timeout_s:g} s"
+        except (BadReply, RedirectRefused) as exc:
+            reason = str(exc)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             reason = f"connection lost: {type(exc).__name__}: {exc}"
-            put(Failed(rid, time.perf_counter(), reason, server_gone=not await self.alive()))
-        except Exception as exc:  # a malformed stream must not stop the run
-            put(Failed(rid, time.perf_counter(), f"{type(exc).__name__}: {exc}"))
+            gone = not await self.alive()
+        except Exception as exc:  # whatever else a server's reply breaks fails only its request
+            reason = f"{type(exc).__name__}: {exc}"
+        if reason is not None:
+            reason = self.scrub(reason)[:MAX_REASON_CHARS]
+            self.events.put(Failed(rid, time.perf_counter(), reason, gone))
+
+    async def _exchange(self, rid: str, url: str, body: bytes, ask: Ask) -> str | None:
+        """Stream one completion, putting its chunks and end on the queue; returns why it
+        failed, if it did before its end."""
+        put = self.events.put
+        last = time.perf_counter()
+        async with follow(self.session, "POST", url, self.redirects, auth=self._auth(),
+                          headers=_JSON, data=body) as resp:
+            if resp.status != 200:
+                detail = (await read_head(resp, ERROR_BODY_BYTES)).decode(errors="replace")
+                # Scrubbed before it is cut: a cut could keep part of a key.
+                detail = self.scrub(detail).strip()[:REASON_CHARS]
+                return f"HTTP {resp.status} {str(resp.reason)[:REASON_CHARS]}: {detail}"
+            reply, sse = Reply(ask), SseReader()
+            async for data in resp.content.iter_any():
+                for message in sse.feed(data):
+                    # Each event its own stamp, as bench serve takes them: chunks that arrive
+                    # together still count as separate inter-token gaps.
+                    t = time.perf_counter()
+                    for tokens in reply.take(message):
+                        put(Chunk(rid, t, tokens.index, tokens.count, tokens.ids))
+                        last = t
+                    if reply.done:
+                        break
+                if reply.done:
+                    break
+            else:  # the stream ended: its last event may lack the blank line after it
+                for message in sse.finish():
+                    reply.take(message)
+            if not reply.done:
+                return "stream ended before [DONE]"
+            put(Done(rid, last, reply.usage, tuple(reply.counts)))
+        return None
 
     async def alive(self) -> bool:
         """Whether the server still answers its model list."""
         try:
             async with self.session.get(
-                self.config.base_url + "/models",
+                self.config.base_url + "/models", headers=self._auth(), allow_redirects=False,
                 timeout=aiohttp.ClientTimeout(total=ALIVE_TIMEOUT_S),
             ) as resp:
                 return resp.status < 500
@@ -295,17 +348,22 @@ class Client:
         assert self.config.metrics_url is not None
         t0 = time.perf_counter()
         try:
-            async with self.session.get(
-                self.config.metrics_url,
-                timeout=aiohttp.ClientTimeout(
-                    total=max(SCRAPE_TIMEOUT_FLOOR_S, 10 * self.config.scrape_interval_s)),
-            ) as resp:
-                resp.raise_for_status()
-                text = await resp.text()
-            sample = parse_metrics(text)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            return Scrape(t0, time.perf_counter() - t0, None, f"{type(exc).__name__}: {exc}")
+            text = await self._metrics_page(self.config.metrics_url)
+            sample = await asyncio.get_running_loop().run_in_executor(
+                self.parser, parse_metrics, text)
+        except Exception as exc:  # any failure is a failed reading, never a stopped scraper
+            error = self.scrub(f"{type(exc).__name__}: {exc}")[:MAX_REASON_CHARS]
+            return Scrape(t0, time.perf_counter() - t0, None, error)
         return Scrape(t0, time.perf_counter() - t0, sample)
+
+    async def _metrics_page(self, url: str) -> str:
+        timeout = aiohttp.ClientTimeout(
+            total=max(SCRAPE_TIMEOUT_FLOOR_S, 10 * self.config.scrape_interval_s))
+        async with follow(self.session, "GET", url, self.redirects, auth=self._auth(),
+                          timeout=timeout) as resp:
+            if resp.status != 200:
+                raise MetricsError(f"HTTP {resp.status} {resp.reason}")
+            return (await read_body(resp, MAX_PAGE_BYTES)).decode(errors="replace")
 
     def start_scraping(self) -> None:
         self.spawn(self._scrape_forever())
@@ -338,40 +396,15 @@ class Client:
         self.events.put(dataclasses.replace(scrape, drained=True))
 
 
-def _sse_data(message: bytes) -> str | None:
-    """The data of one server-sent event; None for comments and events without data."""
-    lines = [
-        line[5:].lstrip() for line in message.decode().splitlines() if line.startswith("data:")
-    ]
-    return "\n".join(lines) if lines else None
-
-
-def _choice_tokens(choice: dict[str, Any]) -> tuple[int, list[int] | None]:
-    """Tokens a streamed choice carries: its token ids where the server returns them, else
-    one per chunk with output (completions text, or chat delta content), as ``vllm bench
-    serve`` counts them."""
-    ids = choice.get("token_ids")
-    if ids is not None:
-        return len(ids), list(ids)
-    delta = choice.get("delta")
-    if delta is not None:  # chat: the first chunk may carry only the role
-        return (1 if delta.get("content") else 0), None
-    return 1, None
-
-
-def _error_text(error: Any) -> str:
-    if isinstance(error, dict):
-        return str(error.get("message") or error)
-    return str(error)
-
-
 async def fetch_text(
-    url: str, headers: dict[str, str], timeout_s: float
+    url: str, auth: dict[str, str], timeout_s: float, policy: RedirectPolicy
 ) -> tuple[int, str]:
-    """One GET outside a run (server discovery): status and body."""
-    async with aiohttp.ClientSession(headers=headers, trust_env=False) as session, \
-            session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        return resp.status, await resp.text()
+    """One GET outside a run (server discovery): status and body (at most a /metrics
+    page's size)."""
+    async with aiohttp.ClientSession(trust_env=False) as session, \
+            follow(session, "GET", url, policy, auth=auth,
+                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        return resp.status, (await read_body(resp, MAX_PAGE_BYTES)).decode(errors="replace")
 
 
 def run_sync(coro_fn: Callable[[], Coroutine[Any, Any, T]]) -> T:

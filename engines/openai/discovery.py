@@ -1,7 +1,8 @@
 """What a server is, asked before any work starts: that it answers at the endpoint, serves
 the model, how long its context is, its version, and whether it publishes Prometheus
 metrics kvbench can read. Problems that make a run meaningless fail with what to do;
-missing telemetry degrades the run with a named warning.
+missing or unreadable telemetry degrades the run with a named warning. Whatever the server
+says is scrubbed of secrets (:mod:`kvbench.engines.openai.scrub`) before it is kept.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvbench.engines.openai.server_metrics import ServerKV, ServerSample
+from kvbench.engines.openai.reply import BadReply, is_count
+from kvbench.engines.openai.scrub import scrub
+from kvbench.engines.openai.server_metrics import MetricsError, ServerKV, ServerSample
 from kvbench.errors import KvbenchError
 
 if TYPE_CHECKING:
@@ -27,6 +30,9 @@ NO_CAPACITY = "no-kv-capacity"
 SHAPE_MISMATCH = "kv-bytes-mismatch"
 
 Get = Callable[[str], tuple[int, str]]  # GET url -> (status, body)
+# Model names and versions shown in messages and the record are cut to this length.
+SHOWN_CHARS = 100
+SHOWN_MODELS = 10
 
 
 @dataclass(slots=True)
@@ -38,40 +44,52 @@ class ServerInfo:
     sample: ServerSample | None
     metrics_status: str
     warnings: list[str] = field(default_factory=list)
+    redirects: dict[str, str] = field(default_factory=dict)  # followed: first URL -> last
 
 
-def api_headers(section: OpenAISection) -> dict[str, str]:
-    """The request headers: the API key from the environment variable the section names.
-    The key itself is never stored, logged or written to a record."""
+def api_key(section: OpenAISection) -> str | None:
+    """The API key from the environment variable the section names. The key itself is
+    never stored, logged or written to a record."""
     if section.api_key_env is None:
-        return {}
+        return None
     key = os.environ.get(section.api_key_env)
     if not key:
         raise KvbenchError(
             f"api_key_env names {section.api_key_env}, which is not set: export "
             f"{section.api_key_env}=<the server's API key>, or drop api_key_env"
         )
-    return {"Authorization": f"Bearer {key}"}
+    return key
+
+
+def bearer(key: str | None) -> dict[str, str]:
+    return {} if key is None else {"Authorization": f"Bearer {key}"}
 
 
 def discover(section: OpenAISection, bytes_per_token: int) -> ServerInfo:
     """Ask the server at ``section.endpoint`` what it serves and publishes."""
     try:
         from kvbench.engines.openai.client import fetch_text, run_sync
+        from kvbench.engines.openai.redirects import RedirectPolicy, RedirectRefused
     except ImportError as exc:
         raise KvbenchError(f"the openai engine needs {SERVE_HINT}: {exc}") from None
-    headers = api_headers(section)
+    key = api_key(section)
     endpoint = section.endpoint
+    policy = RedirectPolicy(section.allow_redirects_to_other_hosts)
 
     def get(url: str) -> tuple[int, str]:
-        return run_sync(lambda: fetch_text(url, headers, DISCOVERY_TIMEOUT_S))
+        return run_sync(lambda: fetch_text(url, bearer(key), DISCOVERY_TIMEOUT_S, policy))
 
     try:
         status, text = get(endpoint + "/models")
+    except RedirectRefused as exc:
+        raise KvbenchError(scrub(str(exc), key)) from None
+    except BadReply as exc:
+        raise KvbenchError(f"the server at {endpoint} answered GET /models with {exc}: is it "
+                           "an OpenAI-compatible server?") from None
     except Exception as exc:
-        raise KvbenchError(
+        raise KvbenchError(scrub(
             f"cannot reach the server at {endpoint} ({type(exc).__name__}: {exc}): start it, "
-            "or set the engine's endpoint to where it listens (http://HOST:PORT/v1)"
+            "or set the engine's endpoint to where it listens (http://HOST:PORT/v1)", key)
         ) from None
     if status in (401, 403):
         where = (f"the key in {section.api_key_env} is not accepted" if section.api_key_env
@@ -82,16 +100,25 @@ def discover(section: OpenAISection, bytes_per_token: int) -> ServerInfo:
             f"the server at {endpoint} does not answer GET /models (HTTP {status}): is it an "
             "OpenAI-compatible server, and does the endpoint end in /v1?"
         )
-    model, max_len = _pick_model(section, endpoint, text)
-    info = ServerInfo(model, max_len, _version(get, section.origin), None, None, "")
+    try:
+        model, max_len = _pick_model(section, endpoint, text)
+    except KvbenchError as exc:
+        raise KvbenchError(scrub(str(exc), key)) from None
+    version = _version(get, section.origin)
+    info = ServerInfo(model, max_len, version and scrub(version, key), None, None, "")
     _read_metrics(info, section, get, bytes_per_token)
+    info.warnings = [scrub(w, key) for w in info.warnings]
+    info.metrics_status = scrub(info.metrics_status, key)
+    info.redirects = {url: scrub(to, key) for url, to in policy.followed.items()}
     return info
 
 
 def _pick_model(section: OpenAISection, endpoint: str, text: str) -> tuple[str, int | None]:
     try:
         models = {m["id"]: m for m in json.loads(text)["data"]}
-    except (ValueError, KeyError, TypeError):
+        if not all(isinstance(name, str) and isinstance(m, dict) for name, m in models.items()):
+            raise TypeError
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise KvbenchError(
             f"the server at {endpoint} answered GET /models with no model list"
         ) from None
@@ -99,25 +126,40 @@ def _pick_model(section: OpenAISection, endpoint: str, text: str) -> tuple[str, 
     if name is None:
         if len(models) != 1:
             raise KvbenchError(
-                f"the server at {endpoint} serves {len(models)} models ({', '.join(models)}): "
+                f"the server at {endpoint} serves {len(models)} models ({_names(models)}): "
                 "set served_model to the one to benchmark"
             )
         name = next(iter(models))
     elif name not in models:
         raise KvbenchError(
             f"the server at {endpoint} does not serve {name!r}; it serves "
-            f"{', '.join(models) or 'nothing'}: set served_model to one of them"
+            f"{_names(models) or 'nothing'}: set served_model to one of them"
         )
     max_len = models[name].get("max_model_len")
-    return name, max_len if isinstance(max_len, int) else None
+    # A context of 0 or beyond 2^31 tokens is no server's: unknown rather than wrong.
+    return name, max_len if is_count(max_len, 1 << 31) and max_len > 0 else None
+
+
+def _names(models: dict[str, object]) -> str:
+    shown = [name[:SHOWN_CHARS] for name in list(models)[:SHOWN_MODELS]]
+    more = len(models) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
 
 def _version(get: Get, origin: str) -> str | None:
     try:
         status, text = get(origin + "/version")
-        return str(json.loads(text)["version"]) if status == 200 else None
+        return str(json.loads(text)["version"])[:SHOWN_CHARS] if status == 200 else None
     except Exception:
         return None  # not every server says
+
+
+def _unreadable(info: ServerInfo, url: str, reason: str) -> None:
+    info.metrics_status = f"unreadable: {url}: {reason}"
+    info.warnings.append(
+        f"{NO_METRICS}: the server's metrics at {url} cannot be read ({reason}): the run goes "
+        "on without server telemetry (no KV or queue curves)"
+    )
 
 
 def _read_metrics(
@@ -129,6 +171,8 @@ def _read_metrics(
     try:
         status, text = get(url)
         reason = None if status == 200 else f"HTTP {status}"
+    except BadReply as exc:  # a page too large to read
+        return _unreadable(info, url, str(exc))
     except Exception as exc:
         text, reason = "", f"{type(exc).__name__}: {exc}"
     if reason is not None:
@@ -139,7 +183,15 @@ def _read_metrics(
             "them by default, SGLang with --enable-metrics, or set metrics_url"
         )
         return
-    sample = parse_metrics(text)
+    try:
+        sample = parse_metrics(text)
+    except MetricsError as exc:
+        return _unreadable(info, url, str(exc))
+    if sample.dropped:
+        info.warnings.append(
+            f"{NO_METRICS}: {url} publishes non-finite or absurd values for "
+            f"{', '.join(sample.dropped)}: they are treated as absent"
+        )
     if sample.flavor == "unknown":
         info.metrics_status = f"unavailable: {url} has neither vLLM's nor SGLang's metrics"
         info.warnings.append(
@@ -151,7 +203,7 @@ def _read_metrics(
     kv = ServerKV.of(sample, bytes_per_token)
     if kv.capacity_bytes is None:
         info.warnings.append(
-            f"{NO_CAPACITY}: the {sample.flavor} server does not publish its KV pool size: "
+            f"{NO_CAPACITY}: the {sample.flavor} server publishes no usable KV pool size: "
             "KV capacity and free memory are unknown (null) in the record"
         )
     blocks, size, budget = sample.capacity_blocks, sample.block_size, sample.kv_cache_memory_bytes

@@ -14,9 +14,11 @@ the number of requests in flight and KV is absent.
 
 Each completion's usage counts are checked against the workload (prompt tokens where the
 prompt was sent as token ids, output tokens always) and mismatches are counted in the
-record. A failed request (HTTP error, timeout, lost connection) is reported as failed with
-its reason; a lost connection after which the server no longer answers fails the run
-(completed requests are kept).
+record. Generation is forced to the workload's length, so a reply of any other length (per
+sample, or in the server's own ``completion_tokens``), or of no tokens at all, is a failed
+request, as is an HTTP error, a malformed reply, a timeout or a lost connection; each is
+reported with its reason. A lost connection after which the server no longer answers, or
+the run passing ``run_timeout_s``, fails the run (completed requests are kept).
 
 What a server does not publish stays absent: used (written) KV bytes, shared bytes, block
 allocations and frees, per-request preemptions and queue times, and batch shapes.
@@ -24,6 +26,7 @@ allocations and frees, per-request preemptions and queue times, and batch shapes
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import queue
 import time
@@ -46,8 +49,10 @@ from kvbench.engines.openai.client import (
     Scrape,
     Sent,
 )
-from kvbench.engines.openai.discovery import ServerInfo, api_headers
+from kvbench.engines.openai.discovery import ServerInfo, api_key
 from kvbench.engines.openai.payload import PromptFormat, build_payload
+from kvbench.engines.openai.reply import Ask
+from kvbench.engines.openai.scrub import scrub
 from kvbench.engines.openai.section import OpenAISection, served_rejection
 from kvbench.engines.openai.server_metrics import ServerKV
 from kvbench.workloads.model import Request
@@ -133,8 +138,11 @@ class OpenAIEngine:
         )
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._inflight: dict[str, _InFlight] = {}
-        self._rejected: list[Finished] = []
+        # Requests ended without being sent (rejected, or past the deadline): the next step's.
+        self._ended: list[Finished] = []
         self._fatal: str | None = None
+        self._api_key = api_key(section)
+        self._deadline: float | None = None  # perf_counter() when the run must end
         self._observed = _Observed()
         # Whether a reading after the last drain is still to come (see has_unfinished), and
         # whether it is yet to be asked for: at the next step, if nothing was added since.
@@ -178,7 +186,8 @@ class OpenAIEngine:
     def _client_config(self) -> ClientConfig:
         s = self.section
         return ClientConfig(
-            base_url=s.endpoint, metrics_url=self.info.metrics_url, headers=api_headers(s),
+            base_url=s.endpoint, metrics_url=self.info.metrics_url, api_key=self._api_key,
+            allow_other_hosts=s.allow_redirects_to_other_hosts,
             max_connections=s.max_connections, request_timeout_s=s.request_timeout_s,
             scrape_interval_s=s.scrape_interval_ms / 1000.0, scrape_max_duty=s.scrape_max_duty,
         )
@@ -188,7 +197,15 @@ class OpenAIEngine:
     def add(self, request: Request) -> None:
         reason = served_rejection(self.info.max_model_len, request)
         if reason is not None:
-            self._rejected.append(Finished(request.id, rejected=reason))
+            self._ended.append(Finished(request.id, rejected=reason))
+            return
+        now = time.perf_counter()
+        timeout_s = self.section.run_timeout_s
+        if self._deadline is None and timeout_s is not None:
+            self._deadline = now + timeout_s
+        if self._deadline is not None and now >= self._deadline:
+            self._ended.append(Finished(request.id, error=f"not sent: {self._late()}"))
+            self._fatal = self._fatal or self._deadline_passed(0)
             return
         payload = build_payload(
             request, model=self.info.model, vocab_size=self.vocab_size,
@@ -201,23 +218,25 @@ class OpenAIEngine:
         obs.placeholders += payload.placeholders
         exact = payload.api == "completions" and payload.prompt_format == "token_ids"
         self._inflight[request.id] = _InFlight(
-            request, request.prompt_tokens if exact else None, time.perf_counter()
+            request, request.prompt_tokens if exact else None, now
         )
         obs.peak_in_flight = max(obs.peak_in_flight, len(self._inflight))
         path = "/completions" if payload.api == "completions" else "/chat/completions"
-        self._loop.loop.call_soon_threadsafe(self._client.send, request.id, path, payload.body)
+        ask = Ask(request.n, request.output_tokens)
+        self._loop.loop.call_soon_threadsafe(self._client.send, request.id, path, payload.body,
+                                             ask)
 
     def has_unfinished(self) -> bool:
         # A pending fatal error is raised by the next step, after this one's results. Once
         # nothing is in flight, the run holds until a /metrics reading taken after the
         # drain has come: the KV a wave or the run ends with is then the drained server's.
-        return bool(self._inflight or self._rejected or self._fatal or self._awaiting_drain)
+        return bool(self._inflight or self._ended or self._fatal or self._awaiting_drain)
 
     def step(self) -> StepReport:
         if self._fatal is not None:
             raise RuntimeError(self._fatal)
-        report = StepReport(finished=self._rejected, stamps=Stamps())
-        self._rejected = []
+        report = StepReport(finished=self._ended, stamps=Stamps())
+        self._ended = []
         if self._drain_due:
             # The client emptied at the last step. Read /metrics drained only if the harness
             # added nothing since: a harness holding requests back (max_concurrency) sends
@@ -231,6 +250,7 @@ class OpenAIEngine:
         had_inflight = bool(self._inflight)
         for event in self._take_events(wait=not report.finished):
             self._apply(event, report)
+        self._expire(report)
         if had_inflight and not self._inflight and self.info.metrics_url is not None:
             self._awaiting_drain = self._drain_due = True
         sample = self._latest
@@ -257,7 +277,7 @@ class OpenAIEngine:
         out: dict[str, Any] = {
             "engine": "openai",
             "endpoint": s.endpoint,
-            "served_model": info.model,
+            "served_model": scrub(info.model, self._api_key),
             "api_key_env": s.api_key_env,
             "server": {
                 "flavor": info.sample.flavor if info.sample is not None else "unknown",
@@ -276,13 +296,20 @@ class OpenAIEngine:
             "block_size": info.sample.block_size if info.sample is not None else None,
             "max_connections": s.max_connections,
             "request_timeout_s": s.request_timeout_s,
+            "run_timeout_s": s.run_timeout_s,
             "kv_stats_absent": list(ABSENT_KV_FIELDS),
             "not_observed": list(NOT_OBSERVED),
             "warnings": list(info.warnings),
         }
+        if info.redirects:
+            # Where discovery's requests were redirected to (first URL -> last).
+            out["server"]["redirects"] = dict(info.redirects)
         if sum(self._observed.apis.values()):
             # Learned while running (the harness adds keys it did not have at the start).
             out["observed"] = self._observed.to_json(s.max_connections)
+            out["observed"]["redirects"] = {
+                url: self._client.scrub(to) for url, to in self._client.redirects.followed.items()
+            }
             cost = self._client.cost
             out["scrapes"] = {**cost.to_json(), "throttled": cost.throttled(
                 self.section.scrape_interval_ms / 1000.0, self.section.scrape_max_duty)}
@@ -327,8 +354,7 @@ class OpenAIEngine:
             return
         del self._inflight[rid]
         if isinstance(event, Failed):
-            report.finished.append(Finished(rid, error=event.reason))
-            self._observed.errors[event.reason.split(":", 1)[0]] += 1
+            self._fail(report, rid, event.reason)
             if event.server_gone:
                 self._fatal = (
                     f"the server at {self.section.endpoint} stopped answering mid-run "
@@ -336,33 +362,68 @@ class OpenAIEngine:
                 )
             return
         assert isinstance(event, Done)
+        error = self._check_usage(state, event)
+        if error is not None:
+            self._fail(report, rid, error)
+            return
         digest = None
         if state.ids_known and state.samples:
             digest = output_digest([state.samples[i] for i in sorted(state.samples)])
-        report.finished.append(
-            Finished(rid, output_digest=digest, cached_tokens=self._check_usage(state, event))
-        )
+        cached = event.usage.cached_tokens if event.usage is not None else None
+        report.finished.append(Finished(rid, output_digest=digest, cached_tokens=cached))
         stamps.finished[rid] = event.t
 
-    def _check_usage(self, state: _InFlight, done: Done) -> int | None:
-        """Count mismatches between the server's usage and the workload; returns the
-        server's cached prompt tokens where it reports them."""
+    def _fail(self, report: StepReport, rid: str, reason: str) -> None:
+        report.finished.append(Finished(rid, error=reason))
+        self._observed.errors[reason.split(":", 1)[0]] += 1
+
+    def _check_usage(self, state: _InFlight, done: Done) -> str | None:
+        """Count mismatches between the server's usage and the workload; returns why the
+        reply is no completion of the forced length, if it is not."""
         obs = self._observed
         obs.checked += 1
         usage = done.usage
-        expected_out = state.request.output_tokens * state.request.n
+        request = state.request
+        expected_out = request.output_tokens * request.n
         if state.tokens != expected_out:
             obs.output_mismatch += 1
+        completion = None
         if usage is None:
             obs.usage_missing += 1
-            return None
-        if usage.get("completion_tokens") != state.tokens:
-            obs.stream_mismatch += 1
-        expected_prompt = state.expected_prompt
-        if expected_prompt is not None and usage.get("prompt_tokens") != expected_prompt:
-            obs.prompt_mismatch += 1
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        return cached if isinstance(cached, int) else None
+        else:
+            completion = usage.completion_tokens
+            if completion != state.tokens:
+                obs.stream_mismatch += 1
+            expected_prompt = state.expected_prompt
+            if expected_prompt is not None and usage.prompt_tokens != expected_prompt:
+                obs.prompt_mismatch += 1
+        if state.tokens == 0:
+            return "wrong length: the reply carried no tokens"
+        if any(count != request.output_tokens for count in done.counts):
+            return (f"wrong length: {'+'.join(map(str, done.counts))} tokens streamed for "
+                    f"{request.n} x max_tokens {request.output_tokens} with ignore_eos")
+        if completion is not None and completion != expected_out:
+            return (f"wrong length: the server's usage counts {completion} completion tokens, "
+                    f"{expected_out} were streamed")
+        return None
+
+    def _expire(self, report: StepReport) -> None:
+        """Past the run's deadline: fail what is still in flight and end the run."""
+        if self._deadline is None or not self._inflight or time.perf_counter() < self._deadline:
+            return
+        rids = list(self._inflight)
+        self._inflight.clear()
+        self._loop.loop.call_soon_threadsafe(self._client.cancel, rids)
+        for rid in rids:
+            self._fail(report, rid, f"run timeout: {self._late()}")
+        self._fatal = self._fatal or self._deadline_passed(len(rids))
+
+    def _late(self) -> str:
+        return f"the run passed run_timeout_s = {self.section.run_timeout_s:g} s"
+
+    def _deadline_passed(self, cut: int) -> str:
+        return (f"{self._late()}: {cut} request{'' if cut == 1 else 's'} in flight failed and "
+                "later ones were not sent; what completed is kept")
 
     def _on_scrape(self, scrape: Scrape) -> None:
         if scrape.drained:
@@ -371,9 +432,13 @@ class OpenAIEngine:
         if sample is None or self._kv is None or self._base is None:
             return
         previous = self._latest
-        if sample.preemptions is not None and previous is not None:
-            self._preempted_pending += max(0, round(sample.preemptions - (previous.preemptions
-                                                                          or 0)))
+        if sample.dropped and previous is not None:
+            # A value dropped from this reading keeps the last one read, as between readings.
+            sample = dataclasses.replace(
+                sample, **{name: getattr(previous, name) for name in sample.dropped})
+        if (sample.preemptions is not None and previous is not None
+                and previous.preemptions is not None):
+            self._preempted_pending += max(0, round(sample.preemptions - previous.preemptions))
         self._latest = sample
         self._kv_now = self._kv.stats(sample, self._base)
 
@@ -386,7 +451,7 @@ class OpenAIEngine:
         for name in ("preemptions", "prefix_queries", "prefix_hits", "mm_cache_queries",
                      "mm_cache_hits"):
             now, start = getattr(latest, name), getattr(base, name)
-            out[name] = None if now is None else now - (start or 0.0)
+            out[name] = None if now is None or start is None else now - start
         out["cache_hit_rate"] = latest.cache_hit_rate
         return out
 

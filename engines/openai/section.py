@@ -48,7 +48,13 @@ class OpenAISection(EngineSection):
     # model); placeholder: as placeholder ids or words of the same count.
     multimodal: Literal["placeholder", "images"] = "placeholder"
     request_timeout_s: float = Field(default=600.0, gt=0)
+    # The whole run's deadline: requests unfinished then fail, and the run ends (failed)
+    # with what completed. None: no deadline beyond each request's timeout.
+    run_timeout_s: float | None = Field(default=None, gt=0)
     max_connections: int = Field(default=256, ge=1)
+    # A redirect to another host (name or port) would send the workload (and, without
+    # this check, the key) to a server nobody named: refused unless allowed here.
+    allow_redirects_to_other_hosts: bool = False
 
     @field_validator("endpoint", "metrics_url")
     @classmethod

@@ -10,12 +10,16 @@ multimodal-cache queries and hits, and ``vllm:cache_config_info`` whose labels c
 publish stays None (never 0). Series of several engines (data parallelism) are summed.
 
 Only the lines of these families are handed to the parser: a vLLM page holds thousands of
-histogram lines, and parsing them all would hold the client's event loop for milliseconds
-while it stamps streamed tokens.
+histogram lines, and parsing them all would cost the client milliseconds while it stamps
+streamed tokens. The page is untrusted input: its size and series are capped
+(:class:`MetricsError` beyond), and a non-finite or absurd value is dropped (absent, named
+in ``ServerSample.dropped``) rather than turned into KV bytes.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -46,6 +50,25 @@ _SGLANG = {
 }
 _PREFIXES = (*_VLLM, _VLLM_CACHE_INFO, *_SGLANG)
 
+# A /metrics page is read up to this size, and at most this many series of the families
+# above are parsed: a data-parallel vLLM page holds a few hundred.
+MAX_PAGE_BYTES = 8 << 20
+MAX_SERIES = 10_000
+# Values beyond these are no server's: fractions lie in [0, 1]; request gauges, token counts
+# and counters within exact float range.
+_FRACTIONS = frozenset({"usage", "cache_hit_rate"})
+_MAX_VALUE = float(1 << 53)
+# Integer labels: blocks, tokens per block, KV bytes.
+_MAX_LABEL = {"num_gpu_blocks": 1 << 40, "block_size": 1 << 20,
+              "kv_cache_memory_bytes": 1 << 60}
+_DIGITS = re.compile(r"[0-9]{1,19}")
+# A KV pool larger than this (1 PiB) is a misreading, not a server.
+MAX_KV_BYTES = 1 << 50
+
+
+class MetricsError(ValueError):
+    """A /metrics page that cannot be read (too large, too many series, not the format)."""
+
 
 @dataclass(slots=True)
 class ServerSample:
@@ -69,58 +92,101 @@ class ServerSample:
     # vLLM's configured KV budget, where it (not a block-count override) sized the pool.
     kv_cache_memory_bytes: int | None = None
     cache_hit_rate: float | None = None
+    # Fields whose published values were non-finite or absurd, and so are absent here.
+    dropped: tuple[str, ...] = ()
 
     def present(self) -> list[str]:
         """The fields this server published (for the record)."""
-        return [f.name for f in fields(self) if f.name != "flavor"
+        return [f.name for f in fields(self) if f.name not in ("flavor", "dropped")
                 and getattr(self, f.name) is not None]
 
 
 def relevant_lines(text: str) -> str:
-    """The lines of ``text`` (HELP, TYPE and samples) that belong to the families read here."""
+    """The lines of ``text`` (HELP, TYPE and samples) that belong to the families read here;
+    :class:`MetricsError` when they hold more than ``MAX_SERIES`` series."""
     keep = []
+    series = 0
     for line in text.splitlines():
-        name = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
-        if name.startswith(_PREFIXES):
+        comment = line.startswith(("# HELP ", "# TYPE "))
+        if (line[7:] if comment else line).startswith(_PREFIXES):
             keep.append(line)
+            series += not comment
+            if series > MAX_SERIES:
+                raise MetricsError(f"the page holds more than {MAX_SERIES} series of the "
+                                   "vLLM and SGLang KV metrics")
     return "\n".join(keep) + "\n"
 
 
 def parse_metrics(text: str) -> ServerSample:
-    """A sample from a ``/metrics`` page (Prometheus text format)."""
+    """A sample from a ``/metrics`` page (Prometheus text format); :class:`MetricsError`
+    when the page cannot be read."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    if len(text) > MAX_PAGE_BYTES:
+        raise MetricsError(f"the page is over {MAX_PAGE_BYTES} bytes")
+    try:
+        samples = [s for family in text_string_to_metric_families(relevant_lines(text))
+                   for s in family.samples]
+    except MetricsError:
+        raise
+    except Exception as exc:  # the parser raises what it meets; any of it means unreadable
+        raise MetricsError(f"not Prometheus text ({type(exc).__name__}: {exc})"[:300]) from None
     sample = ServerSample("unknown")
     sums: dict[str, float] = {}
+    dropped: set[str] = set()
     usage_series = 0
-    for family in text_string_to_metric_families(relevant_lines(text)):
-        for s in family.samples:
-            sample.flavor = "vllm" if s.name.startswith("vllm:") else "sglang"
-            if s.name == _VLLM_CACHE_INFO:
-                blocks, size = s.labels.get("num_gpu_blocks"), s.labels.get("block_size")
-                if _is_int(blocks) and _is_int(size):
-                    sample.capacity_blocks = (sample.capacity_blocks or 0) + int(blocks)
-                    sample.block_size = int(size)
-                budget = s.labels.get("kv_cache_memory_bytes")
-                # The budget sized the pool unless a block count overrode it.
-                if _is_int(budget) and not _is_int(s.labels.get("num_gpu_blocks_override")):
-                    sample.kv_cache_memory_bytes = (sample.kv_cache_memory_bytes or 0) + int(budget)
-                continue
-            field = _VLLM.get(s.name) or _SGLANG.get(s.name)
-            if field is None:
-                continue
-            sums[field] = sums.get(field, 0.0) + s.value
-            usage_series += field == "usage"
+    for s in samples:
+        sample.flavor = "vllm" if s.name.startswith("vllm:") else "sglang"
+        if s.name == _VLLM_CACHE_INFO:
+            _cache_info(sample, s.labels, dropped)
+            continue
+        field = _VLLM.get(s.name) or _SGLANG.get(s.name)
+        if field is None:
+            continue
+        if not _plausible(field, s.value):
+            dropped.add(field)
+            continue
+        sums[field] = sums.get(field, 0.0) + s.value
+        usage_series += field == "usage"
     for field, value in sums.items():
-        setattr(sample, field, value)
+        if field not in dropped:  # one engine's bad series spoils the server's sum
+            setattr(sample, field, value)
     if sample.usage is not None and usage_series > 1:
         # The engines of one server hold equal pools: their mean usage is the server's.
         sample.usage /= usage_series
+    sample.dropped = tuple(sorted(dropped))
     return sample
 
 
-def _is_int(text: str | None) -> bool:
-    return text is not None and text.isdigit()
+def _plausible(field: str, value: float) -> bool:
+    upper = 1.0 if field in _FRACTIONS else _MAX_VALUE
+    return math.isfinite(value) and 0.0 <= value <= upper
+
+
+def _cache_info(sample: ServerSample, labels: dict[str, str], dropped: set[str]) -> None:
+    """vLLM's pool size from ``cache_config_info``'s labels, summed over its engines."""
+    blocks = _label_int(labels, "num_gpu_blocks", dropped, "capacity_blocks")
+    size = _label_int(labels, "block_size", dropped, "block_size")
+    if blocks is not None and size:
+        sample.capacity_blocks = (sample.capacity_blocks or 0) + blocks
+        sample.block_size = size
+    budget = _label_int(labels, "kv_cache_memory_bytes", dropped, "kv_cache_memory_bytes")
+    # The budget sized the pool unless a block count overrode it.
+    override = labels.get("num_gpu_blocks_override")
+    if budget is not None and not (override and _DIGITS.fullmatch(override)):
+        sample.kv_cache_memory_bytes = (sample.kv_cache_memory_bytes or 0) + budget
+
+
+def _label_int(labels: dict[str, str], name: str, dropped: set[str], field: str) -> int | None:
+    """An integer label; None when absent or not a number (vLLM writes ``None``), and noted
+    as dropped when it is digits beyond any real pool."""
+    text = labels.get(name)
+    if text is None or not text.isascii() or not text.isdigit():
+        return None
+    if not _DIGITS.fullmatch(text) or int(text) > _MAX_LABEL[name]:
+        dropped.add(field)
+        return None
+    return int(text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,13 +202,17 @@ class ServerKV:
 
     @classmethod
     def of(cls, sample: ServerSample, bytes_per_token: int) -> ServerKV:
+        """Capacity unknown (None) where the server does not publish it, or publishes a pool
+        beyond ``MAX_KV_BYTES``."""
         if sample.capacity_blocks is not None and sample.block_size is not None:
             block = sample.block_size * bytes_per_token
             capacity = sample.capacity_blocks * block
-            return cls(bytes_per_token, capacity, block, capacity - block)
-        if sample.capacity_tokens is not None:
+            if capacity <= MAX_KV_BYTES:
+                return cls(bytes_per_token, capacity, block, capacity - block)
+        elif sample.capacity_tokens is not None:
             capacity = int(sample.capacity_tokens) * bytes_per_token
-            return cls(bytes_per_token, capacity, None, capacity)
+            if capacity <= MAX_KV_BYTES:
+                return cls(bytes_per_token, capacity, None, capacity)
         return cls(bytes_per_token, None, None, None)
 
     def stats(self, sample: ServerSample, base: ServerSample) -> KVStats | None:
@@ -179,6 +249,8 @@ class ServerKV:
 
 
 def _delta(now: float | None, start: float | None) -> float | None:
-    if now is None:
+    """A counter's growth since ``start``; unknown when either reading lacks it (a counter
+    first seen mid-run would count the server's whole history)."""
+    if now is None or start is None:
         return None
-    return now - (start or 0.0)
+    return now - start
