@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
-from kvbench.report.compare import CompareResult, Row
+from kvbench.report.compare import OTHER_MACHINE, CompareResult, Row
 from kvbench.results.metric_table import spec_for_row
 from kvbench.units import format_bytes
 
-_ORDER = {"unusable": 0, "regression": 1, "missing": 2, "improvement": 3, "skipped": 4,
-          "pass": 5}
+_ORDER = {"unusable": 0, "invalid": 1, "regression": 2, "missing": 3, "uncompared": 4,
+          "improvement": 5, "skipped": 6, "pass": 7}
+# Headline words of the failing verdicts, in order.
+_FAILURES = {"invalid": "INVALID VALUES", "regression": "REGRESSION", "missing": "MISSING RECORDS",
+             "uncompared": "NOT COMPARED", "improvement": "IMPROVEMENT (strict)"}
 _LEGEND = (
     "A change counts beyond *allowed*: for deterministic metrics a float-rounding tolerance; "
     "for timing metrics max(tolerance x baseline median, absolute tolerance, noise_k x "
@@ -68,28 +71,49 @@ def _table(result: CompareResult, rows: list[Row]) -> list[str]:
 
 
 def _headline(result: CompareResult) -> str:
-    code = result.exit_code
-    if code == 2:
+    if result.exit_code == 2:
         return "UNUSABLE INPUT"
-    if code == 1:
-        regressed = any(result.failing(r) and r.verdict != "missing" for r in result.rows)
-        return "REGRESSION" if regressed else "MISSING RECORDS"
-    return "PASS"
+    failing = {r.verdict for r in result.rows if result.failing(r)}
+    words = [w for v, w in _FAILURES.items() if v in failing]
+    return ", ".join(words) if words else "PASS"
+
+
+def _coverage(result: CompareResult) -> list[str]:
+    """How much of what the thresholds gate was compared (nothing to say where no record
+    reached the comparison)."""
+    if not result.pairs:
+        return []
+    compared, gated = result.gated
+    text = f"Compared {compared} of {gated} gated metrics and curves"
+    speed = sum(r.detail == OTHER_MACHINE for r in result.rows)
+    if speed:
+        text += f"; {speed} timing ones not compared (baseline from another machine)"
+    return [text + ".", ""]
+
+
+def _relaxed(result: CompareResult) -> list[str]:
+    if not result.relaxed:
+        return []
+    return [f"**Thresholds looser than kvbench's defaults** (`{result.thresholds}`): "
+            + "; ".join(result.relaxed) + ".", ""]
 
 
 def markdown_summary(result: CompareResult, *, details: bool = True) -> str:
     """``details`` adds the passed and skipped rows in a collapsed block."""
     code = result.exit_code
     counts = ", ".join(
-        f"{result.count(v)} {v}" for v in ("regression", "missing", "improvement", "unusable",
-                                           "pass", "skipped") if result.count(v)
+        f"{result.count(v)} {v}" for v in ("regression", "invalid", "missing", "uncompared",
+                                           "improvement", "unusable", "pass", "skipped")
+        if result.count(v)
     )
     lines = [
         f"## kvbench compare: {_headline(result)}",
         "",
         f"{counts} (exit {code}; thresholds `{result.thresholds}`"
-        + ("; strict: improvements fail" if result.strict else "") + ")",
+        + ("; strict: improvements and runs not compared fail" if result.strict else "") + ")",
         "",
+        *_coverage(result),
+        *_relaxed(result),
     ]
     notable = sorted((r for r in result.rows if r.verdict not in ("pass", "skipped")),
                      key=lambda r: _ORDER[r.verdict])
@@ -130,7 +154,7 @@ def junit_xml(result: CompareResult) -> str:
             ET.SubElement(case, "failure", message=message, type=r.verdict).text = (
                 f"{r.verdict}: {message}. {r.detail}".strip()
             )
-        elif r.verdict == "skipped":
+        elif r.verdict in ("skipped", "uncompared"):
             skipped += 1
             ET.SubElement(case, "skipped", message=r.detail)
         else:
@@ -147,6 +171,7 @@ def junit_xml(result: CompareResult) -> str:
 def json_report(result: CompareResult) -> str:
     data = result.model_dump()
     data["exit_code"] = result.exit_code
+    data["compared"], data["gated"] = result.gated
     for row, dumped in zip(result.rows, data["rows"], strict=True):
         dumped["change_pct"] = row.change_pct
     return json.dumps(data, indent=1) + "\n"
