@@ -20,7 +20,8 @@ def open_atomic(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
     the block ends, removed if it raises (a reader never sees a half-written file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # The temporary name must fit where the final one does: the longest names are cut.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:200]}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide records and tables from other users
         encoding = None if "b" in mode else "utf-8"
@@ -45,7 +46,7 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 
 
 # Leading bytes of files people pass by mistake, with what to do instead.
-_SIGNATURES: tuple[tuple[bytes, str], ...] = (
+SIGNATURES: tuple[tuple[bytes, str], ...] = (
     (b"\x1f\x8b", "is gzip-compressed; decompress it first (gunzip -k FILE)"),
     (b"PK\x03\x04", "is a zip archive; extract the file from it first"),
     (b"\x28\xb5\x2f\xfd", "is zstd-compressed; decompress it first (zstd -d FILE)"),
@@ -72,7 +73,7 @@ def read_text(path: str | Path, what: str = "input") -> str:
         raise InputFileError(path, f"no such file (a {what} file was expected)") from None
     except OSError as exc:
         raise InputFileError(path, f"cannot be read: {exc.strerror or exc}") from None
-    for magic, problem in _SIGNATURES:
+    for magic, problem in SIGNATURES:
         if data.startswith(magic):
             raise InputFileError(path, problem)
     start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0

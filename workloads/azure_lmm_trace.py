@@ -27,6 +27,7 @@ from pathlib import Path
 from kvbench.workloads.azure_trace import AZURE_COLUMNS, NS_PER_S, CsvTable, azure_time_ns, show_ns
 from kvbench.workloads.bulk import collector_paused, new_request, new_segment, text_segment
 from kvbench.workloads.modalities import ImageChoice
+from kvbench.workloads.textstream import TextStream
 from kvbench.workloads.trace_rows import TraceRead, TraceTimes, check_lengths, int_field
 
 AZURE_LMM_COLUMNS = ("TIMESTAMP", "NumImages", "ContextTokens", "GeneratedTokens")
@@ -40,26 +41,29 @@ def _llm_hint(header: list[str]) -> str:
 
 
 def read_azure_lmm(path: Path, limit: int | None, seed: int, image: ImageChoice) -> TraceRead:
-    table = CsvTable(path, AZURE_LMM_COLUMNS, _llm_hint)
+    """The first ``limit`` rows (None: all), reading the file only that far."""
     times = TraceTimes(path, float(NS_PER_S), show_ns)
     # Compact columns rather than a tuple per row: the trace has a million rows.
     image_counts, texts, outputs = array("q"), array("q"), array("q")
     clamped = added = 0
-    for line, (stamp, images, context, generated) in table.rows(limit):
-        times.add(azure_time_ns(stamp, path, line), line)
-        n_images = int_field(images, "NumImages", 0, path, line)
-        prompt = int_field(context, "ContextTokens", 1, path, line)
-        output = int_field(generated, "GeneratedTokens", 0, path, line)
-        image_tokens = n_images * image.tokens
-        text = prompt - image_tokens
-        if text < MIN_TEXT_TOKENS:
-            clamped += 1
-            added += MIN_TEXT_TOKENS - text
-            text = MIN_TEXT_TOKENS
-        check_lengths(image_tokens + text, output, path, line)
-        image_counts.append(n_images)
-        texts.append(text)
-        outputs.append(output)
+    with TextStream(path, "trace") as stream:
+        for line, (stamp, images, context, generated) in CsvTable(
+            stream, AZURE_LMM_COLUMNS, _llm_hint
+        ).rows(limit):
+            times.add(azure_time_ns(stamp, path, line), line)
+            n_images = int_field(images, "NumImages", 0, path, line)
+            prompt = int_field(context, "ContextTokens", 1, path, line)
+            output = int_field(generated, "GeneratedTokens", 0, path, line)
+            image_tokens = n_images * image.tokens
+            text = prompt - image_tokens
+            if text < MIN_TEXT_TOKENS:
+                clamped += 1
+                added += MIN_TEXT_TOKENS - text
+                text = MIN_TEXT_TOKENS
+            check_lengths(image_tokens + text, output, path, line)
+            image_counts.append(n_images)
+            texts.append(text)
+            outputs.append(output)
     with collector_paused():
         requests = []
         for i, (arrival, n_images, text, output) in enumerate(

@@ -11,7 +11,6 @@ digits are kept exactly and a UTC offset is applied.
 from __future__ import annotations
 
 import csv
-import io
 import re
 from collections.abc import Callable, Iterator
 from datetime import date, datetime, timedelta
@@ -19,8 +18,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from kvbench.errors import InputFileError
-from kvbench.fileio import read_text
 from kvbench.workloads.bulk import collector_paused, new_request, text_segment
+from kvbench.workloads.textstream import TextStream
 from kvbench.workloads.trace_rows import TraceRead, TraceTimes, check_lengths, int_field
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -71,17 +70,17 @@ def show_ns(ns: int) -> str:
 
 
 class CsvTable:
-    """A CSV file whose header must name ``columns``; if not, ``hint(header)`` ends the
-    message (say, which kind of trace the header looks like)."""
+    """A CSV file, read as a stream, whose header must name ``columns``; if not,
+    ``hint(header)`` ends the message (say, which kind of trace the header looks like)."""
 
     def __init__(
         self,
-        path: Path,
+        stream: TextStream,
         columns: tuple[str, ...],
         hint: Callable[[list[str]], str] = lambda header: "",
     ) -> None:
-        self.path = path
-        self._reader = csv.reader(io.StringIO(read_text(path, "trace"), newline=""))
+        self.path = path = stream.path
+        self._reader = csv.reader(stream.lines())
         self.header = [h.strip() for h in self._row() or []]
         missing = [c for c in columns if c not in self.header]
         if missing:
@@ -126,21 +125,23 @@ def _lmm_hint(header: list[str]) -> str:
 
 
 def read_azure(path: Path, limit: int | None, seed: int) -> TraceRead:
-    table = CsvTable(path, AZURE_COLUMNS, _lmm_hint)
+    """The first ``limit`` rows (None: all), reading the file only that far."""
     warnings = []
-    if "NumImages" in table.header:
-        warnings.append(
-            f"{path} has a NumImages column (the Azure LMM trace): importing it as azure "
-            "counts its image tokens as text; import it as azure-lmm to keep the images"
-        )
     times = TraceTimes(path, float(NS_PER_S), show_ns)
     lengths: list[tuple[int, int]] = []
-    for line, (stamp, context, generated) in table.rows(limit):
-        times.add(azure_time_ns(stamp, path, line), line)
-        prompt = int_field(context, "ContextTokens", 1, path, line)
-        output = int_field(generated, "GeneratedTokens", 0, path, line)
-        check_lengths(prompt, output, path, line)
-        lengths.append((prompt, output))
+    with TextStream(path, "trace") as stream:
+        table = CsvTable(stream, AZURE_COLUMNS, _lmm_hint)
+        if "NumImages" in table.header:
+            warnings.append(
+                f"{path} has a NumImages column (the Azure LMM trace): importing it as azure "
+                "counts its image tokens as text; import it as azure-lmm to keep the images"
+            )
+        for line, (stamp, context, generated) in table.rows(limit):
+            times.add(azure_time_ns(stamp, path, line), line)
+            prompt = int_field(context, "ContextTokens", 1, path, line)
+            output = int_field(generated, "GeneratedTokens", 0, path, line)
+            check_lengths(prompt, output, path, line)
+            lengths.append((prompt, output))
     with collector_paused():
         requests = [
             new_request(

@@ -4,12 +4,15 @@ The header is ``{"kvbench_workload": SCHEMA_VERSION, "name", "seed", "spec", "so
 "digest", "num_requests"}``; each later line is ``Request.to_json()``. Loading keeps file
 order, requires non-decreasing arrivals, unique ids and values within ``limits``, and checks
 the digest, so a file edited by hand is caught instead of silently benchmarking something
-else. Files are UTF-8; a byte-order mark is dropped.
+else. The file is read as a stream, only as far as the requests asked for. Files are UTF-8;
+a byte-order mark is dropped.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,15 +26,17 @@ from pydantic import (
 )
 
 from kvbench.errors import InputFileError, KvbenchError
-from kvbench.fileio import open_atomic, read_text
+from kvbench.fileio import open_atomic
 from kvbench.workloads.limits import (
     MAX_SAMPLES,
     MAX_SEQUENCE_TOKENS,
     arrival_problem,
+    check_generation_memory,
     request_problem,
 )
 from kvbench.workloads.model import Request, Segment, Workload
 from kvbench.workloads.presets import generate_preset, preset_names
+from kvbench.workloads.textstream import TextStream, numbered_lines, too_deep
 from kvbench.workloads.traces import TRACE_KINDS, import_trace
 from kvbench.workloads.validation import validation_message
 
@@ -123,6 +128,8 @@ def _read_header(path: Path, first: str) -> WorkloadHeader:
         raw = json.loads(first)
     except json.JSONDecodeError as e:
         raise InputFileError(path, f"header is not valid JSON: {e.msg}", 1) from e
+    except RecursionError:
+        raise too_deep(path, "kvbench workload header", 1) from None
     if not isinstance(raw, dict) or "kvbench_workload" not in raw:
         raise InputFileError(
             path, "not a kvbench workload file (the first line has no 'kvbench_workload')", 1
@@ -143,39 +150,27 @@ def _read_header(path: Path, first: str) -> WorkloadHeader:
 def load_workload(path: str | Path, limit: int | None = None) -> Workload:
     """Read and validate a workload file written by ``save_workload``.
 
-    ``limit`` keeps the first that many requests (the whole file is still validated); when
-    the file holds fewer, all are kept and ``Workload.warnings`` says so.
+    ``limit`` keeps the first that many requests, and the file is read only that far: the
+    first requests of a file of any size load in the same time and memory. The header's
+    request count and content digest cover the whole file, so they are checked when all of
+    it is read (no ``limit``, or one of at least the header's count); when the file holds
+    fewer than ``limit`` requests, all are kept and ``Workload.warnings`` says so.
     """
     if limit is not None and limit < 1:
         raise KvbenchError(f"the number of requests must be >= 1 (got {limit})")
     p = Path(path)
-    lines = read_text(p, "workload").split("\n")
-    if lines[-1] == "":
-        lines.pop()  # the newline that ends the last line
-    if not lines:
-        raise InputFileError(p, "empty file; expected a kvbench workload header line")
-    header = _read_header(p, lines[0])
-    requests: list[Request] = []
-    seen: set[str] = set()
-    for line_no, text in enumerate(lines[1:], start=2):
-        if not text.strip():
-            continue
-        try:
-            r = RequestRecord.model_validate_json(text).to_request()
-        except ValidationError as e:
-            raise InputFileError(p, f"bad request: {validation_message(e)}", line_no) from e
-        if requests and r.arrival_s < requests[-1].arrival_s:
-            raise InputFileError(
-                p,
-                f"arrival_s {r.arrival_s} is before the previous request's "
-                f"{requests[-1].arrival_s}; requests must be in arrival order",
-                line_no,
-            )
-        if r.id in seen:
-            raise InputFileError(p, f"request id {r.id!r} appears twice", line_no)
-        seen.add(r.id)
-        requests.append(r)
-    if len(requests) != header.num_requests:
+    with TextStream(p, "workload") as stream:
+        lines = numbered_lines(stream)
+        first = next(lines, None)
+        if first is None:
+            raise InputFileError(p, "empty file; expected a kvbench workload header line")
+        header = _read_header(p, first[1])
+        whole = limit is None or limit >= header.num_requests
+        wanted = header.num_requests if whole else limit
+        # Refused before any row is read; a segment per request makes the estimate a floor.
+        check_generation_memory(wanted, wanted, wanted, str(p))
+        requests = _read_requests(p, lines, None if whole else limit)
+    if whole and len(requests) != header.num_requests:
         raise InputFileError(
             p, f"header says {header.num_requests} requests but the file holds {len(requests)}"
             " (truncated or edited?)"
@@ -184,20 +179,46 @@ def load_workload(path: str | Path, limit: int | None = None) -> Workload:
         name=header.name, requests=requests, seed=header.seed, spec=header.spec,
         source=header.source,
     )
-    if workload.digest != header.digest:
+    if whole and workload.digest != header.digest:
         raise InputFileError(
             p,
             f"content digest {workload.digest} does not match the header's {header.digest}; "
             "the requests were changed after the file was written: regenerate it",
         )
-    if limit is not None:
-        if limit > len(requests):
-            workload.warnings.append(
-                f"asked for {limit:,} requests but {p} holds {len(requests):,}; "
-                "using all of them"
-            )
-        workload.requests = requests[:limit]
+    if limit is not None and limit > len(requests):
+        workload.warnings.append(
+            f"asked for {limit:,} requests but {p} holds {len(requests):,}; using all of them"
+        )
     return workload
+
+
+def _read_requests(
+    path: Path, lines: Iterator[tuple[int, str]], limit: int | None
+) -> list[Request]:
+    """The requests on ``lines``, in order, up to ``limit`` of them (None: every one)."""
+    requests: list[Request] = []
+    seen: set[str] = set()
+    for line_no, text in lines:
+        if not text.strip():
+            continue
+        try:
+            r = RequestRecord.model_validate_json(text).to_request()
+        except ValidationError as e:
+            raise InputFileError(path, f"bad request: {validation_message(e)}", line_no) from e
+        if requests and r.arrival_s < requests[-1].arrival_s:
+            raise InputFileError(
+                path,
+                f"arrival_s {r.arrival_s} is before the previous request's "
+                f"{requests[-1].arrival_s}; requests must be in arrival order",
+                line_no,
+            )
+        if r.id in seen:
+            raise InputFileError(path, f"request id {r.id!r} appears twice", line_no)
+        seen.add(r.id)
+        requests.append(r)
+        if len(requests) == limit:  # read no further
+            break
+    return requests
 
 
 def load_workload_arg(text: str, num_requests: int | None = None, seed: int = 0) -> Workload:
@@ -214,7 +235,8 @@ def load_workload_arg(text: str, num_requests: int | None = None, seed: int = 0)
     if sep and kind in TRACE_KINDS and rest:
         return import_trace(kind, rest, limit=num_requests, seed=seed)
     path = Path(text)
-    if path.suffix != ".jsonl" and not path.exists():
+    # os.path.exists, not Path.exists: a name too long for the file system is no file.
+    if path.suffix != ".jsonl" and not os.path.exists(path):
         raise KvbenchError(
             f"unknown workload {text!r}: not a preset (valid: {', '.join(preset_names())}); "
             "a path to a workload .jsonl file or KIND:TRACE_PATH (KIND one of "

@@ -8,15 +8,14 @@ earliest row.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from kvbench.errors import InputFileError
-from kvbench.fileio import read_text
 from kvbench.workloads.bulk import collector_paused, new_request, text_segment
 from kvbench.workloads.model import Segment
+from kvbench.workloads.textstream import TextStream, json_line, numbered_lines
 from kvbench.workloads.trace_rows import TraceRead, TraceTimes, check_lengths, int_field
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -52,33 +51,38 @@ def _segments(
     return tuple(segs)
 
 
+def _row(
+    text: str, blocks: dict[tuple[int, int], Segment], seed: int, path: Path, line: int
+) -> tuple[float, tuple[Segment, ...], int]:
+    """One trace line as (timestamp ms, prompt segments, output tokens)."""
+    obj = json_line(text, path, line, "Mooncake trace row")
+    if not isinstance(obj, dict):
+        raise InputFileError(path, "each line must be a JSON object", line)
+    ts = obj.get("timestamp")
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not ts >= 0:
+        raise InputFileError(path, f"timestamp must be ms >= 0 (got {ts!r})", line)
+    if not math.isfinite(ts):
+        raise InputFileError(path, f"timestamp must be a finite number (got {ts!r})", line)
+    n_in = int_field(obj.get("input_length"), "input_length", 1, path, line)
+    n_out = int_field(obj.get("output_length"), "output_length", 0, path, line)
+    check_lengths(n_in, n_out, path, line)
+    return float(ts), _segments(obj.get("hash_ids"), n_in, blocks, seed, path, line), n_out
+
+
 def read_mooncake(path: Path, limit: int | None, seed: int) -> TraceRead:
+    """The first ``limit`` rows (None: all), reading the file only that far."""
     times = TraceTimes(path, 1000.0, lambda ms: f"{ms} ms")
     rows: list[tuple[tuple[Segment, ...], int]] = []
     blocks: dict[tuple[int, int], Segment] = {}
     with collector_paused():
-        for line, text in enumerate(read_text(path, "trace").split("\n"), start=1):
-            if limit is not None and len(rows) >= limit:
-                break
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise InputFileError(path, f"not valid JSON: {e.msg}", line) from None
-            if not isinstance(obj, dict):
-                raise InputFileError(path, "each line must be a JSON object", line)
-            ts = obj.get("timestamp")
-            if isinstance(ts, bool) or not isinstance(ts, int | float) or not ts >= 0:
-                raise InputFileError(path, f"timestamp must be ms >= 0 (got {ts!r})", line)
-            if not math.isfinite(ts):
-                raise InputFileError(path, f"timestamp must be a finite number (got {ts!r})", line)
-            n_in = int_field(obj.get("input_length"), "input_length", 1, path, line)
-            n_out = int_field(obj.get("output_length"), "output_length", 0, path, line)
-            check_lengths(n_in, n_out, path, line)
-            segs = _segments(obj.get("hash_ids"), n_in, blocks, seed, path, line)
-            times.add(float(ts), line)
-            rows.append((segs, n_out))
+        with TextStream(path, "trace") as stream:
+            for line, text in numbered_lines(stream):
+                if text.strip():
+                    ts, segs, n_out = _row(text, blocks, seed, path, line)
+                    times.add(ts, line)
+                    rows.append((segs, n_out))
+                    if len(rows) == limit:  # read no further
+                        break
         return TraceRead([
             new_request(f"r{i}", arrival, segs, n_out, None, None, 1)
             for i, (arrival, (segs, n_out)) in enumerate(

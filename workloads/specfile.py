@@ -21,10 +21,12 @@ import json
 import re
 import tomllib
 from pathlib import Path
+from typing import Any
 
 from kvbench.errors import InputFileError
 from kvbench.fileio import read_text
 from kvbench.workloads.spec import WorkloadSpec, parse_spec
+from kvbench.workloads.textstream import too_deep
 
 _TOML_AT = re.compile(r"\(at line (\d+), column \d+\)")
 
@@ -36,18 +38,24 @@ def load_spec_file(path: str | Path) -> WorkloadSpec:
     if suffix not in (".toml", ".json"):
         raise InputFileError(p, "a workload spec file must end in .toml or .json")
     text = read_text(p, "workload spec")
+    try:
+        data = _parse(text, p, suffix)
+    except RecursionError:
+        raise too_deep(p, "workload spec") from None
+    return parse_spec(data, str(p))
+
+
+def _parse(text: str, p: Path, suffix: str) -> Any:
     if suffix == ".toml":
         try:
-            data = tomllib.loads(text)
+            return tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             at = _TOML_AT.search(str(e))
             message = _TOML_AT.sub("", str(e)).strip()
             raise InputFileError(
                 p, f"not valid TOML: {message}", int(at[1]) if at else None
             ) from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise InputFileError(p, f"not valid JSON: {e.msg}", e.lineno) from None
-    return parse_spec(data, str(p))
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputFileError(p, f"not valid JSON: {e.msg}", e.lineno) from None

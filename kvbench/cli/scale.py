@@ -97,6 +97,7 @@ def capacity(
     csv_out: Annotated[Path | None, typer.Option("--csv", help="Write the rows as CSV here.")] = None,
     grid: Annotated[list[str] | None, typer.Option(help="FIELD=V1,V2,...: plan every point of these axes (repeatable): model, gpu, tp, num_gpus, replicas, policy (or engine), block_size, max_model_len, gpu_memory_utilization, kv_memory, max_num_seqs, max_num_batched_tokens, seq_len; one row per point and KV layout.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="With --grid: write the rows as JSON here.")] = None,
+    yes: Annotated[bool, typer.Option("--yes", help="With --grid: plan a grid of more than 10,000 points.")] = False,
 ) -> None:
     """Max concurrent requests per KV layout (contiguous reservation policies, paged block
     sizes), KV bytes per token, KV budget, and the cost model's latency at that load."""
@@ -108,7 +109,7 @@ def capacity(
     if grid:
         _capacity_grid(grid, model, gpu, tp, num_gpus, seq_len, workload, block_size,
                        max_model_len, gpu_memory_utilization, max_num_seqs,
-                       max_num_batched_tokens, csv_out, json_out)
+                       max_num_batched_tokens, csv_out, json_out, yes)
         return
     if json_out is not None:
         raise KvbenchError("--json writes grid rows: give --grid too (or --csv)")
@@ -181,17 +182,19 @@ def _capacity_grid(
     axes_text: list[str], model: str, gpu: str, tp: str, num_gpus: int | None,
     seq_len: int | None, workload: str | None, block_size: str, max_model_len: str | None,
     gpu_memory_utilization: float, max_num_seqs: int, max_num_batched_tokens: int,
-    csv_out: Path | None, json_out: Path | None,
+    csv_out: Path | None, json_out: Path | None, yes: bool,
 ) -> None:
     """``kvbench capacity --grid``: one row per grid point and KV layout."""
     import json
 
     from kvbench.fileio import write_text_atomic
     from kvbench.tools.capacity import grid_deployment, parse_grid_axis, plan
+    from kvbench.tools.grid import check_grid_size
 
     axes = [parse_grid_axis(text) for text in axes_text]
     if len({a.field for a in axes}) != len(axes):
         raise KvbenchError("--grid names the same field twice")
+    check_grid_size(axes, yes)
     named = {a.field for a in axes}
     for field, text, flag in (("model", model, "--model"), ("tp", tp, "--tp"),
                               ("max_model_len", max_model_len, "--max-model-len")):

@@ -54,6 +54,9 @@ class Deployment:
             raise KvbenchError(
                 f"{self.gpus} GPUs do not split into tensor-parallel groups of {self.tp}"
             )
+        # The check `kvbench run` makes: a degree that splits no head evenly would plan
+        # fractional heads per rank.
+        self.preset.check_tensor_parallel(self.tp)
 
     @property
     def gpus(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import datetime as dt
 import itertools
+import math
 import os
 import shutil
 import tempfile
@@ -24,7 +25,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import ValidationError
 
@@ -96,6 +97,51 @@ class Point:
     def folder(self) -> str:
         safe = "".join(c if c.isalnum() or c in "-_.=" else "_" for c in self.label)
         return f"p{self.index:03d}-{safe.replace('=', '-').replace(',', '_')}"[:120]
+
+
+# A grid is the product of its axes, so a few long ones make more points than anyone meant
+# to run; past this many, the grid runs only when asked again (--yes).
+MAX_GRID_POINTS = 10_000
+# Points are CPU-bound: workers beyond this many per core only contend for the cores, and
+# each is a process with its own interpreter and imports.
+WORKERS_PER_CORE = 2
+
+
+class AxisLike(Protocol):
+    """A grid axis of any command: its name as the user wrote it, and its values."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def values(self) -> tuple[Any, ...]: ...
+
+
+def check_grid_size(axes: Sequence[AxisLike], yes: bool) -> int:
+    """The number of points of ``axes``, counted without listing them; above
+    ``MAX_GRID_POINTS`` a KvbenchError unless ``yes``."""
+    n = math.prod(len(a.values) for a in axes)
+    if n > MAX_GRID_POINTS and not yes:
+        shape = " x ".join(f"{a.name} {len(a.values):,}" for a in axes)
+        raise KvbenchError(
+            f"the grid has {n:,} points ({shape}), more than {MAX_GRID_POINTS:,}: give "
+            "fewer values, or --yes to run them all"
+        )
+    return n
+
+
+def local_workers(requested: int, points: int) -> tuple[int, str | None]:
+    """The worker processes a grid of ``points`` runs on locally: ``requested``, but at
+    most one per point and ``WORKERS_PER_CORE`` per core; with a note when fewer."""
+    if requested < 1:
+        raise KvbenchError(f"--workers must be at least 1, not {requested}")
+    cores = os.cpu_count() or 1
+    cap = min(points, WORKERS_PER_CORE * cores)
+    if requested <= cap:
+        return requested, None
+    why = (f"one per point of {points}" if cap == points
+           else f"{WORKERS_PER_CORE} per core on {cores} cores")
+    return cap, f"--workers {requested:,}: running {cap} worker processes ({why})"
 
 
 def grid_points(axes: Sequence[Axis]) -> list[Point]:
@@ -205,13 +251,15 @@ def run_grid(
     backend: Backend = "local",
     address: str | None = None,
     on_point: Progress | None = None,
+    yes: bool = False,
 ) -> GridResult:
     """Run every point of ``axes`` over ``suite`` (see the module docstring); write each
-    point's records under ``out_dir`` and a table of all of them, ``grid.md``."""
+    point's records under ``out_dir`` and a table of all of them, ``grid.md``. More than
+    ``MAX_GRID_POINTS`` points run only with ``yes``; ``workers`` is capped as
+    :func:`local_workers` says."""
     import time
 
-    if workers < 1:
-        raise KvbenchError(f"--workers must be at least 1, not {workers}")
+    workers = local_workers(workers, check_grid_size(axes, yes))[0]
     points = grid_points(axes)
     suites: dict[int, Suite] = {}
     results: dict[int, PointResult] = {}

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvbench.engines.hardware import CostCoefficients, Hardware
 from kvbench.errors import InputFileError, KvbenchError
 from kvbench.fileio import read_text, write_text_atomic
+from kvbench.workloads.textstream import too_deep
 from kvbench.workloads.validation import validation_message
 
 PROFILE_VERSION = 1
@@ -85,6 +86,8 @@ def load_profile(path: str | Path) -> Profile:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputFileError(path, f"not a readable JSON profile: {exc}", exc.lineno) from None
+    except RecursionError:
+        raise too_deep(path, "calibration profile") from None
     try:
         profile = Profile.model_validate(data)
         profile.hardware_spec()
