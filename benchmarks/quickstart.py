@@ -62,15 +62,27 @@ def replace_block(text: str, block: str) -> str:
 
 def _stamp(records: list[RunRecord], wall_s: float | None, loads: tuple[float, float] | None
            ) -> str:
-    machine = records[0].machine
+    first = records[0]
+    machine = first.machine
     cores = machine.get("cpu_count")
-    text = f"From a real run on {machine.get('cpu')} x{cores}"
+    commit = (first.git_commit or "no git")[:12]
+    text = (f"From a real run on {machine.get('cpu')} x{cores}, kvbench at commit `{commit}` on "
+            f"{first.created_utc[:10]}")
     if wall_s is not None and loads is not None:
         text += (f": `kvbench run` took {wall_s:.0f} s, with a load average of {loads[0]:.1f} "
                  f"before and {loads[1]:.1f} after")
         if cores and max(loads) > cores:
             text += (f", more than its {cores} cores: other work shared the machine, so times "
                      f"and throughput are slower and noisier than on a quiet one")
+    rounds = max(len(r.machine_state) for r in records)
+    if rounds > 1:
+        text += (f"; {rounds} rounds in alternating engine order, each engine in its own "
+                 "process: values are medians, measured ones with their min-max range")
+    loads_seen = [s.load_before[0] for r in records for s in r.machine_state if s.load_before]
+    loads_seen += [s.load_after[0] for r in records for s in r.machine_state if s.load_after]
+    if loads_seen:
+        text += (f"; the 1-minute load while the engines ran was {min(loads_seen):.2f} to "
+                 f"{max(loads_seen):.2f}")
     return text + "."
 
 

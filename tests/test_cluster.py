@@ -188,7 +188,7 @@ def test_cluster_metrics_and_curves_are_declared() -> None:
 
 def _record(out) -> dict:
     data = json.loads((out / "paged.json").read_text())
-    for key in ("created_utc", "machine", "git_commit", "command", "telemetry"):
+    for key in ("created_utc", "run_id", "machine", "git_commit", "command", "telemetry"):
         data.pop(key)
     for key in ("wall_time_s", "peak_rss_bytes", "rss_growth_pct", "telemetry_overhead_pct"):
         data["summary"].pop(key, None)

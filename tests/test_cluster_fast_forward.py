@@ -36,6 +36,7 @@ def _record(tmp: Path, fast_forward: bool, workload: WorkloadSection, model: str
 def _strip(record: dict) -> dict:
     record = dict(record)
     record.pop("created_utc")
+    record.pop("run_id")
     record["summary"] = {k: v for k, v in record["summary"].items() if k not in HOST_SUMMARY}
     record["curves"] = {k: v for k, v in record["curves"].items()
                         if not k.endswith("rss_bytes")}

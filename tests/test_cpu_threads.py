@@ -21,25 +21,29 @@ def _restore_threads():
     torch.set_num_threads(threads)
 
 
-def _plan(out: Path, cpu_threads: int | None, repeats: int = 1):
+def _plan(out: Path, cpu_threads: int | None, repeats: int = 1, in_process: bool = True):
     suite = Suite(
         name="threads",
         workload=WorkloadSection(preset="mixed-text", num_requests=2, seed=0),
         run=RunSection(device="cpu", engines=["paged", "contiguous"], kv_memory="2MiB",
-                       max_model_len=1024, cpu_threads=cpu_threads, request_rate=float("inf")),
+                       max_model_len=1024, cpu_threads=cpu_threads, request_rate=float("inf"),
+                       in_process=in_process),
     )
     return plan_run(suite, None, out, "test", repeats=repeats)
 
 
-def test_every_record_says_the_threads_its_engine_ran_at(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_process", [True, False])
+def test_every_record_says_the_threads_its_engine_ran_at(tmp_path: Path, in_process) -> None:
     torch.set_num_threads(2)
-    records = execute.execute_plan(_plan(tmp_path / "one", 1, repeats=2))
-    assert torch_threads() == 1
+    records = execute.execute_plan(_plan(tmp_path / "one", 1, repeats=2, in_process=in_process))
+    # In this process only when the engines ran in it.
+    assert torch_threads() == (1 if in_process else 2)
     for record in records:
         assert record.status == "ok"
         assert record.engine_config["cpu_threads"] == {"requested": 1, "at_start": 1, "at_end": 1}
     # Without a count every engine runs at torch's, as found when the run was planned.
-    (record, _) = execute.execute_plan(_plan(tmp_path / "default", None))
+    torch.set_num_threads(1)
+    (record, _) = execute.execute_plan(_plan(tmp_path / "default", None, in_process=in_process))
     assert record.engine_config["cpu_threads"] == {"requested": None, "at_start": 1, "at_end": 1}
 
 
@@ -57,7 +61,7 @@ def test_an_engine_whose_threads_change_fails_and_the_next_starts_at_the_runs(
         return run
 
     monkeypatch.setattr(execute, "run_engine", changing)
-    paged, contiguous = execute.execute_plan(_plan(tmp_path / "out", 1))
+    paged, contiguous = execute.execute_plan(_plan(tmp_path / "out", 1, in_process=True))
     assert paged.status == "failed" and "not comparable" in (paged.error or "")
     assert paged.engine_config["cpu_threads"]["at_end"] == 2
     assert contiguous.status == "ok" and calls == [1, 1]

@@ -49,6 +49,7 @@ def _records(tmp: Path, fast_forward: bool, workload: WorkloadSection, model: st
 def _strip(record: dict) -> dict:
     record = dict(record)
     record.pop("created_utc")
+    record.pop("run_id")
     record["summary"] = {k: v for k, v in record["summary"].items() if k not in HOST_SUMMARY}
     record["curves"] = {k: v for k, v in record["curves"].items() if k != "rss_bytes"}
     record["engine_config"] = {k: v for k, v in record["engine_config"].items()

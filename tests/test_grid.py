@@ -20,7 +20,7 @@ def _normal(records) -> list[dict]:
     out = []
     for rec in records:
         data = json.loads(rec.to_json())
-        for key in ("created_utc", "machine", "git_commit", "telemetry"):
+        for key in ("created_utc", "run_id", "machine", "git_commit", "telemetry"):
             data.pop(key)
         for key in ("wall_time_s", "peak_rss_bytes", "rss_growth_pct",
                     "telemetry_overhead_pct"):

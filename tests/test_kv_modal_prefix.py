@@ -229,9 +229,18 @@ def _reuse_workload():
     system = Segment("text", 48, "sys")
     image = Segment("image", 64, "img/shared", height=224, width=224, rule="qwen2-vl")
     other = Segment("image", 64, "img/other", height=224, width=224, rule="qwen2-vl")
-    reqs = [Request(f"r{i}", 0.01 * i, (system, other if i == 2 else image,
-                                        Segment("text", 12, f"q{i}")), 6) for i in range(4)]
+    # A second apart on the virtual clock (_virtual): each request's blocks are cached
+    # before the next arrives, however fast this machine computes.
+    reqs = [Request(f"r{i}", 1.0 * i, (system, other if i == 2 else image,
+                                       Segment("text", 12, f"q{i}")), 6) for i in range(4)]
     return make_workload(reqs)
+
+
+def _virtual():
+    from kvbench.engines.costmodel import CostModel
+    from kvbench.run.clocks import VirtualClock
+
+    return VirtualClock(CostModel(SMALL, parse_device("cpu").hardware, 1))
 
 
 def _real(prefix: bool) -> EngineSettings:
@@ -246,8 +255,8 @@ def test_reused_image_pages_give_the_tokens_of_paged_with_real_compute() -> None
     from kvbench.tools.kv_quality import agreement, run_captured
 
     wl = _reuse_workload()
-    paged = run_captured("paged", NAMED_ENGINES["paged"], _real(True), wl)
-    modal = run_captured("modal", ModalPolicy(), _real(True), wl)
+    paged = run_captured("paged", NAMED_ENGINES["paged"], _real(True), wl, _virtual())
+    modal = run_captured("modal", ModalPolicy(), _real(True), wl, _virtual())
     assert modal.describe["kv_manager"]["enable_prefix_caching"] is True
     # Both classes in float32: the same greedy tokens as paged, both reusing the image.
     assert modal.capture.tokens == paged.capture.tokens
@@ -255,8 +264,8 @@ def test_reused_image_pages_give_the_tokens_of_paged_with_real_compute() -> None
     assert modal.summary["prefix_hit_rate"] > 0.5
     # int8 vision pages reused as int8 (codes and scales as written): the same tokens and
     # first-token logits as the same policy computing every image afresh.
-    fresh = run_captured("int8", NAMED_ENGINES["modal-int8"], _real(False), wl)
-    reused = run_captured("int8", NAMED_ENGINES["modal-int8"], _real(True), wl)
+    fresh = run_captured("int8", NAMED_ENGINES["modal-int8"], _real(False), wl, _virtual())
+    reused = run_captured("int8", NAMED_ENGINES["modal-int8"], _real(True), wl, _virtual())
     assert reused.summary["prefix_hit_rate"] > 0.5
     rows = agreement(fresh.capture, reused.capture)
     assert all(r.first_divergence is None for r in rows)

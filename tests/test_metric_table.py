@@ -75,6 +75,10 @@ def test_every_table_entry_is_produced_or_says_what_it_needs(records) -> None:
         elif spec.needs == ("modal",):
             # Only a modality-aware pool has page classes (tests/test_kv_modal.py runs one).
             assert spec.name not in keys, spec.name
+        elif spec.needs == ("wall",):
+            # Recorded by every run, None on the virtual clock (tests/test_measurement.py
+            # checks a wall-clock run's).
+            assert spec.name in keys and spec.name not in run, spec.name
         elif spec.needs == ("quality",):
             # Output agreement: recorded by every run, None unless a real-compute engine
             # stores KV below full precision (tests/test_quality_check.py runs one).
@@ -128,8 +132,9 @@ def test_run_table_rows_keep_their_labels_and_order() -> None:
     labels = [row[0] for row in table_rows([make_record()])]
     assert labels == [
         "status", "completed requests", "rejected requests", "duration (s)", "requests/s",
-        "output tokens/s", "total tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)",
-        "TPOT p99 (ms)", "E2EL p50 (ms)", "max concurrent requests", "mean concurrent requests",
+        "output tokens/s", "total tokens/s", "output tokens per CPU-second", "TTFT p50 (ms)",
+        "TTFT p99 (ms)", "TPOT p50 (ms)", "TPOT p99 (ms)", "E2EL p50 (ms)",
+        "max concurrent requests", "mean concurrent requests",
         "KV capacity", "peak KV reserved", "peak KV used", "KV utilization (used/reserved)",
         "KV waste %", "min fragmentation index", "time a request waited for KV (s)",
         "of which with enough KV free (s)", "peak text KV", "peak image KV", "peak audio KV",

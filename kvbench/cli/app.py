@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -46,7 +47,7 @@ def run(
     suite: Annotated[str | None, typer.Argument(help="Suite TOML file or name (default: the embedded default).")] = None,
     out: Annotated[Path | None, typer.Option(help="Output folder (default: runs/<suite>-<time>).")] = None,
     force: Annotated[bool, typer.Option(help="Replace the records an existing --out folder holds.")] = False,
-    repeat: Annotated[int, typer.Option(help="Run every engine N times; records hold medians and each repeat's values.")] = 1,
+    repeat: Annotated[int | None, typer.Option(help="Rounds of every engine (default: the suite's run.repeat; the default suite's is 3); on the wall clock each round runs the engines in another order. Records hold medians, min-max and each repeat's values.")] = None,
     shard: Annotated[str | None, typer.Option(help="Run only share I/N of the suite's engines (for CI matrices).")] = None,
     alerts: Annotated[str | None, typer.Option(help=alert_flags.RUN_HELP)] = None,
     *,
@@ -152,11 +153,24 @@ def list_names() -> None:
     console.print("workload presets: " + ", ".join(workload_presets()))
 
 
+_FILE_SYSTEM_REFUSALS = (errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.EROFS)
+
+
 def main() -> None:
     try:
         app()
     except KvbenchError as exc:
         err_console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
+        sys.exit(2)
+    except OSError as exc:
+        # What the file system refuses wherever kvbench writes (a full disk, a name too
+        # long): said plainly; records written before it are kept.
+        if exc.errno not in _FILE_SYSTEM_REFUSALS:
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        err_console.print(f"[red]error:[/] {escape(exc.strerror or str(exc))}{escape(where)}: "
+                          "free space or choose a shorter or writable path, then run again",
+                          highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:
         # Before any work started (a run's own interrupts end inside the command).

@@ -23,16 +23,19 @@ def compare(
     markdown: Annotated[Path | None, typer.Option(help="Write the Markdown summary here.")] = None,
     junit: Annotated[Path | None, typer.Option(help="Write JUnit XML here.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write every comparison as JSON here.")] = None,
-    strict: Annotated[bool, typer.Option(help="Improvements beyond tolerance fail too (refresh the baselines).")] = False,
+    strict: Annotated[bool, typer.Option(help="Improvements beyond tolerance fail too (refresh the baselines), and so does a run whose speed was not compared (baseline from another machine).")] = False,
     allow_missing: Annotated[bool, typer.Option(help="An engine the baseline has but the new run lacks is skipped instead of failing.")] = False,
+    allow_partial: Annotated[bool, typer.Option(help="Accept a pair where fewer than half of the gated metrics and curves could be compared (otherwise unusable, exit 2).")] = False,
+    allow_loose: Annotated[bool, typer.Option(help="Accept a --thresholds file that drops or loosens the default gates on completed or failed requests (otherwise exit 2).")] = False,
     alerts: Annotated[str | None, typer.Option(help=alert_flags.COMPARE_HELP)] = None,
 ) -> None:
-    """Gate NEW against BASELINE: exit 0 pass, 1 regression, missing engine or fired alert, 2 unusable input."""
+    """Gate NEW against BASELINE: exit 0 pass, 1 regression, invalid value, missing engine or fired alert (with --strict also an improvement or a run not compared), 2 unusable input."""
     from kvbench.report.alerts import parse_rules
     from kvbench.report.compare import INPUT_ROW, CompareResult, Row, compare_records
     from kvbench.report.gate_outputs import json_report, junit_xml, markdown_summary
     from kvbench.report.outputs import check_output_file, write_outputs
-    from kvbench.report.thresholds import DEFAULT_LABEL, load_thresholds
+    from kvbench.report.thresholds import DEFAULT_LABEL, check_relaxations, load_thresholds
+    from kvbench.results.manifest import check_folders
     from kvbench.results.recordset import load_records
 
     outputs = [(path, what) for path, what in ((markdown, "--markdown"), (junit, "--junit"),
@@ -43,10 +46,16 @@ def compare(
     rules = parse_rules(alerts) if alerts is not None else None
     found = []
     try:
+        th = load_thresholds(thresholds)
+        relaxed = [] if thresholds is None else check_relaxations(th, thresholds,
+                                                                   allow_loose=allow_loose)
         found = load_records([new])
+        for warning in check_folders((f.path, f.record.run_id, f.record.engine) for f in found):
+            err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False,
+                              soft_wrap=True)
         result = compare_records(
-            found, load_records([baseline]), load_thresholds(thresholds),
-            strict=strict, allow_missing=allow_missing, thresholds_path=label,
+            found, load_records([baseline]), th, strict=strict, allow_missing=allow_missing,
+            allow_partial=allow_partial, thresholds_path=label, relaxed=relaxed,
         )
     except KvbenchError as exc:
         # Still write the reports, so that CI shows why the gate could not judge.
@@ -101,13 +110,18 @@ def publish(
     name: Annotated[str | None, typer.Option(help="Name the files NAME.md, NAME.csv, NAME.html (and NAME.png) instead of tables.md, tables.csv, index.html.")] = None,
     figure: Annotated[bool, typer.Option(help="Also draw the tables' metrics as bar charts, one panel per metric (NAME.png or tables.png).")] = False,
     notes: Annotated[Path | None, typer.Option(help="A Markdown file placed under the tables (findings, commands).")] = None,
+    allow_noisy: Annotated[bool, typer.Option(help="Publish wall-clock records measured on a noisy machine (their noisy-machine warning is shown on the pages).")] = False,
 ) -> None:
     """Comparison tables for publication: Markdown, CSV and a self-contained HTML page."""
     from kvbench.fileio import read_text
     from kvbench.report.publish import publish as write_tables
+    from kvbench.results.manifest import check_folders
     from kvbench.results.recordset import load_records
 
     found = load_records(run_dirs)
+    for warning in check_folders((f.path, f.record.run_id, f.record.engine) for f in found):
+        err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False,
+                          soft_wrap=True)
     bad = [f for f in found if f.record.status != "ok"]
     for f in bad:
         err_console.print(f"[yellow]warning:[/] {escape(str(f.path))}: {escape(f.record.engine)} "
@@ -115,7 +129,7 @@ def publish(
     rows = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else None
     text = read_text(notes, "notes file") if notes is not None else ""
     for path in write_tables(found, output, include_host=include_host, metrics=rows, name=name,
-                             figure=figure, notes=text):
+                             figure=figure, notes=text, allow_noisy=allow_noisy):
         typer.echo(f"wrote {path}")
 
 

@@ -106,6 +106,7 @@ def sweep(
     workers: Annotated[int, typer.Option(help="With --grid: points run at once on local processes.")] = 1,
     backend: Annotated[str, typer.Option(help="With --grid: local (processes) | ray (one Ray task per point).")] = "local",
     address: Annotated[str | None, typer.Option(help="With --backend ray: the Ray cluster to join (default: start a local one).")] = None,
+    yes: Annotated[bool, typer.Option("--yes", help="With --grid: run a grid of more than 10,000 points.")] = False,
     out: Out = None,
     force: Force = False,
     *,
@@ -130,7 +131,7 @@ def sweep(
             raise KvbenchError("--repeat runs the points of a KV-budget or block-size sweep; "
                                "a --grid point runs once")
         _grid_sweep(the_suite, base, grid, kv_memory, block_size, workers, backend, address,
-                    out_dir, force)
+                    out_dir, force, yes)
         return
     if workers != 1 or backend != "local" or address is not None:
         raise KvbenchError("--workers, --backend and --address run the points of a --grid")
@@ -161,11 +162,19 @@ def sweep(
 
 def _grid_sweep(the_suite, base, grid: list[str], kv_memory: str | None,
                 block_size: str | None, workers: int, backend: str, address: str | None,
-                out_dir: Path, force: bool) -> None:
+                out_dir: Path, force: bool, yes: bool) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvbench.run.outdir import prepare_out_dir
-    from kvbench.tools.grid import grid_header, grid_rows, parse_axis, rate_knees, run_grid
+    from kvbench.tools.grid import (
+        check_grid_size,
+        grid_header,
+        grid_rows,
+        local_workers,
+        parse_axis,
+        rate_knees,
+        run_grid,
+    )
     from kvbench.tools.sweep import parse_block_sizes, parse_budgets
 
     if backend not in ("local", "ray"):
@@ -178,10 +187,11 @@ def _grid_sweep(the_suite, base, grid: list[str], kv_memory: str | None,
     if block_size is not None:
         sizes = parse_block_sizes(block_size)
         axes.append(parse_axis("block_size=" + ",".join(map(str, sizes))))
+    n = check_grid_size(axes, yes)
+    if backend == "local":
+        workers, capped = local_workers(workers, n)
+        note([capped] if capped else [])
     prepare_out_dir(out_dir, force)
-    n = 1
-    for a in axes:
-        n *= len(a.values)
     where = f"Ray ({address or 'local'})" if backend == "ray" else f"{workers} local workers"
     console.print(f"[bold]{the_suite.name}[/] grid: {n} points "
                   f"({' x '.join(f'{a.name} {len(a.values)}' for a in axes)}) on {where}")
@@ -195,6 +205,7 @@ def _grid_sweep(the_suite, base, grid: list[str], kv_memory: str | None,
             the_suite, base, axes, out_dir, command_line(), workers=workers,
             backend=backend, address=address,  # type: ignore[arg-type]
             on_point=lambda done, failed: progress.update(task, completed=done, failed=failed),
+            yes=yes,
         )
     for p in result.points:
         warn([f"{p.point.label}: {w}" for w in dict.fromkeys(p.warnings)])
@@ -206,29 +217,33 @@ def _grid_sweep(the_suite, base, grid: list[str], kv_memory: str | None,
     exit_for(result.records, interrupts)
 
 
-def load_run_dirs(run_dirs: list[Path]) -> list[RunRecord]:
-    """Every record in the given folders; a folder without records is searched one level
-    down (a sweep's per-budget folders). Other JSON files are passed over; one that cannot
-    be read as JSON (a truncated record) is an error naming it."""
+def load_run_dirs(run_dirs: list[Path]) -> tuple[list[RunRecord], list[str]]:
+    """Every record in the given folders, and warnings about folders whose run never
+    finished (their manifests); a folder without records is searched one level down (a
+    sweep's per-budget folders). Other JSON files are passed over; one that cannot be read
+    as JSON (a truncated record) is an error naming it, and so is a folder that mixes the
+    records of two runs."""
+    from kvbench.results.manifest import check_folders
     from kvbench.results.recordset import read_folder_record
 
-    def records_in(d: Path, pattern: str) -> list[RunRecord]:
+    def records_in(d: Path, pattern: str) -> list[tuple[Path, RunRecord]]:
         found = []
         for p in sorted(d.glob(pattern)):
             if p.is_file() and not p.name.startswith(".") and (
                     rec := read_folder_record(p)) is not None:
-                found.append(rec)
+                found.append((p, rec))
         return found
 
-    records = []
+    found: list[tuple[Path, RunRecord]] = []
     for d in run_dirs:
         if not d.is_dir():
             raise KvbenchError(f"{d}: not a folder of run records")
-        found = records_in(d, "*.json") or records_in(d, "*/*.json")
-        if not found:
+        here = records_in(d, "*.json") or records_in(d, "*/*.json")
+        if not here:
             raise KvbenchError(f"{d}: holds no run records (*.json)")
-        records += found
-    return records
+        found += here
+    warnings = check_folders((p, r.run_id, r.engine) for p, r in found)
+    return [r for _, r in found], warnings
 
 
 def report(
@@ -239,10 +254,11 @@ def report(
     from kvbench.report.findings import FINDINGS_TITLE, run_findings
     from kvbench.report.outputs import check_output_dir, write_outputs
     from kvbench.report.plots import labels, plot_soak, plot_sweep, write_plots
-    from kvbench.report.tables import markdown_table, table_rows
+    from kvbench.report.tables import machine_lines, markdown_table, table_rows
 
     check_output_dir(output, "--output")
-    records = load_run_dirs(run_dirs)
+    records, folder_warnings = load_run_dirs(run_dirs)
+    warn(folder_warnings)
     extra = []
     if any(r.soak for r in records):
         extra.append(("soak.png", plot_soak))
@@ -256,10 +272,12 @@ def report(
     names = labels(records)
     named = [r.model_copy(update={"engine": n}) for r, n in zip(records, names, strict=True)]
     lines = ["# kvbench report", "", "Runs: " + ", ".join(f"`{d}`" for d in run_dirs), ""]
+    lines += [f"- **warning:** {w}" for w in folder_warnings] + [""] * bool(folder_warnings)
     lines += [markdown_table(named), ""]
     findings = run_findings(named)
     if findings:
         lines += [f"## {FINDINGS_TITLE}", "", *(f"- {f}" for f in findings), ""]
+    lines += machine_lines(named)
     lines += [f"![{p.stem}]({p.name})" for p in written]
     write_outputs([(output / "report.md", "\n".join(lines) + "\n", "the report")])
     _print_table("report", ["metric", *names], table_rows(records))

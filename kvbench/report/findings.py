@@ -7,7 +7,10 @@ engines did to throughput and time to first token. A sentence appears only where
 support it: the records compare one workload on one device, clock and machine, the metrics
 it quotes exist, and the effect is larger than rounding (no "1.0× as many"). Throughput is
 compared only when the engines, not the arrivals, bounded it. Engines tied at the top or
-the bottom are named together.
+the bottom are named together. On the wall clock a speed difference (throughput, time to
+first token, time per output token) is stated only where the engines' repeats' ranges do not
+overlap; otherwise the sentence says it is within the machine's noise, with the spreads, and
+a comparison from a single repeat says so.
 
 Pure functions over records: ``kvbench report`` and ``publish`` give old runs the sentences
 their metrics allow.
@@ -19,6 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvbench.results.repeats import metric_values
 from kvbench.results.schema import RunRecord, is_number, request_column
 from kvbench.units import format_bytes
 
@@ -181,6 +185,33 @@ def _arrival_shares(records: Sequence[RunRecord]) -> list[tuple[float, float, fl
     return out
 
 
+def _within_noise(a: _Group, b: _Group, metric: str) -> bool:
+    note = _noise(a, b, metric, "")
+    return note is not None and not note.startswith("(")
+
+
+def _noise(a: _Group, b: _Group, metric: str, unit: str) -> str | None:
+    """Whether a wall-clock speed difference between ``a`` and ``b`` is a finding: None when
+    their repeats' ranges are apart (or the clock is virtual, hence exact); a note in
+    parentheses when one ran once (with the load it ran at); else a sentence saying the
+    difference is within the machine's noise, with both spreads."""
+    ra, rb = a.records[0], b.records[0]
+    if ra.clock != "wall":
+        return None
+    va, vb = metric_values(ra, metric), metric_values(rb, metric)
+    if not va or not vb:
+        return None
+    if len(va) == 1 or len(vb) == 1:
+        loads = [s.load_before[0] for r in (ra, rb) for s in r.machine_state if s.load_before]
+        at = f", at a 1-minute load of {max(loads):.2f}" if loads else ""
+        return f"(from one repeat{at}; --repeat 3 checks it against the noise)"
+    if min(va) > max(vb) or max(va) < min(vb):
+        return None
+    return (f"the difference in {unit} between {a.names} ({min(va):.1f}-{max(va):.1f}) and "
+            f"{b.names} ({min(vb):.1f}-{max(vb):.1f}) is within this machine's noise: their "
+            f"{min(len(va), len(vb))} repeats' ranges overlap.")
+
+
 def _engine_bound(records: Sequence[RunRecord]) -> bool:
     shares = _arrival_shares(records)
     return bool(shares) and max(x[0] for x in shares) <= ENGINE_BOUND_ARRIVAL_SHARE
@@ -201,6 +232,9 @@ def _throughput(records: Sequence[RunRecord]) -> str | None:
     queued = "at 0 s" if last == 0 else f"by {last:.1f} s"
     best, worst = ends
     gain = 100 * (best.value / worst.value - 1)
+    noise = _noise(best, worst, "output_throughput", "output tokens/s")
+    if noise is not None and not noise.startswith("("):
+        return f"With every request queued {queued}, {noise}"
     if gain < SAME_PCT:
         return (f"With every request queued {queued}, the engines bounded throughput, and it "
                 f"was within {SAME_PCT:.0f}% across them ({worst.value:.1f} to "
@@ -209,6 +243,8 @@ def _throughput(records: Sequence[RunRecord]) -> str | None:
             f"{best.names} produced {gain:.0f}% more output tokens/s than {worst.names} "
             f"({best.value:.1f} vs {worst.value:.1f})")
     ttft_b, ttft_w = best.same("median_ttft_ms"), worst.same("median_ttft_ms")
+    if _within_noise(best, worst, "median_ttft_ms"):
+        ttft_b = None  # no claim about it
     if ttft_b is not None and ttft_w:
         change = 100 * (ttft_b / ttft_w - 1)
         if abs(change) < SAME_PCT:
@@ -217,7 +253,7 @@ def _throughput(records: Sequence[RunRecord]) -> str | None:
             text += (f", and {best.its} median time to first token was {abs(change):.0f}% "
                      f"{'lower' if change < 0 else 'higher'} ({_duration(ttft_b)} vs "
                      f"{_duration(ttft_w)})")
-    return text + "."
+    return text + ("" if noise is None else f" {noise}") + "."
 
 
 def _batching(records: Sequence[RunRecord]) -> str | None:
@@ -234,6 +270,8 @@ def _batching(records: Sequence[RunRecord]) -> str | None:
         return None
     t_hi, x_hi, t_lo, x_lo = (v or 0.0 for v in values)
     if hi.value / lo.value < MIN_RATIO or t_hi / t_lo < MIN_RATIO:
+        return None
+    if any(_within_noise(hi, lo, k) for k in ("median_tpot_ms", "output_throughput")):
         return None
     change = 100 * (x_hi / x_lo - 1)
     outcome = (f"stayed within {SAME_PCT:.0f}%" if abs(change) < SAME_PCT

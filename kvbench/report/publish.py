@@ -28,12 +28,12 @@ from kvbench.report.compare import mad_spread
 from kvbench.report.findings import FINDINGS_TITLE, run_findings
 from kvbench.report.outputs import check_output_dir, check_output_file, write_outputs
 from kvbench.report.plots import RUN_PLOTS, plot_metric_bars
-from kvbench.report.tables import table_rows
+from kvbench.report.tables import machine_load_text, table_cell, table_rows
 from kvbench.results.metric_table import METRIC_BY_NAME, MetricSpec, closest, report_metrics
 from kvbench.results.paths import redact_paths
 from kvbench.results.recordset import FoundRecord
 from kvbench.results.repeats import REPEATS_KEY, metric_values, repeat_count
-from kvbench.results.schema import RunRecord
+from kvbench.results.schema import NOISY, RunRecord
 
 MARKDOWN_FILE, CSV_FILE, HTML_FILE = "tables.md", "tables.csv", "index.html"
 CSV_COLUMNS = [
@@ -141,6 +141,8 @@ def context_lines(found: Sequence[FoundRecord], public: Privacy) -> list[tuple[s
         fact("machine", [_machine(r, public.include_host) for r in records]),
         fact("versions", [f"python {r.machine.get('python')}, {_versions(r)}" for r in records]),
         fact("kvbench", [f"{r.kvbench_version} ({r.git_commit or 'no git'})" for r in records]),
+        fact("date", [r.created_utc[:10] for r in records]),
+        fact("machine load", [machine_load_text(r) for r in records]),
         fact("repeats", [str(repeat_count(r)) for r in records]),
         fact("command", [r.command for r in records]),
     ]
@@ -165,7 +167,7 @@ def suite_rows(found: Sequence[FoundRecord],
     if metrics is None:
         return table_rows(records)
     return [["status", *[r.status for r in records]]] + [
-        [m.label, *[m.format(r.summary.get(m.name)) for r in records]] for m in metrics
+        [m.label, *[table_cell(m, r) for r in records]] for m in metrics
     ]
 
 
@@ -177,11 +179,13 @@ def markdown_tables(groups: dict[str, list[FoundRecord]], public: Privacy,
         lines += [f"## {public(suite)}", ""]
         lines += [f"- {name}: {_md_code(name, text)}"
                   for name, text in context_lines(found, public)]
+        lines += [f"- **warning:** {public(w)}" for w in _warnings(found)]
         lines += ["", "| metric | " + " | ".join(labels) + " |",
                   "|---|" + "---:|" * len(labels)]
         lines += ["| " + " | ".join(row) + " |" for row in suite_rows(found, metrics)]
         if any(repeat_count(f.record) > 1 for f in found):
-            lines += ["", "Values are medians over the repeats."]
+            lines += ["", "Values are medians over the repeats; measured ones with their "
+                      "min-max range."]
         findings = run_findings([f.record for f in found])
         if findings:
             lines += ["", f"### {FINDINGS_TITLE}", "", *(f"- {public(f)}" for f in findings)]
@@ -189,6 +193,19 @@ def markdown_tables(groups: dict[str, list[FoundRecord]], public: Privacy,
     if notes:
         lines += [notes.rstrip(), ""]
     return "\n".join(lines)
+
+
+def _warnings(found: Sequence[FoundRecord]) -> list[str]:
+    """The warnings the records keep (``noisy-machine``, ...), each once, by column."""
+    labels = column_labels(found)
+    return list(dict.fromkeys(f"{lab}: {w}" for f, lab in zip(found, labels, strict=True)
+                              for w in f.record.warnings))
+
+
+def noisy_records(found: Sequence[FoundRecord]) -> list[str]:
+    """The record files measured on a noisy machine (their ``noisy-machine`` warning)."""
+    return [str(f.path) for f in found
+            if any(w.startswith(NOISY) for w in f.record.warnings)]
 
 
 def _md_code(name: str, text: str) -> str:
@@ -240,6 +257,7 @@ dl{display:grid;grid-template-columns:max-content minmax(0,1fr);gap:.2rem 1rem}
 dt{font-weight:600}dd{margin:0;overflow-wrap:anywhere}
 code{background:#f6f6f6;padding:0 .2rem}figure{margin:1rem 0}img{max-width:100%}
 ul.findings{max-width:60rem;line-height:1.45}ul.findings li{margin:.3rem 0}
+p.warning{background:#fff4d6;border-left:4px solid #d49b00;padding:.4rem .8rem;max-width:60rem}
 """
 
 
@@ -267,6 +285,7 @@ def html_page(groups: dict[str, list[FoundRecord]], public: Privacy,
             value = f"<code>{e(text)}</code>" if name == "command" else e(text)
             parts.append(f"<dt>{e(name)}</dt><dd>{value}</dd>")
         parts.append("</dl>")
+        parts += [f"<p class='warning'><b>warning:</b> {e(w)}</p>" for w in _warnings(found)]
         # What the numbers mean first: the table below backs each sentence.
         findings = run_findings([f.record for f in found])
         if findings:
@@ -282,7 +301,8 @@ def html_page(groups: dict[str, list[FoundRecord]], public: Privacy,
                          + "".join(f"<td class='num'>{e(c)}</td>" for c in row[1:]) + "</tr>")
         parts.append("</table></div>")
         if any(repeat_count(f.record) > 1 for f in found):
-            parts.append("<p>Values are medians over the repeats.</p>")
+            parts.append("<p>Values are medians over the repeats; measured ones with their "
+                         "min-max range.</p>")
         for png in find_plots(found):
             data = _png_data(png)
             parts.append(f"<figure><img alt='{e(png.name)}' src='data:image/png;base64,{data}'>"
@@ -303,12 +323,20 @@ def write_run_page(found: Sequence[FoundRecord], out_dir: Path) -> Path:
 def publish(
     found: Sequence[FoundRecord], out_dir: Path, *, include_host: bool = False,
     metrics: Sequence[str] | None = None, name: str | None = None, figure: bool = False,
-    notes: str = "",
+    notes: str = "", allow_noisy: bool = False,
 ) -> list[Path]:
     """Write the three files (``name``.md/.csv/.html when named), plus with ``figure`` a PNG
     of the tables' metrics; all are rendered before any is written. ``metrics`` picks the
-    table rows (default: the run tables'); ``notes`` is Markdown placed under the tables."""
+    table rows (default: the run tables'); ``notes`` is Markdown placed under the tables.
+    Records measured on a noisy machine are refused unless ``allow_noisy`` (the pages then
+    show their warnings)."""
     check_output_dir(out_dir, "output folder")
+    noisy = noisy_records(found)
+    if noisy and not allow_noisy:
+        raise KvbenchError(
+            f"{', '.join(noisy[:3])}{' ...' if len(noisy) > 3 else ''}: measured on a noisy "
+            "machine (their noisy-machine warning); rerun on a quiet machine, or give "
+            "--allow-noisy to publish them with the warning shown")
     rows = table_metrics(metrics)
     groups = by_suite(found)
     public = Privacy.of(found, include_host)

@@ -10,14 +10,26 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from kvbench.report.findings import FINDINGS_TITLE, run_findings
-from kvbench.results.metric_table import report_metrics
+from kvbench.results.metric_table import MetricSpec, report_metrics
+from kvbench.results.repeats import metric_values
 from kvbench.results.schema import RunRecord
+
+
+def table_cell(spec: MetricSpec, record: RunRecord) -> str:
+    """A metric's value as tables show it: on the wall clock, a measured value of several
+    repeats is their median with the min-max range."""
+    text = spec.format(record.summary.get(spec.name))
+    values = metric_values(record, spec.name)
+    if record.clock == "wall" and spec.kind in ("clock", "timing") and values and len(
+            values) > 1 and min(values) != max(values):
+        text += f" ({spec.format(min(values))}-{spec.format(max(values))})"
+    return text
 
 
 def table_rows(records: Sequence[RunRecord]) -> list[list[str]]:
     rows = [["status", *[r.status for r in records]]]
     for spec in report_metrics():
-        rows.append([spec.label, *[spec.format(r.summary.get(spec.name)) for r in records]])
+        rows.append([spec.label, *[table_cell(spec, r) for r in records]])
     return rows
 
 
@@ -50,6 +62,40 @@ def markdown_table(records: Sequence[RunRecord]) -> str:
     return "\n".join(lines)
 
 
+def _span(values: list[float], fmt: str) -> str:
+    lo, hi = min(values), max(values)
+    return format(lo, fmt) if lo == hi else f"{lo:{fmt}}-{hi:{fmt}}"
+
+
+def machine_load_text(record: RunRecord) -> str:
+    """The machine while a wall-clock record's engine ran, over its repeats: 1-minute load
+    before and after, steal and I/O wait, CPU seconds; "-" for a virtual-clock record."""
+    states = record.machine_state
+    if not states:
+        return "-"
+    before = [s.load_before[0] for s in states if s.load_before]
+    after = [s.load_after[0] for s in states if s.load_after]
+    steal = [s.steal_pct for s in states if s.steal_pct is not None]
+    iowait = [s.iowait_pct for s in states if s.iowait_pct is not None]
+    cpu = [s.user_cpu_s + s.system_cpu_s for s in states]
+    parts = [f"1-min load {_span(before, '.2f') if before else '?'} before, "
+             f"{_span(after, '.2f') if after else '?'} after on {states[0].cpu_count} CPUs"]
+    if steal:
+        parts.append(f"steal {_span(steal, '.1f')}%, iowait {_span(iowait, '.1f')}%")
+    parts.append(f"{_span(cpu, '.2f')} CPU-s per run ({len(states)} "
+                 f"run{'s' if len(states) > 1 else ''})")
+    return ", ".join(parts)
+
+
+def machine_lines(records: Sequence[RunRecord]) -> list[str]:
+    """The machine's load per engine, and the warnings the records keep."""
+    loaded = [r for r in records if r.machine_state]
+    out = [f"- {r.engine}: {machine_load_text(r)}" for r in loaded]
+    warnings = list(dict.fromkeys(w for r in records for w in r.warnings))
+    out += [f"- **warning:** {w}" for w in warnings]
+    return ["## The machine while the engines ran", "", *out, ""] if out else []
+
+
 def summary_markdown(records: Sequence[RunRecord]) -> str:
     first = records[0]
     wl = first.workload
@@ -65,6 +111,7 @@ def summary_markdown(records: Sequence[RunRecord]) -> str:
         f"- machine: {machine.get('cpu')} x{machine.get('cpu_count')}"
         + (f", GPU {machine['gpu']['name']}" if machine.get("gpu") else "")
         + f"; kvbench {first.kvbench_version} ({first.git_commit or 'no git'})",
+        f"- date: {first.created_utc}",
         "",
         markdown_table(records),
         "",
@@ -72,6 +119,7 @@ def summary_markdown(records: Sequence[RunRecord]) -> str:
     findings = run_findings(records)
     if findings:
         lines += [f"## {FINDINGS_TITLE}", "", *(f"- {f}" for f in findings), ""]
+    lines += machine_lines(records)
     lines += quality_lines(records)
     for r in records:
         if r.error:

@@ -8,12 +8,17 @@ relative ``tolerance`` and an optional ``abs_tolerance`` floor in the metric's o
 clock or is a timing measurement are properties of the metric, read from
 :mod:`kvbench.results.metric_table`; a file can only gate metrics and curves listed there
 with a direction.
+
+A file that drops or loosens a gate of the defaults says so (:func:`relaxations`); one that
+drops or loosens the gates on requests served (``completed``, ``failed``) is refused unless
+the user accepts it (:func:`check_relaxations`), since a lost request would then pass.
 """
 
 from __future__ import annotations
 
 import importlib.resources
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,9 +27,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kvbench.errors import InputFileError
 from kvbench.fileio import read_text
 from kvbench.results.metric_table import CURVE_BY_NAME, CURVE_TIME, METRIC_BY_NAME, closest
+from kvbench.workloads.textstream import too_deep
 
 DEFAULT_FILE = "thresholds.toml"
 DEFAULT_LABEL = f"kvbench/report/{DEFAULT_FILE} (built in)"
+# Gates on the requests a run served: without them a lost request passes.
+REQUEST_GATES = ("completed", "failed")
+# Gate settings that widen every metric's band, the request gates' included.
+_BAND_SETTINGS = ("exact_tolerance", "noise_k")
 
 # A tolerance: finite (inf would let every change pass) and not negative.
 Tolerance = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -128,6 +138,8 @@ def parse_thresholds(text: str, source: str | Path) -> Thresholds:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InputFileError(source, f"invalid TOML: {exc}") from None
+    except RecursionError:
+        raise too_deep(Path(source), "thresholds file") from None
     try:
         return Thresholds.model_validate(data)
     except ValidationError as exc:
@@ -140,3 +152,58 @@ def load_thresholds(path: str | Path | None = None) -> Thresholds:
         default = importlib.resources.files("kvbench.report") / DEFAULT_FILE
         return parse_thresholds(default.read_text(encoding="utf-8"), DEFAULT_LABEL)
     return parse_thresholds(read_text(path, "thresholds"), path)
+
+
+@dataclass(frozen=True, slots=True)
+class Relaxation:
+    """A gate of kvbench's defaults that a thresholds file drops or loosens."""
+
+    key: str  # "metrics.kv_waste_pct", "metrics.completed.tolerance", "gate.noise_k"
+    change: str  # "dropped", "0 -> 0.5"
+    # Loosens the gates on requests served (REQUEST_GATES).
+    requests: bool
+
+    def __str__(self) -> str:
+        return f"{self.key} {self.change}"
+
+
+def _looser(key: str, old: float, new: float, requests: bool) -> list[Relaxation]:
+    return [Relaxation(key, f"{old:g} -> {new:g}", requests)] if new > old else []
+
+
+def relaxations(th: Thresholds, defaults: Thresholds) -> list[Relaxation]:
+    """Every gate of ``defaults`` that ``th`` drops or loosens: wider tolerances or bands,
+    fewer curve slices (a short bump hides in a wider slice), more time slack."""
+    out: list[Relaxation] = []
+    for key in ("exact_tolerance", "noise_k", "curve_time_slack"):
+        out += _looser(f"gate.{key}", getattr(defaults.gate, key), getattr(th.gate, key),
+                       key in _BAND_SETTINGS)
+    if th.gate.curve_points < defaults.gate.curve_points:
+        out.append(Relaxation("gate.curve_points", f"{defaults.gate.curve_points} -> "
+                              f"{th.gate.curve_points}", False))
+    for section in ("metrics", "curves"):
+        mine: dict[str, MetricRule] = getattr(th, section)
+        for name, rule in getattr(defaults, section).items():
+            requests = section == "metrics" and name in REQUEST_GATES
+            if name not in mine:
+                out.append(Relaxation(f"{section}.{name}", "dropped", requests))
+                continue
+            for field in ("tolerance", "abs_tolerance"):
+                out += _looser(f"{section}.{name}.{field}", getattr(rule, field),
+                               getattr(mine[name], field), requests)
+    return out
+
+
+def check_relaxations(th: Thresholds, source: str | Path, *, allow_loose: bool) -> list[str]:
+    """What ``th`` (read from ``source``) drops or loosens of kvbench's defaults, as text.
+    Refuses a file that drops or loosens the gates on requests served, unless
+    ``allow_loose``."""
+    found = relaxations(th, load_thresholds())
+    guarded = [str(r) for r in found if r.requests]
+    if guarded and not allow_loose:
+        raise InputFileError(source, (
+            f"drops or loosens the gates on {' and '.join(REQUEST_GATES)} requests relative "
+            f"to kvbench's defaults ({'; '.join(guarded)}), so a lost request would pass; "
+            f"gate them as {DEFAULT_LABEL} does, or pass --allow-loose to accept it"
+        ))
+    return [str(r) for r in found]

@@ -96,6 +96,7 @@ def build_record(
     slo: SLO | None = None,
     soak: SoakResult | None = None,
     quality: QualityResult | None = None,
+    run_id: str | None = None,
 ) -> RunRecord:
     wl = run.workload
     tel = run.telemetry
@@ -117,6 +118,7 @@ def build_record(
     return RunRecord(
         kvbench_version=__version__,
         git_commit=git_commit(),
+        run_id=run_id,
         created_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         machine=machine_info(),
         # The command as typed, but the user's home folder as ~ (records get shared).
@@ -142,6 +144,9 @@ def build_record(
         telemetry=telemetry,
         soak=soak,
         quality=quality.info if quality is not None else None,
+        machine_state=[run.machine_state] if run.machine_state is not None else [],
+        warnings=[run.machine_state.noisy] if run.machine_state and run.machine_state.noisy
+        else [],
         summary=summary,
         curves=curves,
         requests=request_rows(run, quality),

@@ -51,8 +51,9 @@ Kind = Literal["deterministic", "clock", "timing", "device"]
 # free in total, a cluster of replicas, disaggregated prefill/decode replicas.
 # ``modal``: a modality-aware KV pool (its page classes' figures). ``quality``: a real-compute
 # run of an engine storing KV below the model's dtype, checked against full precision.
+# ``wall``: a wall-clock run of an engine in this process (not a served one).
 Need = Literal["slo", "soak", "cuda", "policy", "device", "oom", "fragmentation", "cluster",
-               "disaggregated", "modal", "quality"]
+               "disaggregated", "modal", "quality", "wall"]
 # The page classes of a modality-aware pool (kvbench.engines.kv.modal).
 MODAL_CLASSES = ("text", "vision")
 # The modalities of the tokens KV holds (kvbench.engines.kv.modality).
@@ -166,6 +167,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("total_token_throughput", "tokens/s", "higher", "clock", "total tokens/s", ".1f",
        report=True),
     _m("total_output_tokens", "tokens", "none", "clock", "output tokens", "d"),
+    _m("output_throughput_per_cpu_s", "tokens/CPU-s", "higher", "timing",
+       "output tokens per CPU-second", ".1f", report=True, needs=("wall",)),
     _m("request_goodput", "requests/s", "higher", "clock", "goodput (requests/s)", ".2f",
        needs=("slo",)),
     _m("slo_attainment_pct", "%", "higher", "clock", "SLO attainment %", ".1f",

@@ -212,6 +212,9 @@ def summarize(run: EngineRun, slo: SLO | None = None) -> dict[str, Any]:
             prompt_done + sum(t.output_tokens_emitted for t in completed)
         ),
         "total_output_tokens": out_tokens,
+        # Far less sensitive to other load on the machine than the wall-clock rate.
+        "output_throughput_per_cpu_s": (out_tokens / run.engine_cpu_s
+                                        if run.engine_cpu_s else None),
         "request_goodput": None,
         "slo_attainment_pct": None,
     }

@@ -1,14 +1,20 @@
-"""Run records gathered from many files and folders (CI shards, machines, baselines)."""
+"""Run records gathered from many files and folders (CI shards, machines, baselines).
+
+A record is read whole, so a file above ``schema.MAX_RECORD_BYTES`` (2 GiB) is refused before it is
+read: a replay of a million requests writes a record of some hundred MB, so such a file is
+no record kvbench wrote.
+"""
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvbench.errors import InputFileError, KvbenchError
-from kvbench.results.schema import RunRecord, load_record, read_json, record_from_data
+from kvbench.results.schema import RunRecord, read_record_json, record_from_data
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +39,7 @@ def read_folder_record(path: Path) -> RunRecord | None:
     """The record in a JSON file found in a folder; None for JSON that is not a record.
     A file that cannot be read or parsed (truncated, binary) is an InputFileError: it may
     have been a record."""
-    data = read_json(path)
+    data = read_record_json(path)
     return record_from_data(path, data) if _claims_to_be_record(data) else None
 
 
@@ -49,16 +55,25 @@ def find_records(paths: Iterable[str | Path]) -> list[FoundRecord]:
     depth, so a folder of downloaded CI artifacts works as it is)."""
     found: list[FoundRecord] = []
     for p in map(Path, paths):
-        if p.is_dir():
+        if _is_folder(p):
             for f in _json_files(p):
                 record = read_folder_record(f)
                 if record is not None:
                     found.append(FoundRecord(f, record))
-        elif p.exists():
-            found.append(FoundRecord(p, load_record(p)))
         else:
-            raise InputFileError(p, "no such file or folder")
+            found.append(FoundRecord(p, record_from_data(p, read_record_json(p))))
     return found
+
+
+def _is_folder(path: Path) -> bool:
+    """Whether ``path`` is a folder; a KvbenchError when it cannot be looked at (missing, or
+    a name too long for the file system)."""
+    try:
+        return stat.S_ISDIR(path.stat().st_mode)
+    except FileNotFoundError:
+        raise InputFileError(path, "no such file or folder") from None
+    except OSError as exc:
+        raise InputFileError(path, f"cannot be read: {exc.strerror or exc}") from None
 
 
 def load_records(paths: Iterable[str | Path]) -> list[FoundRecord]:

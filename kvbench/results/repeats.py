@@ -39,7 +39,10 @@ def fold_repeats(records: Sequence[RunRecord]) -> RunRecord:
         else:
             summary[key] = statistics.median(column)
     summary[REPEATS_KEY] = values
-    return rep.model_copy(update={"summary": summary})
+    states = [s for r in records for s in r.machine_state]
+    warnings = list(dict.fromkeys(w for r in records for w in r.warnings))
+    return rep.model_copy(update={"summary": summary, "machine_state": states,
+                                  "warnings": warnings})
 
 
 def metric_values(record: RunRecord, name: str) -> list[float] | None:

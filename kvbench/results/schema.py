@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -21,10 +22,13 @@ from pydantic_core import core_schema
 from kvbench.errors import InputFileError
 from kvbench.fileio import open_atomic, read_text
 from kvbench.results.slo import SLO
+from kvbench.units import format_bytes
 
 SCHEMA_VERSION = 1
 # Summary key of a folded record's per-repeat values (see kvbench.results.repeats).
 REPEATS_KEY = "repeats"
+# Larger than any record kvbench writes (a million-request replay's is some hundred MB).
+MAX_RECORD_BYTES = 2 << 30
 
 
 class WorkloadInfo(BaseModel):
@@ -229,11 +233,33 @@ class SoakResult(_Strict):
         return out
 
 
+# The warning a wall-clock record keeps when other work set its speed figures.
+NOISY = "noisy-machine"
+
+
+class MachineState(_Strict):
+    """The machine while one engine ran on the wall clock: load averages (1, 5, 15 min)
+    before and after, the share of CPU time stolen by a hypervisor or waiting on I/O
+    (``/proc/stat``; None where the system has none) and the process's own CPU seconds."""
+
+    load_before: tuple[float, float, float] | None = None
+    load_after: tuple[float, float, float] | None = None
+    cpu_count: int | None = None
+    steal_pct: float | None = None
+    iowait_pct: float | None = None
+    user_cpu_s: float = 0.0
+    system_cpu_s: float = 0.0
+    # Why the run's speed figures are not to be trusted (the ``noisy-machine`` warning).
+    noisy: str | None = None
+
+
 class RunRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
     schema_version: int = SCHEMA_VERSION
     kvbench_version: str
     git_commit: str | None
+    # The run that wrote the record (its folder's manifest names the same).
+    run_id: str | None = None
     created_utc: str
     machine: dict[str, Any]
     command: str
@@ -250,6 +276,10 @@ class RunRecord(BaseModel):
     telemetry: TelemetryInfo | None = None
     soak: SoakResult | None = None
     quality: QualityInfo | None = None
+    # One per repeat, in run order, for wall-clock runs (empty on the virtual clock).
+    machine_state: list[MachineState] = []
+    # Warnings about the run kept with it (``noisy-machine: ...``).
+    warnings: list[str] = []
     summary: dict[str, Any]
     curves: dict[str, list[float]]
     requests: RequestRows
@@ -322,6 +352,28 @@ def read_json(path: str | Path, what: str = "run record") -> Any:
         ) from None
 
 
+def read_record_json(path: str | Path) -> Any:
+    """The parsed JSON of a file that may hold a record; a file too large to be one, or
+    nested deeper than the parser recurses, is an InputFileError."""
+    try:
+        size = Path(path).stat().st_size
+    except OSError:
+        size = 0  # read_json says what is wrong with the file
+    if size > MAX_RECORD_BYTES:
+        raise InputFileError(
+            path, f"{format_bytes(size)} is more than the {format_bytes(MAX_RECORD_BYTES)} a "
+            "run record may take (a million-request replay's is some hundred MB), so no "
+            "record kvbench wrote: leave it out of the files and folders given",
+        )
+    try:
+        return read_json(path)
+    except RecursionError:
+        raise InputFileError(
+            path, f"nested too deeply to read (more than about {sys.getrecursionlimit():,} "
+            "levels of arrays or objects): not a run record",
+        ) from None
+
+
 def record_from_data(path: str | Path, data: Any) -> RunRecord:
     """A run record from the parsed JSON of ``path``; the path is for messages."""
     version = data.get("schema_version") if isinstance(data, dict) else None
@@ -341,4 +393,4 @@ def record_from_data(path: str | Path, data: Any) -> RunRecord:
 
 
 def load_record(path: str | Path) -> RunRecord:
-    return record_from_data(path, read_json(path))
+    return record_from_data(path, read_record_json(path))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,12 +14,15 @@ from kvbench.fileio import write_text_atomic
 from kvbench.report.plots import write_plots
 from kvbench.report.tables import summary_markdown
 from kvbench.results.build import QualityResult, build_record
+from kvbench.results.manifest import start_manifest
 from kvbench.results.repeats import fold_repeats
 from kvbench.results.schema import QualityInfo, RunRecord
 from kvbench.run.clocks import Clock, VirtualClock, WallClock
 from kvbench.run.cluster import build_cluster, cluster_log
 from kvbench.run.harness import EngineRun, RequestTiming, RunStatus, StepLog, run_engine
+from kvbench.run.isolate import run_isolated
 from kvbench.run.machine import machine_info
+from kvbench.run.machine_state import LoadProbe, noisy_summary
 from kvbench.run.plan import RunPlan
 from kvbench.run.quality import (
     QualityCheck,
@@ -29,7 +31,7 @@ from kvbench.run.quality import (
     check_quality,
     reason_not_checked,
 )
-from kvbench.run.signals import allow_interrupts, deferred_interrupts, interrupt_reason
+from kvbench.run.signals import Held, allow_interrupts, deferred_interrupts, interrupt_reason
 from kvbench.run.telemetry import Telemetry
 from kvbench.run.threads import ThreadsUsed, set_cpu_threads, torch_threads
 
@@ -103,11 +105,17 @@ def start_and_run(
         if not_checked is None:
             capture = capture_outputs(engine)
     at_start = torch_threads() if plan.cpu_threads is not None else None
+    telemetry = make_telemetry(plan, config)
+    probe = LoadProbe() if plan.clock == "wall" else None
     run = run_engine(
         engine, plan.workload, make_clock(plan), progress,
-        telemetry=make_telemetry(plan, config), waves=waves,
+        telemetry=telemetry, waves=waves,
         max_concurrency=plan.max_concurrency, fast_forward=plan.suite.run.fast_forward,
     )
+    if probe is not None:
+        run.machine_state = state = probe.stop()
+        if not config.section.realtime:  # a served engine's CPU time is not in this process
+            run.engine_cpu_s = state.user_cpu_s + state.system_cpu_s
     if quality is not None:
         run.quality = (
             QualityResult(QualityInfo(ran=False, reason=not_checked,
@@ -136,16 +144,46 @@ def record_of(plan: RunPlan, run: EngineRun, config: dict, **extra: Any) -> RunR
     return build_record(
         run, command=plan.command, suite=plan.suite.name, engine_config=config,
         model=plan.preset.to_json(), device=plan.device.label, slo=plan.suite.run.slo,
-        quality=run.quality, **extra,
+        quality=run.quality, run_id=plan.run_id, **extra,
     )
 
 
-def _write_record(plan: RunPlan, earlier: list[RunRecord], name: str, run: EngineRun,
-                  config: dict) -> list[RunRecord]:
-    """Write ``name``'s record: ``run``'s folded with its ``earlier`` repeats; returns them
-    all."""
-    repeats = [*earlier, record_of(plan, run, config)]
-    fold_repeats(repeats).write(plan.out_dir / f"{name}.json")
+def run_one(plan: RunPlan, config: EngineConfig, progress: Callable[[int], None] | None,
+            quality: QualityCheck) -> tuple[RunRecord, KeyboardInterrupt | None]:
+    """One engine's run, in this process, as its record; and an interrupt that came while
+    the record was built (it is built again, whole, before the interrupt goes on)."""
+    run, described = start_and_run(plan, config, progress, quality=quality)
+    try:
+        return record_of(plan, run, described), None
+    except KeyboardInterrupt as exc:
+        return record_of(plan, run, described), exc
+
+
+def round_order(engines: list[tuple[str, EngineConfig]], k: int,
+                interleave: bool) -> list[tuple[str, EngineConfig]]:
+    """Round ``k``'s engine order: ABC, CBA, BCA, ACB, CAB, BAC, ... when ``interleave``
+    (so that drift in the machine's load hits every engine alike), else as given."""
+    if not interleave or not engines:
+        return engines
+    shift = (k // 2) % len(engines)
+    order = engines[shift:] + engines[:shift]
+    return order[::-1] if k % 2 else order
+
+
+def _write_record(plan: RunPlan, earlier: list[RunRecord], name: str,
+                  record: RunRecord) -> list[RunRecord]:
+    """Write ``name``'s record: ``record`` folded with its ``earlier`` repeats; returns them
+    all. A write that fails (disk full) stops the run, the records already written kept."""
+    repeats = [*earlier, record]
+    path = plan.out_dir / f"{name}.json"
+    try:
+        fold_repeats(repeats).write(path)
+    except OSError as exc:
+        kept = sorted(p.name for p in plan.out_dir.glob("*.json"))
+        raise KvbenchError(
+            f"could not write {path} ({exc.strerror or exc}); the run stopped there. Records "
+            f"written before it are kept in {plan.out_dir}: {', '.join(kept) or 'none'}"
+        ) from None
     return repeats
 
 
@@ -162,47 +200,69 @@ def record_unstarted(plan: RunPlan, done: set[str], reason: str) -> list[RunReco
     return out
 
 
+def _run_engine(plan: RunPlan, name: str, config: EngineConfig,
+                progress: Callable[[int], None] | None, quality: QualityCheck,
+                held: Held) -> tuple[RunRecord, KeyboardInterrupt | None]:
+    """One engine's record, from a fresh process when the plan isolates engines."""
+    if not plan.isolated:
+        return run_one(plan, config, progress, quality)
+    got = run_isolated(plan, name, progress, quality.enabled, held)
+    if isinstance(got, str):
+        # A process that an interrupt passed on to ended before it could say so itself.
+        status: RunStatus = "failed" if held.signum is None else "interrupted"
+        reason = got if held.signum is None else f"{held.reason} while the engine started"
+        section = {"kind": config.section.kind, **config.section.model_dump()}
+        return record_of(plan, _not_run(plan, config, status, reason), section), None
+    return got, None
+
+
 def execute_plan(
     plan: RunPlan,
     on_engine: Callable[[str], Callable[[int], None] | None] | None = None,
     *,
     plots: bool = True,
 ) -> list[RunRecord]:
-    """Run every engine in turn, ``plan.repeats`` rounds of all engines (so that slow drift
-    hits every engine alike); each record is written as soon as its engine ends, folded over
-    its repeats so far. A failed engine does not stop the others and is not repeated. An
-    interrupt (Ctrl-C, SIGTERM) stops the run: the current engine's record says where (or,
-    when its run had ended, is written as it ran), engines not yet started get interrupted
-    records, and the summary is still written."""
+    """Run every engine, ``plan.repeats`` rounds of all engines, on the wall clock each round
+    in another order (:func:`round_order`) and each engine in its own process; each record is
+    written as soon as its engine ends, folded over its repeats so far. A failed engine does
+    not stop the others and is not repeated. An interrupt (Ctrl-C, SIGTERM) stops the run:
+    the current engine's record says where (or, when its run had ended, is written as it
+    ran), engines not yet started get interrupted records, and the summary is still
+    written. The folder's manifest says which engines finished."""
     runs: dict[str, list[RunRecord]] = {}
     stopped: str | None = None
-    # An interrupt that came after an engine's run ended (while its record was built): the
-    # record is written all the same, then the run stops as interrupted.
     late: KeyboardInterrupt | None = None
     quality = QualityCheck(plan.suite.run.quality_check)
+    manifest = start_manifest(plan.out_dir, plan.run_id, plan.command,
+                              [n for n, _ in plan.engines])
+    interleave = plan.clock == "wall"
     # Interrupts raise only while an engine starts or runs (which record them); one that
     # comes between (an engine set up, a record written) waits until the records are.
     with deferred_interrupts() as held:
-        for repeat, (name, engine) in itertools.product(range(plan.repeats), plan.engines):
-            if any(r.status != "ok" for r in runs.get(name, [])):
-                continue
-            label = name if plan.repeats == 1 else f"{name} ({repeat + 1}/{plan.repeats})"
-            progress = on_engine(label) if on_engine else None
-            run, config = start_and_run(plan, engine, progress, quality=quality)
-            earlier = runs.get(name, [])
-            try:
-                runs[name] = _write_record(plan, earlier, name, run, config)
-            except KeyboardInterrupt as exc:
-                late = exc
-                runs[name] = _write_record(plan, earlier, name, run, config)
-            if run.status == "interrupted" or late is not None or held.signum is not None:
-                stopped = (run.error if run.status == "interrupted" else
-                           interrupt_reason(late) if late is not None else held.reason)
+        for repeat in range(plan.repeats):
+            for name, engine in round_order(plan.engines, repeat, interleave):
+                if any(r.status != "ok" for r in runs.get(name, [])):
+                    continue
+                label = name if plan.repeats == 1 else f"{name} ({repeat + 1}/{plan.repeats})"
+                progress = on_engine(label) if on_engine else None
+                record, late = _run_engine(plan, name, engine, progress, quality, held)
+                runs[name] = _write_record(plan, runs.get(name, []), name, record)
+                if name not in manifest.engines_finished and plan.repeats == repeat + 1:
+                    manifest.engines_finished.append(name)
+                    manifest.write(plan.out_dir)
+                if record.status == "interrupted" or late is not None or held.signum is not None:
+                    stopped = (record.error if record.status == "interrupted" else
+                               interrupt_reason(late) if late is not None else held.reason)
+                    break
+            if stopped is not None:
                 break
-        records = [fold_repeats(rs) for rs in runs.values()]
+        records = [fold_repeats(runs[n]) for n, _ in plan.engines if n in runs]
+        plan.warnings += noisy_summary(records)
         if stopped is not None:
             records += record_unstarted(plan, set(runs), f"not started: the run was {stopped}")
         write_text_atomic(plan.out_dir / "summary.md", summary_markdown(records))
+        manifest.finish(plan.out_dir, "interrupted" if stopped is not None else
+                        "ok" if all(r.status == "ok" for r in records) else "failed")
     if late is not None:
         raise late
     held.deliver()

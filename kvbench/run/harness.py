@@ -188,6 +188,11 @@ class EngineRun:
     # Inter-token gaps of requests whose engine stamps token times, by request id, until it
     # completes (then they join the step log's gaps).
     stamped_gaps: dict[str, list[float]] = field(default_factory=dict)
+    # On the wall clock: the machine while the engine ran (a results.schema.MachineState),
+    # and the CPU seconds of this process's run loop where they are the engine's own (not
+    # a served engine's client).
+    machine_state: Any = None
+    engine_cpu_s: float | None = None
 
 
 def wave_requests(workload: Workload, wave: int, waves: int, start_s: float) -> list[Request]:
@@ -377,7 +382,20 @@ def run_engine(
             if run.status == "ok":
                 run.status, run.error = "failed", f"close() failed: {exc}"
         tel.close()
+    if run.status == "ok" and (nothing := _nothing_completed(run.timings)) is not None:
+        run.status, run.error = "failed", nothing
     return run
+
+
+def _nothing_completed(timings: dict[str, RequestTiming]) -> str | None:
+    """Why a run none of whose requests completed, though some were tried, is failed."""
+    failed = [t for t in timings.values() if t.status == "failed"]
+    if not failed or any(t.status == "ok" for t in timings.values()):
+        return None
+    rejected = sum(t.status == "rejected" for t in timings.values())
+    sent = f" sent ({rejected} more rejected)" if rejected else ""
+    return f"all {len(failed)} requests{sent} failed; the first, {failed[0].request.id}: " \
+        f"{failed[0].error}"
 
 
 def _taken_in_bulk(run: EngineRun, tel: Telemetry, w0: float) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from kvbench.errors import KvbenchError
 from kvbench.results.paths import check_path_component
 from kvbench.run.cluster import check_cluster
 from kvbench.run.devices import kv_budget_bytes, on_demand_kv_bytes, parse_device
-from kvbench.run.outdir import prepare_out_dir
+from kvbench.run.outdir import OutDirLock, prepare_out_dir
+from kvbench.run.overrides import check_replica_memory
 from kvbench.run.sharding import Shard
 from kvbench.run.suite import RunSection, Suite
 from kvbench.units import format_bytes, parse_bytes
@@ -49,6 +51,11 @@ class RunPlan:
     # On a CPU: torch's CPU threads every engine computes at (the suite's cpu_threads, else
     # torch's default when the run is planned); None elsewhere.
     cpu_threads: int | None = None
+    # Each engine run in a fresh process (wall-clock runs unless run.in_process).
+    isolated: bool = False
+    # Names this run in its records and its folder's manifest; the folder's lock.
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    lock: OutDirLock | None = None
 
 
 def load_workload(suite: Suite, base: Path | None) -> Workload:
@@ -75,13 +82,15 @@ def load_workload(suite: Suite, base: Path | None) -> Workload:
 
 def plan_run(
     suite: Suite, base: Path | None, out_dir: Path | None, command: str,
-    *, repeats: int = 1, shard: Shard | None = None, force: bool = False,
+    *, repeats: int | None = None, shard: Shard | None = None, force: bool = False,
 ) -> RunPlan:
     """``shard`` keeps its share of the suite's engines (possibly none); ``force`` lets the
-    run replace the records an existing ``out_dir`` holds."""
+    run replace the records an existing ``out_dir`` holds; ``repeats`` (--repeat) overrides
+    the suite's ``run.repeat``."""
+    run = suite.run
+    repeats = run.repeat if repeats is None else repeats
     if repeats < 1:
         raise KvbenchError(f"--repeat must be at least 1, not {repeats}")
-    run = suite.run
     preset = get_preset(suite.model.preset)
     if suite.model.dtype:
         preset = preset.with_dtype(suite.model.dtype)
@@ -169,9 +178,11 @@ def plan_run(
                 f"coefficients may not transfer; calibrate with --model {preset.name}"
             )
     check_cluster(plan)
+    check_replica_memory(suite.cluster, engines, len(workload.requests))
     for name, config in engines:
         _precheck(plan, name, config)
-    prepare_out_dir(out_dir, force)
+    plan.isolated = clock == "wall" and not run.in_process
+    plan.lock = prepare_out_dir(out_dir, force)
     return plan
 
 
@@ -235,9 +246,11 @@ def _precheck(plan: RunPlan, name: str, config: EngineConfig) -> None:
     if isinstance(section, KVPolicy) and config.device.kind != "sim":
         # The kernels of real compute, built or imported now (a missing compiler or triton
         # says so before any engine runs).
-        from kvbench.kernels.backend import get_backend
+        from kvbench.kernels.backend import collected_warnings, get_backend
 
-        get_backend(config.attention, config.device.torch_device)
+        with collected_warnings() as said:  # auto's fallback, an unusable build cache
+            get_backend(config.attention, config.device.torch_device)
+        plan.warnings += said
     rejection = section.admission(config)
     reasons = [r for r in map(rejection, plan.workload.requests) if r is not None]
     if len(reasons) == len(plan.workload.requests):

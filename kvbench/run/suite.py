@@ -10,7 +10,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvbench.engines.activations import AttentionImpl
 from kvbench.engines.cluster import ClusterSection
@@ -24,7 +31,9 @@ from kvbench.engines.scheduler import (
 )
 from kvbench.errors import InputFileError, KvbenchError
 from kvbench.fileio import read_text
+from kvbench.results.paths import name_length_problem, path_component_problem, path_length_problem
 from kvbench.results.slo import SLO
+from kvbench.workloads.textstream import too_deep
 from kvbench.workloads.validation import validation_message
 
 DEFAULT_SUITE = "default"
@@ -104,6 +113,22 @@ class RunSection(_Strict):
     # Real compute: compare the outputs of every engine whose KV policy stores tokens below
     # the model's dtype with a full-precision reference pass (kvbench.run.quality).
     quality_check: bool = True
+    # Wall clock: every engine runs in a fresh process (as asv runs each benchmark), so
+    # none inherits another's memory, allocator state, thread pools or caches; true runs
+    # them all in this process (for debugging).
+    in_process: bool = False
+    # Rounds of every engine (interleaved orders on the wall clock); --repeat overrides.
+    repeat: int = Field(default=1, ge=1)
+
+    @field_validator("engines")
+    @classmethod
+    def _file_names(cls, names: list[str]) -> list[str]:
+        # Each engine names its record file: refused now, not when the record is written.
+        for name in names:
+            problem = path_component_problem(name, "engine")
+            if problem is not None:
+                raise ValueError(problem)
+        return names
 
 
 class Suite(_Strict):
@@ -115,6 +140,15 @@ class Suite(_Strict):
     engines: dict[str, AnyEngineSection] = Field(default_factory=dict)
     # Replicas behind a router, or disaggregated prefill/decode (kvbench.engines.cluster).
     cluster: ClusterSection = Field(default_factory=ClusterSection)
+
+    @field_validator("name")
+    @classmethod
+    def _short_name(cls, name: str) -> str:
+        # The name starts output folders' names (runs/<suite>-<time>, baselines/…/<suite>).
+        problem = name_length_problem(name, "suite")
+        if problem is not None:
+            raise ValueError(problem)
+        return name
 
     def engine(self, name: str) -> EngineSection:
         if name in self.engines:
@@ -136,6 +170,8 @@ def load_suite(ref: str | None) -> tuple[Suite, Path | None]:
     Returns the suite and the folder relative paths in it resolve against: the suite file's.
     """
     ref = ref or DEFAULT_SUITE
+    if (problem := path_length_problem(ref, "suite")) is not None:
+        raise KvbenchError(problem)
     path = Path(ref)
     if path.suffix == ".toml" or path.is_dir():
         text, base = read_text(path, "suite (.toml)"), path.parent
@@ -151,6 +187,8 @@ def load_suite(ref: str | None) -> tuple[Suite, Path | None]:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InputFileError(path, f"invalid TOML: {exc}") from None
+    except RecursionError:
+        raise too_deep(path, "suite file") from None
     if not data:
         raise InputFileError(
             path, "the suite file is empty; give at least [run] engines = [...] or name a "
