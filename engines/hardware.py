@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 
 from kvbench.errors import KvbenchError
+from kvbench.units import did_you_mean
 
 MiB = 2**20
 
@@ -119,7 +120,10 @@ def get_gpu(name: str) -> Hardware:
     try:
         return _GPUS[name.lower()]
     except KeyError:
-        raise KvbenchError(f"unknown GPU {name!r}; valid GPUs: {', '.join(gpu_names())}") from None
+        raise KvbenchError(
+            f"unknown GPU {name!r}; {did_you_mean(name.lower(), _GPUS)}valid GPUs: "
+            f"{', '.join(gpu_names())}"
+        ) from None
 
 
 # Uncalibrated figures for real compute on a CPU under the virtual clock; replace them with a

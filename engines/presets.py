@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvbench.errors import KvbenchError
+from kvbench.units import did_you_mean
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -155,5 +156,6 @@ def get_preset(name: str) -> ModelPreset:
         return _PRESETS[name]
     except KeyError:
         raise KvbenchError(
-            f"unknown model preset {name!r}; valid presets: {', '.join(preset_names())}"
+            f"unknown model preset {name!r}; {did_you_mean(name, _PRESETS)}valid presets: "
+            f"{', '.join(preset_names())}"
         ) from None

@@ -1,13 +1,15 @@
-"""Parsing and formatting of byte sizes ("64MiB", "1.5GB") and SLO-style lists."""
+"""Parsing and formatting of byte sizes ("64MiB", "1.5GB") and SLO-style lists, and the
+close match offered for a misspelt name."""
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Iterable
 
 from kvbench.errors import KvbenchError
 
 _UNITS = {
-    "": 1,
     "b": 1,
     "kb": 10**3,
     "mb": 10**6,
@@ -24,22 +26,41 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(text: str | int) -> int:
-    """Parse a byte size such as ``64MiB``, ``1.5GB`` or ``4096``."""
+def parse_bytes(text: str | int, what: str = "size") -> int:
+    """Parse a byte size such as ``64MiB`` or ``1.5GB`` (an int counts bytes); ``what``
+    names the value in messages, e.g. ``--kv-memory``.
+
+    Text needs a unit: a bare ``1`` is far likelier a slip for 1 GiB than a budget of
+    one byte."""
+    shown = text if isinstance(text, int) or (text and text.strip() == text) else repr(text)
     if isinstance(text, int):
-        value, unit = float(text), ""
+        value, unit = float(text), "b"
     else:
         m = _SIZE_RE.match(text)
-        if not m or m.group(2).lower() not in _UNITS:
+        if m and not m.group(2) and float(m.group(1)) > 0:
+            number = m.group(1)
+            # Below 1024 a byte count is no plausible size; above, bytes may be meant.
+            big, small = ("B", "MiB") if float(number) >= 1024 else ("GiB", "MiB")
             raise KvbenchError(
-                f"cannot read size {text!r}: write a number with an optional unit, "
-                "e.g. 64MiB, 2GiB, 500MB or 1048576"
+                f"{what} {shown}: a size needs a unit, e.g. {number}{big} or {number}{small}"
             )
-        value, unit = float(m.group(1)), m.group(2).lower()
+        if not m or m.group(2).lower() not in {*_UNITS, ""}:
+            raise KvbenchError(
+                f"{what} {shown}: cannot read this size: write a number and a unit, "
+                "e.g. 64MiB, 2GiB, 500MB or 1048576B"
+            )
+        value, unit = float(m.group(1)), m.group(2).lower() or "b"
     size = int(value * _UNITS[unit])
     if size <= 0:
-        raise KvbenchError(f"size {text!r} must be positive")
+        raise KvbenchError(f"{what} {shown} must be positive")
     return size
+
+
+def did_you_mean(name: str, valid: Iterable[str]) -> str:
+    """``"did you mean 'paged'? "`` for the closest of ``valid`` to a misspelt ``name``,
+    or ``""`` when none is close; messages put it before the list of valid names."""
+    close = difflib.get_close_matches(name, list(valid), n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
 
 
 def format_bytes(n: float | None) -> str:

@@ -19,8 +19,8 @@ from kvbench.units import format_bytes, parse_bytes
 def test_parse_bytes() -> None:
     assert parse_bytes("64MiB") == 64 * 2**20
     assert parse_bytes("1.5GB") == 1_500_000_000
-    assert parse_bytes("4096") == 4096
-    for bad in ("", "12 parsecs", "-5MiB", "0"):
+    assert parse_bytes("4096B") == parse_bytes(4096) == 4096
+    for bad in ("", "12 parsecs", "-5MiB", "0", "4096"):
         with pytest.raises(KvbenchError):
             parse_bytes(bad)
     assert format_bytes(1536) == "1.5 KiB"

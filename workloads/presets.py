@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvbench.errors import KvbenchError
+from kvbench.units import did_you_mean
 from kvbench.workloads.generator import generate
 from kvbench.workloads.model import Workload
 from kvbench.workloads.spec import WorkloadSpec
@@ -136,7 +137,10 @@ def preset_names() -> list[str]:
 
 def get_preset_spec(name: str) -> WorkloadSpec:
     if name not in _PRESETS:
-        raise KvbenchError(f"unknown workload preset {name!r}; valid: {', '.join(_PRESETS)}")
+        raise KvbenchError(
+            f"unknown workload preset {name!r}; {did_you_mean(name, _PRESETS)}valid: "
+            f"{', '.join(_PRESETS)}"
+        )
     return WorkloadSpec.model_validate(_PRESETS[name])
 
 

@@ -10,9 +10,12 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
 from kvbench.cli import alert_flags, claims, regress, scale, telemetry, workload
 from kvbench.cli.options import (
+    INSPECT_PANEL,
+    RUN_PANEL,
     command_line,
     console,
     err_console,
@@ -27,7 +30,23 @@ from kvbench.errors import KvbenchError
 from kvbench.report.tables import print_table
 from kvbench.run.overrides import RunFlags
 
+# The commands in the order of a newcomer's path: run, look at results, then the rest.
+HELP_ORDER = ("run", "sweep", "soak", "compare", "baseline", "report", "publish", "workload",
+              "capacity", "calibrate", "claims", "list", "machine")
+
+
+class _WorkflowGroup(TyperGroup):
+    """Lists commands in :data:`HELP_ORDER` (typer lists sub-apps after all commands), so
+    that the help's panels come in that order too."""
+
+    def list_commands(self, ctx: typer.Context) -> list[str]:
+        names = super().list_commands(ctx)
+        last = len(HELP_ORDER)
+        return sorted(names, key=lambda n: HELP_ORDER.index(n) if n in HELP_ORDER else last)
+
+
 app = typer.Typer(
+    cls=_WorkflowGroup,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -40,8 +59,22 @@ telemetry.register(app)
 workload.register(app)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from kvbench import __version__
 
-@app.command()
+        console.print(f"kvbench {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print kvbench's version and exit.")] = False,
+) -> None:
+    """Options of `kvbench` itself (the help shown is the app's)."""
+
+
+@app.command(rich_help_panel=RUN_PANEL)
 @run_flags()
 def run(
     suite: Annotated[str | None, typer.Argument(help="Suite TOML file or name (default: the embedded default).")] = None,
@@ -80,6 +113,7 @@ def run(
         f"digest {plan.workload.digest}), model {plan.preset.name}, device {plan.device.label}, "
         f"clock {plan.clock}, engines {', '.join(n for n, _ in plan.engines)}"
     )
+    console.print(f"arrivals: {escape(plan.arrivals)}", highlight=False)
     with interruptible() as interrupts, progress_bar() as progress:
 
         def on_engine(name: str):
@@ -113,7 +147,7 @@ def run(
     exit_for(records, interrupts)
 
 
-@app.command("list")
+@app.command("list", rich_help_panel=INSPECT_PANEL)
 def list_names() -> None:
     """Model presets, GPUs, engines, suites and workload presets."""
     from kvbench.engines.hardware import get_gpu, gpu_names

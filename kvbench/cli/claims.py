@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from kvbench.cli.options import console, err_console
+from kvbench.cli.options import PLAN_PANEL, console, err_console
 
 
 def claims(
@@ -18,8 +18,9 @@ def claims(
     quick: Annotated[bool, typer.Option(help="Smaller workloads (a few minutes on 2 CPU cores); the verdict rules are the same.")] = False,
     only: Annotated[str | None, typer.Option(help="Only these studies, e.g. C1,C21,P5.")] = None,
 ) -> None:
-    """Run one study per policy (P1-P11) and claim (C1-C26) of the field reports and write
-    each verdict with its figures, its rule and the commands that reproduce it."""
+    """Run one study per policy (P1-P11) and claim (C1-C26) of the field reports.
+
+    Each verdict is written with its figures, its rule and the commands that reproduce it."""
     from kvbench.tools.claims import parse_only, run_claims
 
     parse_only(only)  # bad ids fail before any work
@@ -35,4 +36,4 @@ def claims(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("claims")(claims)
+    app.command("claims", rich_help_panel=PLAN_PANEL)(claims)

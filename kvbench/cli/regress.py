@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvbench.cli import alert_flags
+from kvbench.cli.options import INSPECT_PANEL, RESULTS_PANEL
 from kvbench.errors import KvbenchError
 
 err_console = Console(stderr=True)
@@ -134,9 +135,9 @@ def publish(
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(compare)
-    app.command()(machine)
-    app.command()(publish)
+    app.command(rich_help_panel=RESULTS_PANEL)(compare)
+    app.command(rich_help_panel=RESULTS_PANEL)(publish)
+    app.command(rich_help_panel=INSPECT_PANEL)(machine)
     baseline_app = typer.Typer(no_args_is_help=True, help="Store run records as baselines.")
     baseline_app.command("save")(baseline_save)
-    app.add_typer(baseline_app, name="baseline")
+    app.add_typer(baseline_app, name="baseline", rich_help_panel=RESULTS_PANEL)

@@ -15,7 +15,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvbench.cli.options import command_line, console, err_console
+from kvbench.cli.options import PLAN_PANEL, command_line, console, err_console
 from kvbench.errors import KvbenchError
 from kvbench.report.tables import print_table
 from kvbench.tools.capacity import CapacityRow, Deployment
@@ -27,7 +27,9 @@ def calibrate(
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Profile file (default: calibration-<device>-<model>.json).")] = None,
     repeats: Annotated[int | None, typer.Option(help="Timed rounds over the grid (median per point).")] = None,
 ) -> None:
-    """Time real steps over a batch x context x chunk grid, fit the cost model, write a
+    """Fit the cost model to real steps on this machine's CPU or GPU.
+
+    Times real steps over a batch x context x chunk grid, fits the cost model and writes a
     profile that `kvbench run --device sim:PROFILE.json` simulates."""
     from dataclasses import replace
 
@@ -99,8 +101,10 @@ def capacity(
     json_out: Annotated[Path | None, typer.Option("--json", help="With --grid: write the rows as JSON here.")] = None,
     yes: Annotated[bool, typer.Option("--yes", help="With --grid: plan a grid of more than 10,000 points.")] = False,
 ) -> None:
-    """Max concurrent requests per KV layout (contiguous reservation policies, paged block
-    sizes), KV bytes per token, KV budget, and the cost model's latency at that load."""
+    """Plan a GPU deployment: the most requests that fit at once per KV layout.
+
+    Per KV layout (contiguous reservation policies, paged block sizes): max concurrent
+    requests, KV bytes per token, KV budget, and the cost model's latency at that load."""
     from kvbench.engines.hardware import get_gpu
     from kvbench.engines.presets import get_preset
     from kvbench.fileio import write_text_atomic
@@ -339,5 +343,5 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(calibrate)
-    app.command()(capacity)
+    app.command(rich_help_panel=PLAN_PANEL)(calibrate)
+    app.command(rich_help_panel=PLAN_PANEL)(capacity)

@@ -14,6 +14,8 @@ from rich.table import Table
 from rich.text import Text
 
 from kvbench.cli.options import (
+    RESULTS_PANEL,
+    RUN_PANEL,
     command_line,
     console,
     err_console,
@@ -61,8 +63,9 @@ def soak(
     *,
     flags: RunFlags,
 ) -> None:
-    """Send the workload in WAVES through the same engine instance and check that memory is
-    given back after each wave drains. Exits 1 when a leak is found."""
+    """Check for leaks: send the workload in waves through one engine instance.
+
+    Memory must be given back after each wave drains; exits 1 when a leak is found."""
     from kvbench.run.plan import plan_run
     from kvbench.tools.soak import SOAK_HEADER, run_soak, soak_findings, soak_rows
 
@@ -77,6 +80,7 @@ def soak(
         f"model {plan.preset.name}, device {plan.device.label}, clock {plan.clock}, "
         f"engines {', '.join(n for n, _ in plan.engines)}"
     )
+    console.print(f"arrivals: {escape(plan.arrivals)}", highlight=False)
     with interruptible() as interrupts, progress_bar() as progress:
 
         def on_engine(name: str):
@@ -112,9 +116,10 @@ def sweep(
     *,
     flags: RunFlags,
 ) -> None:
-    """Run the suite at each KV budget and/or block size: how many requests fit at once, and
-    what the block size trades between latency and memory, per engine. With --grid, at
-    every point of the grid instead, points in parallel."""
+    """Run the suite at each KV budget and/or block size, or at every point of a --grid.
+
+    Shows, per engine, how many requests fit at once and what the block size trades between
+    latency and memory. With --grid, points run in parallel."""
     from kvbench.tools.sweep import (
         parse_block_sizes,
         parse_budgets,
@@ -163,7 +168,7 @@ def sweep(
 def _grid_sweep(the_suite, base, grid: list[str], kv_memory: str | None,
                 block_size: str | None, workers: int, backend: str, address: str | None,
                 out_dir: Path, force: bool, yes: bool) -> None:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     from kvbench.run.outdir import prepare_out_dir
     from kvbench.tools.grid import (
@@ -195,10 +200,9 @@ def _grid_sweep(the_suite, base, grid: list[str], kv_memory: str | None,
     where = f"Ray ({address or 'local'})" if backend == "ray" else f"{workers} local workers"
     console.print(f"[bold]{the_suite.name}[/] grid: {n} points "
                   f"({' x '.join(f'{a.name} {len(a.values)}' for a in axes)}) on {where}")
-    with interruptible() as interrupts, Progress(
+    with interruptible() as interrupts, progress_bar(
         TextColumn("grid points"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(),
-        console=err_console, transient=True,
+        TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(), unit="points",
     ) as progress:
         task = progress.add_task("grid", total=n, failed=0)
         result = run_grid(
@@ -285,6 +289,6 @@ def report(
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(soak)
-    app.command()(sweep)
-    app.command()(report)
+    app.command(rich_help_panel=RUN_PANEL)(sweep)
+    app.command(rich_help_panel=RUN_PANEL)(soak)
+    app.command(rich_help_panel=RESULTS_PANEL)(report)

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from kvbench.cli.options import console, warn
+from kvbench.cli.options import WORKLOAD_PANEL, console, warn
 from kvbench.errors import KvbenchError
 from kvbench.report.tables import print_table
 
@@ -92,4 +92,4 @@ def register(app: typer.Typer) -> None:
     workload_app.command("gen")(gen)
     workload_app.command("import")(import_)
     workload_app.command("show")(show)
-    app.add_typer(workload_app, name="workload")
+    app.add_typer(workload_app, name="workload", rich_help_panel=WORKLOAD_PANEL)

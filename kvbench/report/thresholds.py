@@ -27,7 +27,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kvbench.errors import InputFileError
 from kvbench.fileio import read_text
 from kvbench.results.metric_table import CURVE_BY_NAME, CURVE_TIME, METRIC_BY_NAME, closest
-from kvbench.workloads.textstream import too_deep
 
 DEFAULT_FILE = "thresholds.toml"
 DEFAULT_LABEL = f"kvbench/report/{DEFAULT_FILE} (built in)"
@@ -139,7 +138,7 @@ def parse_thresholds(text: str, source: str | Path) -> Thresholds:
     except tomllib.TOMLDecodeError as exc:
         raise InputFileError(source, f"invalid TOML: {exc}") from None
     except RecursionError:
-        raise too_deep(Path(source), "thresholds file") from None
+        raise InputFileError(source, "nested too deeply to read: not a thresholds file") from None
     try:
         return Thresholds.model_validate(data)
     except ValidationError as exc:

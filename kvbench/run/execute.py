@@ -63,6 +63,23 @@ def _not_run(plan: RunPlan, config: EngineConfig, status: RunStatus, error: str,
     return run
 
 
+def _drive(plan: RunPlan, config: EngineConfig, engine: Any,
+           progress: Callable[[int], None] | None, waves: int) -> EngineRun:
+    """The harness's run of ``engine``; on the wall clock with the machine's state."""
+    telemetry = make_telemetry(plan, config)
+    probe = LoadProbe() if plan.clock == "wall" else None
+    run = run_engine(
+        engine, plan.workload, make_clock(plan), progress,
+        telemetry=telemetry, waves=waves,
+        max_concurrency=plan.max_concurrency, fast_forward=plan.suite.run.fast_forward,
+    )
+    if probe is not None:
+        run.machine_state = state = probe.stop()
+        if not config.section.realtime:  # a served engine's CPU time is not in this process
+            run.engine_cpu_s = state.user_cpu_s + state.system_cpu_s
+    return run
+
+
 def start_and_run(
     plan: RunPlan,
     config: EngineConfig,
@@ -105,17 +122,7 @@ def start_and_run(
         if not_checked is None:
             capture = capture_outputs(engine)
     at_start = torch_threads() if plan.cpu_threads is not None else None
-    telemetry = make_telemetry(plan, config)
-    probe = LoadProbe() if plan.clock == "wall" else None
-    run = run_engine(
-        engine, plan.workload, make_clock(plan), progress,
-        telemetry=telemetry, waves=waves,
-        max_concurrency=plan.max_concurrency, fast_forward=plan.suite.run.fast_forward,
-    )
-    if probe is not None:
-        run.machine_state = state = probe.stop()
-        if not config.section.realtime:  # a served engine's CPU time is not in this process
-            run.engine_cpu_s = state.user_cpu_s + state.system_cpu_s
+    run = _drive(plan, config, engine, progress, waves)
     if quality is not None:
         run.quality = (
             QualityResult(QualityInfo(ran=False, reason=not_checked,

@@ -15,6 +15,7 @@ import dataclasses
 import multiprocessing as mp
 import os
 import signal
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -27,6 +28,8 @@ from kvbench.run.signals import Held, deferred_interrupts, sigterm_interrupts
 
 # How often the parent looks at held signals and the child's liveness while it waits.
 _POLL_S = 0.1
+# How often the child repeats an unchanged progress count.
+_SAME_PROGRESS_S = 1.0
 
 
 def _context() -> Any:
@@ -46,11 +49,14 @@ def _child(conn: Connection, plan: RunPlan, name: str, env: dict[str, str], cwd:
 
     config = dict(plan.engines)[name]
     known = len(plan.warnings)
-    last = [-1]
+    last = [-1, time.monotonic()]
 
     def progress(done: int) -> None:
-        if done != last[0]:
-            last[0] = done
+        # Also unchanged counts, now and then: the parent's progress lines in a log are
+        # driven by these messages while no request ends.
+        now = time.monotonic()
+        if done != last[0] or now - last[1] >= _SAME_PROGRESS_S:
+            last[0], last[1] = done, now
             conn.send(("progress", done))
 
     try:

@@ -13,20 +13,20 @@ import tracemalloc
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
-from kvbench.engines.cluster import ClusterSection
-from kvbench.engines.config import EngineConfig, KVPolicy
-from kvbench.engines.registry import build_engine
 from kvbench.errors import KvbenchError
-from kvbench.results.paths import path_length_problem
-from kvbench.results.slo import parse_slo
-from kvbench.run.suite import Suite, load_suite
-from kvbench.units import format_bytes
-from kvbench.workloads.limits import memory_limit_bytes
-from kvbench.workloads.traces import TRACE_KINDS
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+    from kvbench.engines.cluster import ClusterSection
+    from kvbench.engines.config import EngineConfig
+    from kvbench.run.suite import Suite
+
+# The CLI builds its options from RunFlags when it starts: the engines, suites and trace
+# readers this module applies flags with are imported where they are used, so that
+# `kvbench --help` loads none of them.
 
 
 def _flag(target: str, help: str, decls: tuple[str, ...] = ()) -> Any:
@@ -89,7 +89,8 @@ class RunFlags:
     )
     request_rate: float | None = _flag(
         "run.request_rate", "Re-time arrivals at R requests/s (inf: all at once, an offline, "
-        "engine-bound load), as vllm bench serve --request-rate."
+        "engine-bound load), as vllm bench serve --request-rate. Without it a --workload trace "
+        "with timestamps (azure, azure-lmm, mooncake) replays them."
     )
     burstiness: float | None = _flag(
         "run.burstiness", "With --request-rate: gamma-distributed gaps of this shape "
@@ -160,6 +161,9 @@ def flag_name(name: str) -> str:
 
 _BY_TARGET = {f.metadata["target"]: f.name for f in fields(RunFlags)}
 
+# Trace kinds whose rows carry arrival timestamps (ShareGPT's have none: all arrive at 0 s).
+TIMED_TRACE_KINDS = ("azure", "azure-lmm", "mooncake")
+
 
 def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
@@ -168,22 +172,17 @@ def _csv(text: str) -> list[str]:
 def resolve_suite(ref: str | None, flags: RunFlags) -> tuple[Suite, Path | None]:
     """Load ``ref`` and apply ``flags``, re-validated as if written in the suite file; a bad
     value is reported against the flag that gave it."""
+    from pydantic import ValidationError
+
+    from kvbench.results.slo import parse_slo
+    from kvbench.run.suite import load_suite
+
     suite, base = load_suite(ref)
-    r, w, m = suite.run, suite.workload, suite.model
+    r, m = suite.run, suite.model
     # Suite values chosen for the suite's own workload, model or device are dropped when
     # that is overridden, unless given again.
     if flags.workload is not None:
-        if (problem := path_length_problem(flags.workload, "--workload")) is not None:
-            raise KvbenchError(problem)
-        w.num_requests = None
-        w.preset = w.file = w.trace = w.path = w.spec = None
-        kind, _, rest = flags.workload.partition(":")
-        if kind in TRACE_KINDS and rest:
-            w.trace, w.path = kind, rest  # type: ignore[assignment]
-        elif flags.workload.endswith(".jsonl") or Path(flags.workload).exists():
-            w.file = flags.workload
-        else:
-            w.preset = flags.workload
+        _replace_workload(suite, flags.workload)
         base = None
     if flags.model is not None:
         r.max_model_len, r.kv_memory, m.dtype = None, None, None
@@ -207,6 +206,29 @@ def resolve_suite(ref: str | None, flags: RunFlags) -> tuple[Suite, Path | None]
         return type(suite).model_validate(data), base
     except ValidationError as exc:
         raise KvbenchError(_flag_errors(exc, suite.name)) from None
+
+
+def _replace_workload(suite: Suite, ref: str) -> None:
+    """Point ``suite`` at the workload ``--workload`` names. A trace with timestamps replays
+    them: the suite's re-timing (e.g. the default suite's ``request_rate = inf``) was chosen
+    for its own workload, so it is dropped; ``--request-rate`` still re-times."""
+    from kvbench.results.paths import path_length_problem
+    from kvbench.workloads.traces import TRACE_KINDS
+
+    if (problem := path_length_problem(ref, "--workload")) is not None:
+        raise KvbenchError(problem)
+    w, r = suite.workload, suite.run
+    w.num_requests = None
+    w.preset = w.file = w.trace = w.path = w.spec = None
+    kind, _, rest = ref.partition(":")
+    if kind in TRACE_KINDS and rest:
+        w.trace, w.path = kind, rest  # type: ignore[assignment]
+        if kind in TIMED_TRACE_KINDS:
+            r.request_rate, r.burstiness = None, 1.0
+    elif ref.endswith(".jsonl") or Path(ref).exists():
+        w.file = ref
+    else:
+        w.preset = ref
 
 
 def _flag_errors(exc: ValidationError, suite: str) -> str:
@@ -236,6 +258,10 @@ def check_replica_memory(
     """Refuse, before any is built, replicas that would need more than this machine's
     memory. A replica's engine is measured (one is built under tracemalloc): its KV
     bookkeeping grows with its pool's pages, by an amount that differs per policy."""
+    from kvbench.engines.config import KVPolicy
+    from kvbench.units import format_bytes
+    from kvbench.workloads.limits import memory_limit_bytes
+
     limit = memory_limit_bytes()
     if not cluster.active or limit is None:
         return
@@ -256,6 +282,8 @@ def check_replica_memory(
 
 def _engine_heap_bytes(config: EngineConfig) -> int:
     """The heap one engine of ``config`` holds once built."""
+    from kvbench.engines.registry import build_engine
+
     started = not tracemalloc.is_tracing()
     if started:
         tracemalloc.start()

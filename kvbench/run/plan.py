@@ -25,7 +25,7 @@ from kvbench.results.paths import check_path_component
 from kvbench.run.cluster import check_cluster
 from kvbench.run.devices import kv_budget_bytes, on_demand_kv_bytes, parse_device
 from kvbench.run.outdir import OutDirLock, prepare_out_dir
-from kvbench.run.overrides import check_replica_memory
+from kvbench.run.overrides import TIMED_TRACE_KINDS, check_replica_memory
 from kvbench.run.sharding import Shard
 from kvbench.run.suite import RunSection, Suite
 from kvbench.units import format_bytes, parse_bytes
@@ -46,6 +46,9 @@ class RunPlan:
     warnings: list[str] = field(default_factory=list)
     # Choices made for the user, each worth one line of output.
     notes: list[str] = field(default_factory=list)
+    # The arrival process the engines see, in words ("trace timestamps (...)", "Poisson at
+    # 4 req/s", "all at 0 s"): printed with the run's header.
+    arrivals: str = ""
     repeats: int = 1
     max_concurrency: int | None = None
     # On a CPU: torch's CPU threads every engine computes at (the suite's cpu_threads, else
@@ -116,7 +119,7 @@ def plan_run(
     )
     sched.validate()
     notes: list[str] = []
-    kv_memory = parse_bytes(run.kv_memory) if run.kv_memory else None
+    kv_memory = parse_bytes(run.kv_memory, "--kv-memory") if run.kv_memory else None
     warnings = _check_kv_memory(kv_memory, device)
     if not run.engines:
         raise KvbenchError("no engines selected: pass --engines, e.g. --engines paged,contiguous")
@@ -151,6 +154,7 @@ def plan_run(
     if not workload.requests:
         raise KvbenchError("the workload has no requests")
     warnings += workload.warnings
+    recorded = workload.spec.get("trace") in TIMED_TRACE_KINDS
     if run.request_rate is not None:
         from kvbench.workloads.retime import retime
 
@@ -163,6 +167,7 @@ def plan_run(
     plan = RunPlan(
         suite, workload, preset, device, clock, settings, engines, out_dir, command,
         warnings=warnings, notes=notes, repeats=repeats, max_concurrency=run.max_concurrency,
+        arrivals=describe_arrivals(workload, run, recorded),
     )
     if device.kind == "cpu":
         from kvbench.run.threads import torch_threads
@@ -184,6 +189,33 @@ def plan_run(
     plan.isolated = clock == "wall" and not run.in_process
     plan.lock = prepare_out_dir(out_dir, force)
     return plan
+
+
+def describe_arrivals(workload: Workload, run: RunSection, recorded: bool) -> str:
+    """The arrival process of ``workload`` in words; ``recorded``: its arrivals came from a
+    trace's timestamps (before any re-timing by ``run.request_rate``)."""
+    times = [r.arrival_s for r in workload.requests]
+    n, span_s = len(times), max(times) - min(times)
+    rate, burstiness = run.request_rate, run.burstiness
+    if rate is not None:
+        replaced = (" (re-timing a trace: without a request rate its timestamps are "
+                    "replayed)") if recorded else ""
+        if rate == math.inf:
+            return f"all at 0 s (request rate inf){replaced}"
+        shape = "Poisson" if burstiness == 1 else f"gamma, burstiness {burstiness:g},"
+        return f"{shape} at {rate:g} req/s{replaced}"
+    if span_s == 0:
+        return f"all at {times[0]:g} s"
+    spread = f"{n:,} requests over {span_s:,.1f} s, {(n - 1) / span_s:.3g} req/s on average"
+    if recorded:
+        return f"trace timestamps ({spread})"
+    arrival = workload.spec.get("arrival") or {}
+    if arrival.get("kind") == "poisson":
+        return f"Poisson at {arrival['rate']:g} req/s (the workload's own; {spread})"
+    if arrival.get("kind") == "gamma":
+        return (f"gamma, burstiness {arrival.get('burstiness', 1):g}, at {arrival['rate']:g} req/s "
+                f"(the workload's own; {spread})")
+    return f"the workload's own arrival times ({spread})"
 
 
 def _memory_options(run: RunSection, device: DeviceSpec) -> MemoryOptions:

@@ -33,6 +33,7 @@ from kvbench.errors import InputFileError, KvbenchError
 from kvbench.fileio import read_text
 from kvbench.results.paths import name_length_problem, path_component_problem, path_length_problem
 from kvbench.results.slo import SLO
+from kvbench.units import did_you_mean
 from kvbench.workloads.textstream import too_deep
 from kvbench.workloads.validation import validation_message
 
@@ -156,7 +157,10 @@ class Suite(_Strict):
         if name in NAMED_ENGINES:
             return NAMED_ENGINES[name]
         valid = sorted({*self.engines, *NAMED_ENGINES})
-        raise KvbenchError(f"unknown engine {name!r}; valid engines: {', '.join(valid)}")
+        raise KvbenchError(
+            f"unknown engine {name!r}; {did_you_mean(name, valid)}valid engines: "
+            f"{', '.join(valid)}"
+        )
 
 
 def suite_names() -> list[str]:
@@ -179,7 +183,8 @@ def load_suite(ref: str | None) -> tuple[Suite, Path | None]:
         res = importlib.resources.files("kvbench.suites") / f"{ref}.toml"
         if not res.is_file():
             raise KvbenchError(
-                f"no suite {ref!r}: give a .toml file path or one of: {', '.join(suite_names())}"
+                f"no suite {ref!r}: {did_you_mean(ref, suite_names())}give a .toml file path "
+                f"or one of: {', '.join(suite_names())}"
             )
         path = Path(str(res))
         text, base = res.read_text(encoding="utf-8"), path.parent

@@ -349,26 +349,26 @@ def _reading_gap_ms(rec: RunRecord) -> float:
     return scrapes["max_ms"] + scrapes["longest_interval_ms"]
 
 
-def _blocks_after_last_reading(rec: RunRecord) -> int:
-    """Blocks the served run's requests allocated after its last /metrics reading that saw
-    KV held, from their own token times (first token, then one per TPOT): what a curve of
-    readings can miss of the peak, whatever the machine's speed. A reading reflects the
-    server up to its slowest reading's time earlier, and the stream trails the server, so
-    both are counted against the curve; one block per request covers a token in flight."""
+def _blocks_after_peak_reading(rec: RunRecord) -> int:
+    """Blocks the served run's requests allocated after the /metrics reading its peak came
+    from, counted from their own token times (first token, then one per TPOT): what a curve
+    of readings can miss of the true peak, whatever the machine's speed. Each step carries
+    the latest reading, so the peak reading was taken before the step that first shows it:
+    it is placed two steps and one slowest reading earlier (the stream trails the server,
+    which only counts more against the curve); one block per request covers a token in
+    flight."""
     t = np.asarray(rec.curves["t_s"])
     reserved = np.asarray(rec.curves["kv_reserved_bytes"])
-    seen = t[reserved > 0]
-    if not len(seen):
-        return PAIR_REQUESTS * -(-(PAIR_PROMPT + PAIR_OUTPUT) // BLOCK)
-    last_ms = 1000 * float(seen.max()) - rec.engine_config["scrapes"]["max_ms"]
+    shown = int(np.argmax(reserved))  # the first step that carries the peak reading
+    read_ms = 1000 * float(t[max(shown - 2, 0)]) - rec.engine_config["scrapes"]["max_ms"]
     blocks = 0
     for r in rec.requests:
-        tokens = r.output_tokens
+        done = r.output_tokens
         if r.ttft_ms is not None and r.tpot_ms:
-            done = 1 + math.floor((last_ms - r.ttft_ms) / r.tpot_ms)
-            tokens = r.output_tokens - min(max(done, 0), r.output_tokens)
-        held = -(-(r.prompt_tokens + r.output_tokens - tokens) // BLOCK)
-        blocks += -(-(r.prompt_tokens + r.output_tokens) // BLOCK) - held + 1
+            first_ms = 1000 * r.arrival_s + r.ttft_ms
+            done = min(max(1 + math.floor((read_ms - first_ms) / r.tpot_ms), 0), done)
+        final = -(-(r.prompt_tokens + r.output_tokens) // BLOCK)
+        blocks += final - -(-(r.prompt_tokens + done) // BLOCK) + 1
     return blocks
 
 
@@ -418,12 +418,12 @@ def test_in_process_and_served_vllm_hold_the_same_kv(server, tmp_path) -> None:
     if (busy := overloaded(load)) is not None:
         pytest.skip(f"{busy}: the served KV curve is printed, its agreement not asserted")
     gap_ms = _reading_gap_ms(read100)
-    missable = _blocks_after_last_reading(read100)
+    missable = _blocks_after_peak_reading(read100)
     sc = read100.engine_config["scrapes"]
     print(f"  served /metrics: {sc['count']} readings, {sc['failed']} failed, mean "
           f"{sc['mean_ms']:.0f} ms, slowest {sc['max_ms']:.0f} ms; readings up to "
           f"{gap_ms:.0f} ms apart; the requests' own tokens allocated up to {missable} "
-          "blocks after the last reading that saw KV")
+          "blocks after the peak reading")
     # Readings that do not resolve the run can miss all of it (seen once on 2 cores: six
     # readings up to 699 ms apart, none while KV was held, in a run of about a second).
     run_ms = 1000 * read100.summary["duration_s"]
