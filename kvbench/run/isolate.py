@@ -32,9 +32,15 @@ _POLL_S = 0.1
 _SAME_PROGRESS_S = 1.0
 
 
+# Imported once by the fork server, not by every engine process: the run code, torch and
+# the real-compute engine (importing torch alone takes seconds on a small machine).
+_PRELOAD = ["kvbench.run.execute", "torch", "kvbench.engines.torch_executor",
+            "kvbench.kernels.cpu_native"]
+
+
 def _context() -> Any:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["kvbench.run.execute"])
+    ctx.set_forkserver_preload(_PRELOAD)
     return ctx
 
 
