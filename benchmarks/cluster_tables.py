@@ -23,7 +23,7 @@ from typing import Any
 
 from kvbench.fileio import write_text_atomic
 from kvbench.results.schema import RunRecord
-from kvbench.tools.grid import run_point
+from kvbench.tools.grid import local_workers, run_point
 from kvbench.units import format_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,6 +36,9 @@ MARK_SAT_END = "<!-- /cluster-saturated -->"
 
 
 def _run_all(suites: list[dict[str, Any]], workers: int) -> list[RunRecord]:
+    workers, capped = local_workers(workers, len(suites))
+    if capped:
+        print(capped)
     with cf.ProcessPoolExecutor(max_workers=workers) as pool:
         payloads = list(pool.map(run_point, suites, [None] * len(suites),
                                  ["benchmarks/cluster_tables.py"] * len(suites)))
