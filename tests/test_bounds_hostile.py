@@ -16,7 +16,8 @@ from record_factory import make_record, write
 
 from kvbench.errors import KvbenchError
 from kvbench.results.schema import MAX_RECORD_BYTES
-from kvbench.run.overrides import RunFlags, check_replica_memory, resolve_suite
+from kvbench.run.cluster import check_replica_memory
+from kvbench.run.overrides import RunFlags, resolve_suite
 from kvbench.run.plan import plan_run
 from kvbench.tools.grid import (
     MAX_GRID_POINTS,

@@ -4,10 +4,12 @@ is :mod:`kvbench.engines.cluster`."""
 
 from __future__ import annotations
 
+import tracemalloc
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvbench.engines.builtin import BuiltinEngine
-from kvbench.engines.cluster import ClusterEngine, ClusterLog
+from kvbench.engines.cluster import ClusterEngine, ClusterLog, ClusterSection
 from kvbench.engines.config import EngineConfig, KVPolicy
 from kvbench.engines.costmodel import CostModel
 from kvbench.engines.registry import build_engine
@@ -57,3 +59,52 @@ def build_cluster(plan: RunPlan, config: EngineConfig) -> ClusterEngine:
 
 def cluster_log(engine: Any) -> ClusterLog | None:
     return engine.log if isinstance(engine, ClusterEngine) else None
+
+
+# What a replica adds to a run besides its engine, per request of the workload: its column of
+# the cluster's step log and its record curves. Source: tracemalloc peaks of quick-sim runs
+# (mixed-text, 50-400 requests, 10-80 replicas) less the engines, 8.1-9.6 KB per replica and
+# request; rounded down, so the estimate is a floor.
+REPLICA_BYTES_PER_REQUEST = 8 * 1024
+
+
+def check_replica_memory(
+    cluster: ClusterSection, engines: Sequence[tuple[str, EngineConfig]], num_requests: int
+) -> None:
+    """Refuse, before any is built, replicas that would need more than this machine's
+    memory. A replica's engine is measured (one is built under tracemalloc): its KV
+    bookkeeping grows with its pool's pages, by an amount that differs per policy."""
+    from kvbench.units import format_bytes
+    from kvbench.workloads.limits import memory_limit_bytes
+
+    limit = memory_limit_bytes()
+    if not cluster.active or limit is None:
+        return
+    count = cluster.num_replicas
+    for name, config in engines:
+        if not isinstance(config.section, KVPolicy):
+            continue  # not replicated: check_cluster refuses it
+        each = _engine_heap_bytes(config) + REPLICA_BYTES_PER_REQUEST * num_requests
+        if count * each > limit:
+            raise KvbenchError(
+                f"engine {name!r}: {count:,} replicas would need about "
+                f"{format_bytes(count * each)} of memory ({format_bytes(each)} each: its KV "
+                f"bookkeeping, measured, and its share of the run's step log for "
+                f"{num_requests:,} requests), more than this machine's {format_bytes(limit)}; "
+                f"use at most about {limit // each:,} replicas"
+            )
+
+
+def _engine_heap_bytes(config: EngineConfig) -> int:
+    """The heap one engine of ``config`` holds once built."""
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    engine = build_engine(config)
+    try:
+        return max(0, tracemalloc.get_traced_memory()[0] - before)
+    finally:
+        engine.close()
+        if started:
+            tracemalloc.stop()

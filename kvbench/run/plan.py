@@ -22,10 +22,10 @@ from kvbench.engines.presets import ModelPreset, get_preset
 from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.errors import KvbenchError
 from kvbench.results.paths import check_path_component
-from kvbench.run.cluster import check_cluster
+from kvbench.run.cluster import check_cluster, check_replica_memory
 from kvbench.run.devices import kv_budget_bytes, on_demand_kv_bytes, parse_device
 from kvbench.run.outdir import OutDirLock, prepare_out_dir
-from kvbench.run.overrides import TIMED_TRACE_KINDS, check_replica_memory
+from kvbench.run.overrides import TIMED_TRACE_KINDS
 from kvbench.run.sharding import Shard
 from kvbench.run.suite import RunSection, Suite
 from kvbench.units import format_bytes, parse_bytes
