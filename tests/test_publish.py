@@ -210,3 +210,25 @@ def test_publish_refuses_unknown_metrics_with_a_hint(tmp_path: Path, capsys) -> 
                          "--metrics", "kv_map_opps")
     assert code == 2 and "did you mean kv_map_ops" in out
     assert not (tmp_path / "t").exists()
+
+
+def test_two_runs_of_the_same_engines_get_distinct_columns(capsys, tmp_path) -> None:
+    """Two runs of one suite on one machine: columns and sentences name each run's engine
+    by its folder, and each run's command stands on its own line."""
+    from helpers import run_cli
+
+    sim = ["quick-sim", "--num-requests", "6", "--engines", "paged,contiguous"]
+    for name, seed in (("first", "1"), ("second", "1")):
+        code, text = run_cli(["run", *sim, "--seed", seed, "--out", str(tmp_path / name)],
+                             capsys)
+        assert code == 0, text
+    code, text = run_cli(["publish", str(tmp_path / "first"), str(tmp_path / "second"),
+                          "-o", str(tmp_path / "pub")], capsys)
+    assert code == 0, text
+    md = (tmp_path / "pub" / "tables.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| metric |"))
+    assert header.count("paged (first)") == 1 and header.count("paged (second)") == 1
+    assert "paged and paged" not in md and "contiguous and contiguous" not in md
+    commands = [line for line in md.splitlines() if line.startswith("  - ") and "kvbench run"
+                in line]
+    assert len(commands) == 4 and all(line.count("kvbench run") == 1 for line in commands)

@@ -86,20 +86,32 @@ def by_suite(found: Sequence[FoundRecord]) -> dict[str, list[FoundRecord]]:
 
 
 def column_labels(found: Sequence[FoundRecord]) -> list[str]:
-    """Engine names, qualified by device or machine where one engine appears more than once."""
-    counts: dict[str, int] = defaultdict(int)
-    for f in found:
-        counts[f.record.engine] += 1
-    labels = []
-    for f in found:
+    """Engine names, qualified where one engine appears more than once by the first of its
+    device, machine, run folder and start time that tells its columns apart (else their
+    position)."""
+    def facts(f: FoundRecord) -> tuple[str, ...]:
         r = f.record
-        if counts[r.engine] == 1:
-            labels.append(r.engine)
-        else:
-            device_tells = sum(g.record.engine == r.engine and g.record.device == r.device
-                               for g in found) == 1
-            labels.append(f"{r.engine} ({r.device if device_tells else machine_slug(r.machine)})")
+        return r.device, machine_slug(r.machine), f.path.parent.name, r.created_utc
+
+    labels = []
+    for k, f in enumerate(found):
+        same = [g for g in found if g.record.engine == f.record.engine]
+        if len(same) == 1:
+            labels.append(f.record.engine)
+            continue
+        mine = facts(f)
+        telling = next((i for i in range(len(mine))
+                        if sum(facts(g)[i] == mine[i] for g in same) == 1), None)
+        qualifier = mine[telling] if telling is not None else f"#{k + 1}"
+        labels.append(f"{f.record.engine} ({qualifier})")
     return labels
+
+
+def labelled(found: Sequence[FoundRecord]) -> list[RunRecord]:
+    """The records with their column labels as engine names, so that sentences about them
+    never name two columns alike."""
+    return [f.record.model_copy(update={"engine": label})
+            for f, label in zip(found, column_labels(found), strict=True)]
 
 
 def _versions(r: RunRecord) -> str:
@@ -118,18 +130,20 @@ def _machine(r: RunRecord, include_host: bool) -> str:
     return text
 
 
-def context_lines(found: Sequence[FoundRecord], public: Privacy) -> list[tuple[str, str]]:
-    """(label, text) facts shared by a suite's columns, or listed per column where they differ."""
+Fact = tuple[str, list[tuple[str | None, str]]]
+
+
+def context_lines(found: Sequence[FoundRecord], public: Privacy) -> list[Fact]:
+    """(name, [(column label, value)]) facts: one value without a label where a suite's
+    columns share it, else one per column."""
     labels = column_labels(found)
     records = [f.record for f in found]
 
-    def fact(name: str, values: list[str]) -> tuple[str, str]:
+    def fact(name: str, values: list[str]) -> Fact:
         values = [public(v) for v in values]
         if len(set(values)) == 1:
-            return name, values[0]
-        return name, "; ".join(
-            f"{public(lab)}: {v}" for lab, v in zip(labels, values, strict=True)
-        )
+            return name, [(None, values[0])]
+        return name, [(public(lab), v) for lab, v in zip(labels, values, strict=True)]
 
     return [
         fact("workload", [f"{r.workload.name} ({r.workload.num_requests} requests, "
@@ -177,8 +191,11 @@ def markdown_tables(groups: dict[str, list[FoundRecord]], public: Privacy,
     for suite, found in groups.items():
         labels = [public(lab) for lab in column_labels(found)]
         lines += [f"## {public(suite)}", ""]
-        lines += [f"- {name}: {_md_code(name, text)}"
-                  for name, text in context_lines(found, public)]
+        for name, values in context_lines(found, public):
+            if len(values) == 1:
+                lines.append(f"- {name}: {_md_code(name, values[0][1])}")
+            else:
+                lines += [f"- {name}:", *(f"  - {lab}: {_md_code(name, v)}" for lab, v in values)]
         lines += [f"- **warning:** {public(w)}" for w in _warnings(found)]
         lines += ["", "| metric | " + " | ".join(labels) + " |",
                   "|---|" + "---:|" * len(labels)]
@@ -186,7 +203,7 @@ def markdown_tables(groups: dict[str, list[FoundRecord]], public: Privacy,
         if any(repeat_count(f.record) > 1 for f in found):
             lines += ["", "Values are medians over the repeats; measured ones with their "
                       "min-max range."]
-        findings = run_findings([f.record for f in found])
+        findings = run_findings(labelled(found))
         if findings:
             lines += ["", f"### {FINDINGS_TITLE}", "", *(f"- {public(f)}" for f in findings)]
         lines.append("")
@@ -209,7 +226,7 @@ def noisy_records(found: Sequence[FoundRecord]) -> list[str]:
 
 
 def _md_code(name: str, text: str) -> str:
-    return f"`{text}`" if name in ("command", "workload digest") and ";" not in text else text
+    return f"`{text}`" if name in ("command", "workload digest") else text
 
 
 def csv_table(groups: dict[str, list[FoundRecord]], public: Privacy) -> str:
@@ -281,13 +298,15 @@ def html_page(groups: dict[str, list[FoundRecord]], public: Privacy,
     for suite, found in groups.items():
         labels = column_labels(found)
         parts.append(f"<h2>{e(suite)}</h2><dl>")
-        for name, text in context_lines(found, public):
-            value = f"<code>{e(text)}</code>" if name == "command" else e(text)
-            parts.append(f"<dt>{e(name)}</dt><dd>{value}</dd>")
+        for name, values in context_lines(found, public):
+            shown = [(f"{html.escape(lab)}: " if lab else "")
+                     + (f"<code>{e(v)}</code>" if name == "command" else e(v))
+                     for lab, v in values]
+            parts.append(f"<dt>{e(name)}</dt><dd>{'<br>'.join(shown)}</dd>")
         parts.append("</dl>")
         parts += [f"<p class='warning'><b>warning:</b> {e(w)}</p>" for w in _warnings(found)]
         # What the numbers mean first: the table below backs each sentence.
-        findings = run_findings([f.record for f in found])
+        findings = run_findings(labelled(found))
         if findings:
             parts.append(f"<h3>{FINDINGS_TITLE}</h3><ul class='findings'>")
             parts += [f"<li>{e(f)}</li>" for f in findings]
