@@ -392,3 +392,28 @@ def test_ci_templates_gate_strictly(template: Path) -> None:
     commands = [line for line in text.splitlines()
                 if line.strip().startswith("kvbench compare ")]
     assert commands and all("--strict" in line for line in commands)
+
+
+def test_compare_takes_its_folders_by_name_in_any_order(capsys, tmp_path, monkeypatch) -> None:
+    """--baseline and --new by name (the order of git diff and asv compare needs no
+    remembering); the Markdown also goes to a GitHub job's summary."""
+    from helpers import run_cli
+
+    base, new = tmp_path / "base", tmp_path / "new"
+    write(make_record(), base)
+    write(changed(make_record(), peak_kv_reserved_bytes=12 << 20), new)
+    summary = tmp_path / "step-summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    results = [run_cli(args, capsys) for args in (
+        ["compare", str(new), str(base)],
+        ["compare", "--baseline", str(base), str(new)],
+        ["compare", "--baseline", str(base), "--new", str(new)],
+        ["compare", "--new", str(new), str(base)],
+    )]
+    assert [code for code, _ in results] == [1] * 4, results
+    assert all("regression" in text for _, text in results)
+    assert summary.read_text().count("## kvbench compare") == 4
+    for args in (["compare", str(new)], ["compare", "--new", str(new), str(base), str(base)],
+                 ["compare", "--baseline", str(base), "--new", str(new), str(base)]):
+        code, text = run_cli(args, capsys)
+        assert code == 2 and "Traceback" not in text and "--new NEW --baseline" in text

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -18,8 +20,10 @@ err_console = Console(stderr=True)
 
 
 def compare(
-    new: Annotated[Path, typer.Argument(help="New record file or folder (searched recursively: many runs, shards or machines).")],
-    baseline: Annotated[Path, typer.Argument(help="Baseline record file or folder, e.g. results/baselines.")],
+    new: Annotated[Path | None, typer.Argument(help="New record file or folder (searched recursively: many runs, shards or machines); or --new.")] = None,
+    baseline: Annotated[Path | None, typer.Argument(help="Baseline record file or folder, e.g. results/baselines; or --baseline.")] = None,
+    baseline_opt: Annotated[Path | None, typer.Option("--baseline", help="The baseline, by name (then NEW may come alone, or as --new).")] = None,
+    new_opt: Annotated[Path | None, typer.Option("--new", help="The new records, by name.")] = None,
     thresholds: Annotated[Path | None, typer.Option(help="Thresholds TOML (default: the thresholds built into kvbench).")] = None,
     markdown: Annotated[Path | None, typer.Option(help="Write the Markdown summary here.")] = None,
     junit: Annotated[Path | None, typer.Option(help="Write JUnit XML here.")] = None,
@@ -39,6 +43,7 @@ def compare(
     from kvbench.results.manifest import check_folders
     from kvbench.results.recordset import load_records
 
+    new, baseline = _new_and_baseline(new, baseline, new_opt, baseline_opt)
     outputs = [(path, what) for path, what in ((markdown, "--markdown"), (junit, "--junit"),
                                                 (json_out, "--json")) if path is not None]
     for path, what in outputs:
@@ -71,9 +76,41 @@ def compare(
             [f.record for f in found], rules, texts["--junit"], code)
         texts["--markdown"] += section
     write_outputs([(path, texts[what], what) for path, what in outputs])
-    # Plain output: the summary is Markdown meant to be copied, not re-wrapped.
-    typer.echo(markdown_summary(result, details=False) + section)
+    _step_summary(texts["--markdown"])
+    summary = markdown_summary(result, details=False) + section
+    if sys.stdout.isatty():
+        from rich.markdown import Markdown
+
+        Console(soft_wrap=True).print(Markdown(summary))
+    else:  # a log or a pipe: the Markdown as it is, to be copied
+        typer.echo(summary)
     raise typer.Exit(code)
+
+
+def _new_and_baseline(new: Path | None, baseline: Path | None, new_opt: Path | None,
+                      baseline_opt: Path | None) -> tuple[Path, Path]:
+    """NEW and BASELINE by name, the rest by position (new first)."""
+    named = {"new": new_opt, "baseline": baseline_opt}
+    missing = [k for k, v in named.items() if v is None]
+    positional = [p for p in (new, baseline) if p is not None]
+    if len(positional) != len(missing):
+        raise KvbenchError("compare takes the new records and one baseline: kvbench compare "
+                           "NEW BASELINE, or --new NEW --baseline BASELINE (or one of each)")
+    named.update(zip(missing, positional, strict=True))
+    return named["new"], named["baseline"]  # type: ignore[return-value]
+
+
+def _step_summary(text: str) -> None:
+    """In a GitHub Actions job, the Markdown summary also goes to the job's summary page."""
+    path = os.environ.get("GITHUB_STEP_SUMMARY")
+    if not path:
+        return
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    except OSError as exc:
+        err_console.print(f"[yellow]warning:[/] $GITHUB_STEP_SUMMARY {escape(path)}: "
+                          f"{escape(exc.strerror or str(exc))}", highlight=False)
 
 
 def baseline_save(
