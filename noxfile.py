@@ -1,4 +1,4 @@
-"""Nox sessions: tests, lint, demo, the regression CI (bench, regress, asv, report) and the
+"""Nox sessions: tests, lint, docs, demo, the regression CI (bench, regress, asv, report) and the
 vLLM baseline in its own environment."""
 
 from __future__ import annotations
@@ -51,6 +51,13 @@ def lint(session: nox.Session) -> None:
     """Ruff over the whole checkout."""
     session.install("ruff>=0.5")
     session.run("ruff", "check", ".")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site (docs/, mkdocs.yml) into build/docs; any warning fails it."""
+    session.install("mkdocs>=1.6")
+    session.run("mkdocs", "build", "--strict", "-d", "build/docs")
 
 
 @nox.session

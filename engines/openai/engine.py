@@ -210,6 +210,7 @@ class OpenAIEngine:
         payload = build_payload(
             request, model=self.info.model, vocab_size=self.vocab_size,
             prompt_format=self.prompt_format, images=self.section.multimodal == "images",
+            chat=self.section.chat,
         )
         obs = self._observed
         obs.apis[payload.api] += 1

@@ -69,9 +69,11 @@ def build_payload(
     vocab_size: int,
     prompt_format: PromptFormat,
     images: bool,
+    chat: bool = False,
 ) -> Payload:
     """The body of ``request``: completions with token ids or text, or chat with images
-    when ``images`` and the request has image segments of a known size."""
+    when ``images`` and the request has image segments of a known size (always with
+    ``chat``)."""
     common: dict[str, Any] = {
         "model": model,
         "max_tokens": request.output_tokens,
@@ -85,10 +87,11 @@ def build_payload(
         "temperature": 1.0 if request.n > 1 else 0.0,
     }
     multimodal = [s for s in request.segments if s.kind != "text"]
-    drawable = [s for s in multimodal if s.kind == "image" and s.height and s.width]
-    if images and drawable:
-        body = {**common, "messages": [{"role": "user", "content": _chat_content(request,
-                                                                                  vocab_size)}]}
+    drawable = [s for s in multimodal if s.kind == "image" and s.height and s.width
+                and images]
+    if drawable or chat:
+        content = _chat_content(request, vocab_size, images)
+        body = {**common, "messages": [{"role": "user", "content": content}]}
         return Payload("chat", _dumps(body), "text", len(drawable),
                        len(multimodal) - len(drawable))
     ids = request.prompt_token_ids(vocab_size)
@@ -100,7 +103,7 @@ def build_payload(
     return Payload("completions", _dumps(body), prompt_format, 0, len(multimodal))
 
 
-def _chat_content(request: Request, vocab_size: int) -> list[dict[str, Any]]:
+def _chat_content(request: Request, vocab_size: int, images: bool) -> list[dict[str, Any]]:
     """Chat content parts in segment order: text as synthetic words, images as PNGs, audio
     (and images without a size) as placeholder words."""
     ids = request.prompt_token_ids(vocab_size)
@@ -109,7 +112,7 @@ def _chat_content(request: Request, vocab_size: int) -> list[dict[str, Any]]:
     for seg in request.segments:
         seg_ids = ids[start : start + seg.tokens]
         start += seg.tokens
-        if seg.kind == "image" and seg.height and seg.width:
+        if images and seg.kind == "image" and seg.height and seg.width:
             url = "data:image/png;base64," + _png_b64(seg.key, seg.height, seg.width)
             parts.append({"type": "image_url", "image_url": {"url": url}})
         elif parts and parts[-1]["type"] == "text":

@@ -47,6 +47,9 @@ class OpenAISection(EngineSection):
     # images: image segments as synthetic PNGs through chat completions (a multimodal
     # model); placeholder: as placeholder ids or words of the same count.
     multimodal: Literal["placeholder", "images"] = "placeholder"
+    # Every request through chat completions (text as words), as vllm bench serve's
+    # --endpoint /v1/chat/completions; else chat only for images.
+    chat: bool = False
     request_timeout_s: float = Field(default=600.0, gt=0)
     # The whole run's deadline: requests unfinished then fail, and the run ends (failed)
     # with what completed. None: no deadline beyond each request's timeout.

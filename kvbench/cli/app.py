@@ -83,21 +83,26 @@ def run(
     repeat: Annotated[int | None, typer.Option(help="Rounds of every engine (default: the suite's run.repeat; the default suite's is 3); on the wall clock each round runs the engines in another order. Records hold medians, min-max and each repeat's values.")] = None,
     shard: Annotated[str | None, typer.Option(help="Run only share I/N of the suite's engines (for CI matrices).")] = None,
     alerts: Annotated[str | None, typer.Option(help=alert_flags.RUN_HELP)] = None,
+    save_result: Annotated[Path | None, typer.Option(help="Also write FILE.json: the run's command, date, machine and per engine its status and summary metrics (schema 1; no curves or request rows), after the records.")] = None,
     *,
     flags: RunFlags,
 ) -> None:
-    """Run a suite: every engine on the same workload; print and write a comparison."""
+    """Run a suite: every engine on the same workload; print and write a comparison.
+    With --base-url, a live OpenAI-compatible server, no suite file needed."""
     from kvbench.report.alerts import parse_rules
     from kvbench.report.findings import FINDINGS_TITLE, run_findings
     from kvbench.report.publish import write_run_page
     from kvbench.report.tables import table_rows
     from kvbench.results.recordset import FoundRecord
+    from kvbench.results.save_result import check_save_result_path, write_save_result
     from kvbench.run.execute import execute_plan
     from kvbench.run.overrides import resolve_suite
     from kvbench.run.plan import plan_run
     from kvbench.run.sharding import Shard
 
     rules = parse_rules(alerts) if alerts is not None else None
+    if save_result is not None:
+        check_save_result_path(save_result)
     the_suite, base = resolve_suite(suite, flags)
     the_shard = Shard.parse(shard) if shard is not None else None
     plan = plan_run(the_suite, base, out, command_line(), repeats=repeat, shard=the_shard,
@@ -138,6 +143,8 @@ def run(
     if rules is not None:
         alert_flags.report_run(records, rules, plan.out_dir)
     console.print(f"records, summary.md and figures written to {plan.out_dir}")
+    if save_result is not None:
+        console.print(f"result: {write_save_result(save_result, records, plan.command)}")
     try:
         found = [FoundRecord(plan.out_dir / f"{r.engine}.json", r) for r in records]
         console.print(f"all of it on one page: {write_run_page(found, plan.out_dir)}")

@@ -8,6 +8,7 @@ every one names its engines, units and run so it reads without the code.
 from __future__ import annotations
 
 import io
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -22,8 +23,82 @@ from kvbench.results.schema import RunRecord, request_column
 from kvbench.units import format_bytes
 
 _MIB, _GIB = 2**20, 2**30
-_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
-           "#17becf", "#bcbd22")
+# The common engines keep one colour in every figure and page; any other engine's colour
+# comes from a hash of its name, so it too is the same in every run.
+_ENGINE_COLORS = {"paged": "#1f77b4", "contiguous": "#d62728", "contiguous-request": "#ff7f0e",
+                  "vllm": "#2ca02c", "openai": "#9467bd"}
+_HASHED_COLORS = ("#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#393b79", "#637939",
+                  "#8c6d31", "#843c39", "#7b4173")
+_LINE_STYLES = ("-", "--", ":", "-.")
+_DPI = 110
+
+
+def engine_color(engine: str) -> str:
+    """The colour of ``engine`` in every figure: fixed for the common engines, else a stable
+    hash of the name (not Python's ``hash``, which changes per process)."""
+    if engine in _ENGINE_COLORS:
+        return _ENGINE_COLORS[engine]
+    return _HASHED_COLORS[zlib.crc32(engine.encode()) % len(_HASHED_COLORS)]
+
+
+def engine_styles(engines: Sequence[str]) -> list[tuple[str, str]]:
+    """(colour, line style) per engine name: records of one engine share its colour and
+    differ by line style (e.g. the same engine at two commits)."""
+    seen: dict[str, int] = {}
+    out = []
+    for engine in engines:
+        k = seen[engine] = seen.get(engine, -1) + 1
+        out.append((engine_color(engine), _LINE_STYLES[k % len(_LINE_STYLES)]))
+    return out
+
+
+# What each figure shows, for the captions of the pages that embed it.
+FIGURE_CAPTIONS = {
+    "memory.png": "KV cache memory over run time per engine: bytes holding token states, "
+                  "reserved but unused, and free; the black line is the fragmentation index "
+                  "(largest free hole / free memory, 1 = all free memory usable).",
+    "fragmentation.png": "Free KV memory and its largest hole over run time per engine; red "
+                         "marks moments a request waited although enough memory was free "
+                         "in total.",
+    "concurrency.png": "Requests running (holding KV) and waiting for admission over run "
+                       "time, per engine.",
+    "latency_cdf.png": "Distributions of time to first token, time per output token and "
+                       "end-to-end latency over completed requests, engines overlaid.",
+    "process_memory.png": "Process resident memory (RSS) over run time, engines overlaid; "
+                          "with CUDA, device memory too.",
+    "sweep.png": "A sweep, per engine: concurrency and output throughput against the KV "
+                 "budget, or for block sizes, latency against KV waste and block size.",
+    "tables.png": "The tables' metrics as bars: a group per section (suite, workload, "
+                  "model), a bar per engine.",
+    "soak.png": "KV and process memory left after each soak wave drained, per engine: a "
+                "rising line is memory not given back.",
+}
+
+
+def figure_caption(name: str) -> str:
+    """The caption of the figure file ``name``: what it shows (its name if unknown)."""
+    return FIGURE_CAPTIONS.get(name, name)
+
+
+def _dense_line(ax: Axes, t: np.ndarray, y: np.ndarray, color: str, label: str,
+                ls: str = "-") -> None:
+    """``y`` over ``t`` as a line; a series with more points than the axes has pixels is
+    drawn as its min-max band per pixel-wide bucket, with the bucket medians as the line,
+    since thousands of points per pixel column paint a solid block."""
+    fig = ax.get_figure()
+    pixels = max(int(fig.get_figwidth() * _DPI * ax.get_position().width), 50)
+    t, y = np.asarray(t, dtype=float), np.asarray(y, dtype=float)
+    if len(y) <= pixels or t[-1] <= t[0]:
+        ax.plot(t, y, color=color, ls=ls, lw=1.0, label=label)
+        return
+    edges = np.linspace(t[0], t[-1], pixels + 1)
+    cuts = np.searchsorted(t, edges[1:-1], side="left")
+    groups = [g for g in np.split(np.arange(len(t)), cuts) if len(g)]
+    mid = np.array([t[g].mean() for g in groups])
+    lo, hi = np.array([y[g].min() for g in groups]), np.array([y[g].max() for g in groups])
+    med = np.array([np.median(y[g]) for g in groups])
+    ax.fill_between(mid, lo, hi, color=color, alpha=0.25, lw=0, label=f"{label} (min-max)")
+    ax.plot(mid, med, color=color, ls=ls, lw=1.0, label=f"{label} (median)")
 
 
 # Legends beside the axes: stacked areas leave no empty corner inside them.
@@ -47,7 +122,7 @@ def _figure(rows: int, cols: int = 1, width: float = 10.0, row_height: float = 3
 
 def save_png(fig: Figure, path: Path) -> Path:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    fig.savefig(buf, format="png", dpi=_DPI)
     return write_bytes_atomic(path, buf.getvalue())
 
 
@@ -125,7 +200,7 @@ def plot_memory(records: Sequence[RunRecord], path: Path) -> Path:
         )
         if c.get("frag_index"):
             twin = ax.twinx()
-            twin.plot(t, c["frag_index"], color="black", lw=1.0, label="fragmentation index")
+            _dense_line(twin, t, np.asarray(c["frag_index"]), "black", "fragmentation index")
             twin.set_ylim(0, 1.05)
             twin.set_ylabel("largest free / free")
             handles, names = ax.get_legend_handles_labels()
@@ -240,9 +315,10 @@ def plot_latency_cdfs(records: Sequence[RunRecord], path: Path) -> Path:
     fig = _figure(1, width=14.0, row_height=3.6)
     axes = fig.subplots(1, len(_LATENCIES), squeeze=False)[0]
     names = labels(records)
+    styles = engine_styles([r.engine for r in records])
     for ax, (field, title, slo_key) in zip(axes, _LATENCIES, strict=True):
         drawn = []
-        for i, (rec, name) in enumerate(zip(records, names, strict=True)):
+        for (color, ls), rec, name in zip(styles, records, names, strict=True):
             values = np.sort([v for v in request_column(rec.requests, field) if v is not None])
             if len(values) == 0:
                 continue
@@ -250,7 +326,7 @@ def plot_latency_cdfs(records: Sequence[RunRecord], path: Path) -> Path:
             ranks = np.unique(np.linspace(0, len(values) - 1, min(len(values), _CDF_POINTS))
                               .round().astype(np.int64))
             ax.step(values[ranks], (ranks + 1) / len(values), where="post",
-                    color=_COLORS[i % len(_COLORS)], label=name)
+                    color=color, ls=ls, label=name)
             drawn.append(values)
         limit = getattr(records[0].slo, slo_key, None) if records[0].slo else None
         if limit is not None:
@@ -293,15 +369,16 @@ def plot_process_memory(records: Sequence[RunRecord], path: Path) -> Path:
     fig = _figure(2 if has_device else 1, row_height=3.0)
     axes = fig.subplots(2 if has_device else 1, 1, squeeze=False)[:, 0]
     names = labels(records)
+    styles = engine_styles([r.engine for r in records])
     peak = max((max(r.curves.get("rss_bytes") or [0]) for r in records), default=0)
     scale, unit = _unit(peak)
     ax = axes[0]
-    for i, (rec, name) in enumerate(zip(records, names, strict=True)):
+    for (color, ls), rec, name in zip(styles, records, names, strict=True):
         if rec.curves.get("rss_bytes"):
             # Records from before probes shared the step axis carry their own RSS times.
             t = rec.curves.get("rss_t_s", rec.curves["t_s"])
-            ax.plot(t, np.asarray(rec.curves["rss_bytes"]) / scale,
-                    color=_COLORS[i % len(_COLORS)], label=name)
+            _dense_line(ax, np.asarray(t), np.asarray(rec.curves["rss_bytes"]) / scale,
+                        color, name, ls)
     ax.set_title("process resident memory (RSS)", fontsize=10)
     ax.set_ylabel(f"RSS ({unit})")
     if ax.lines:
@@ -312,17 +389,20 @@ def plot_process_memory(records: Sequence[RunRecord], path: Path) -> Path:
         ax = axes[1]
         peak = max(max(r.curves.get(k) or [0]) for r in records for k, _ in _DEVICE_CURVES)
         scale, unit = _unit(peak)
-        styles = ("-", "--", ":")
-        for i, (rec, name) in enumerate(zip(records, names, strict=True)):
-            for (key, what), ls in zip(_DEVICE_CURVES, styles, strict=True):
+        kinds = ("-", "--", ":")
+        for (color, _), rec, name in zip(styles, records, names, strict=True):
+            for (key, what), ls in zip(_DEVICE_CURVES, kinds, strict=True):
                 if rec.curves.get(key):
-                    ax.plot(rec.curves["t_s"], np.asarray(rec.curves[key]) / scale, ls=ls,
-                            color=_COLORS[i % len(_COLORS)], label=f"{name}: {what}")
+                    _dense_line(ax, np.asarray(rec.curves["t_s"]),
+                                np.asarray(rec.curves[key]) / scale, color, f"{name}: {what}",
+                                ls)
         ax.set_title("device memory", fontsize=10)
         ax.set_ylabel(f"device memory ({unit})")
         ax.legend(loc="lower right", fontsize=8)
     axes[-1].set_xlabel("run time (s)")
-    fig.suptitle(f"Process and device memory over time\n{_context(records[0])}", fontsize=11)
+    # Titled by what is drawn: device memory only where some record has it.
+    what = "Process and device memory" if has_device else "Process resident memory (RSS)"
+    fig.suptitle(f"{what} over time\n{_context(records[0])}", fontsize=11)
     return save_png(fig, path)
 
 
@@ -334,10 +414,10 @@ def plot_sweep(records: Sequence[RunRecord], path: Path) -> Path:
     budgets = [r.summary.get("kv_capacity_bytes") or 0 for r in records]
     fig = _figure(1, width=13.0, row_height=4.0)
     ax_c, ax_t = fig.subplots(1, 2, squeeze=False)[0]
-    for i, (engine, recs) in enumerate(by_engine.items()):
+    for engine, recs in by_engine.items():
         recs = sorted(recs, key=lambda r: r.summary.get("kv_capacity_bytes") or 0)
         x = [r.summary.get("kv_capacity_bytes") or 0 for r in recs]
-        color = _COLORS[i % len(_COLORS)]
+        color = engine_color(engine)
         ax_c.plot(x, [r.summary.get("max_concurrent_requests") for r in recs], "o-",
                   color=color, label=f"{engine}: max")
         ax_c.plot(x, [r.summary.get("mean_concurrent_requests") for r in recs], "s--",
@@ -372,9 +452,9 @@ def plot_block_sweep(records: Sequence[RunRecord], path: Path) -> Path:
     fig = _figure(1, width=16.0, row_height=4.2)
     ax_t, ax_l, ax_w = fig.subplots(1, 3, squeeze=False)[0]
     sizes = sorted({size for recs in by_engine.values() for size, _ in recs})
-    for i, (engine, recs) in enumerate(by_engine.items()):
+    for engine, recs in by_engine.items():
         recs.sort(key=lambda sr: sr[0])
-        color = _COLORS[i % len(_COLORS)]
+        color = engine_color(engine)
         xs = [sr[0] for sr in recs]
 
         def col(name: str, rs: list[tuple[int, RunRecord]] = recs) -> list[float]:
@@ -435,7 +515,7 @@ def plot_metric_bars(
                 ys.append(np.nan if v is None else float(v))
             values += [y for y in ys if np.isfinite(y) and y > 0]
             ax.bar(x + (j - (len(engines) - 1) / 2) * width, ys, width,
-                   color=_COLORS[j % len(_COLORS)], label=engine)
+                   color=engine_color(engine), label=engine)
         if values and max(values) / min(values) > 100:
             ax.set_yscale("log")
         ax.set_title(f"{spec.label} ({spec.unit})" if spec.unit else spec.label, fontsize=9)
@@ -462,15 +542,16 @@ def plot_soak(records: Sequence[RunRecord], path: Path) -> Path:
     for ax, (kind, title) in zip(axes, kinds, strict=False):
         peak = max((w.memory.get(kind, 0) for r, _ in soaks for w in r.soak.per_wave), default=0)
         scale, unit = _unit(peak)
-        for i, (rec, name) in enumerate(soaks):
+        styles = engine_styles([r.engine for r, _ in soaks])
+        for (color, ls), (rec, name) in zip(styles, soaks, strict=True):
             waves = [w for w in rec.soak.per_wave if kind in w.memory]
             fit = rec.soak.fits.get(kind)
             verdict = ""
             if fit is not None:
                 slope = f"{fit.bytes_per_wave / _MIB:+.2f} MiB/wave"
                 verdict = f" — {'LEAK' if fit.leak else 'ok'}, {slope}"
-            ax.plot([w.wave for w in waves], [w.memory[kind] / scale for w in waves], "o-",
-                    color=_COLORS[i % len(_COLORS)], label=name + verdict)
+            ax.plot([w.wave for w in waves], [w.memory[kind] / scale for w in waves], marker="o",
+                    color=color, ls=ls, label=name + verdict)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("wave (memory read after it drained)")
         ax.set_ylabel(unit)

@@ -27,7 +27,7 @@ from kvbench.report.baselines import machine_slug
 from kvbench.report.compare import mad_spread
 from kvbench.report.findings import FINDINGS_TITLE, run_findings
 from kvbench.report.outputs import check_output_dir, check_output_file, write_outputs
-from kvbench.report.plots import RUN_PLOTS, plot_metric_bars
+from kvbench.report.plots import RUN_PLOTS, figure_caption, plot_metric_bars
 from kvbench.report.tables import machine_load_text, table_cell, table_rows
 from kvbench.results.metric_table import METRIC_BY_NAME, MetricSpec, closest, report_metrics
 from kvbench.results.paths import redact_paths
@@ -325,7 +325,9 @@ def html_page(groups: dict[str, list[FoundRecord]], public: Privacy,
         for png in find_plots(found):
             data = _png_data(png)
             parts.append(f"<figure><img alt='{e(png.name)}' src='data:image/png;base64,{data}'>"
-                         f"<figcaption>{e(png.parent.name + '/' + png.name)}</figcaption></figure>")
+                         f"<figcaption>{e(figure_caption(png.name))} "
+                         f"<small>({e(png.parent.name + '/' + png.name)})</small>"
+                         "</figcaption></figure>")
     if notes:
         parts += [f"<pre>{e(notes)}</pre>"]
     parts.append("</body></html>\n")

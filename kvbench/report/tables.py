@@ -14,6 +14,9 @@ from kvbench.results.metric_table import MetricSpec, report_metrics
 from kvbench.results.repeats import metric_values
 from kvbench.results.schema import RunRecord
 
+# How MetricSpec.format shows a missing value.
+EMPTY_CELL = "-"
+
 
 def table_cell(spec: MetricSpec, record: RunRecord) -> str:
     """A metric's value as tables show it: on the wall clock, a measured value of several
@@ -27,9 +30,13 @@ def table_cell(spec: MetricSpec, record: RunRecord) -> str:
 
 
 def table_rows(records: Sequence[RunRecord]) -> list[list[str]]:
+    """The run table: status, then each metric some engine has (a row empty for every
+    engine tells the reader nothing, e.g. device memory on a CPU run)."""
     rows = [["status", *[r.status for r in records]]]
     for spec in report_metrics():
-        rows.append([spec.label, *[table_cell(spec, r) for r in records]])
+        cells = [table_cell(spec, r) for r in records]
+        if any(c != EMPTY_CELL for c in cells):
+            rows.append([spec.label, *cells])
     return rows
 
 

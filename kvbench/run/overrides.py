@@ -7,9 +7,11 @@ its options from these fields, so a new flag is one field here.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from kvbench.errors import KvbenchError
 
@@ -146,6 +148,24 @@ class RunFlags:
         "run.extra_kv_window_tokens", "Simulated device: extra keys/values per layer kept "
         "for each running sequence (an undisabled sliding window)."
     )
+    base_url: str | None = _flag(
+        "serve.base_url", "Drive a live OpenAI-compatible server at this URL, e.g. "
+        "http://127.0.0.1:8000, with no suite file, as vllm bench serve --base-url: an openai "
+        "engine (named after --served-model when that is a safe file name, else openai), the "
+        "run's only engine unless --engines names others; wall clock, a real device."
+    )
+    endpoint: str | None = _flag(
+        "serve.endpoint", "With --base-url: the API path, /v1/completions (default) or "
+        "/v1/chat/completions (every request as a chat message)."
+    )
+    served_model: str | None = _flag(
+        "serve.served_model", "With --base-url: the model to ask for (default: the one the "
+        "server serves)."
+    )
+    api_key_env: str | None = _flag(
+        "serve.api_key_env", "With --base-url: the environment variable holding the server's "
+        "API key (the key is never written)."
+    )
 
 
 def flag_name(name: str) -> str:
@@ -153,6 +173,8 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# Targets of the flags that build a served engine rather than set one suite field.
+SERVE = "serve."
 _BY_TARGET = {f.metadata["target"]: f.name for f in fields(RunFlags)}
 
 # Trace kinds whose rows carry arrival timestamps (ShareGPT's have none: all arrive at 0 s).
@@ -171,6 +193,7 @@ def resolve_suite(ref: str | None, flags: RunFlags) -> tuple[Suite, Path | None]
     from kvbench.results.slo import parse_slo
     from kvbench.run.suite import load_suite
 
+    _check_serve_flags(flags)
     suite, base = load_suite(ref)
     r, m = suite.run, suite.model
     # Suite values chosen for the suite's own workload, model or device are dropped when
@@ -188,7 +211,7 @@ def resolve_suite(ref: str | None, flags: RunFlags) -> tuple[Suite, Path | None]
     for f in fields(RunFlags):
         value = getattr(flags, f.name)
         target = f.metadata["target"]
-        if value is None or target == "workload":
+        if value is None or target == "workload" or target.startswith(SERVE):
             continue
         if f.name == "engines":
             value = _csv(value)
@@ -196,10 +219,92 @@ def resolve_suite(ref: str | None, flags: RunFlags) -> tuple[Suite, Path | None]
             value = parse_slo(value).model_dump()
         section, key = target.split(".")
         data[section][key] = value
+    if flags.base_url is not None:
+        _add_served_engine(data, flags)
     try:
         return type(suite).model_validate(data), base
     except ValidationError as exc:
         raise KvbenchError(_flag_errors(exc, suite.name)) from None
+
+
+def _check_serve_flags(flags: RunFlags) -> None:
+    """Refuse server flags that cannot go together, before any suite is read."""
+    needs_url = [flag_name(n) for n in ("endpoint", "served_model", "api_key_env")
+                 if getattr(flags, n) is not None]
+    if flags.base_url is None:
+        if needs_url:
+            raise KvbenchError(f"{', '.join(needs_url)} needs --base-url: give the server's "
+                               "URL, e.g. --base-url http://127.0.0.1:8000")
+        return
+    if flags.device is not None and flags.device.startswith("sim:"):
+        raise KvbenchError("--base-url drives a live server in real time: drop --device "
+                           f"{flags.device} (a simulated device), or drop --base-url")
+    if flags.clock == "virtual":
+        raise KvbenchError("--base-url drives a live server in real time: drop --clock "
+                           "virtual, or drop --base-url")
+    if flags.api_key_env is not None and not _ENV_NAME.fullmatch(flags.api_key_env):
+        # Not echoed: a key given where its variable's name belongs must not be printed.
+        raise KvbenchError("--api-key-env takes the name of an environment variable (letters, "
+                           "digits and _), e.g. OPENAI_API_KEY, not the key itself")
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# The API paths --endpoint takes, as vllm bench serve's, and whether each sends chat
+# (the longer first: a chat path ends in /completions too).
+_API_PATHS = {"/chat/completions": True, "/completions": False}
+
+
+def _served_endpoint(base_url: str, path: str) -> tuple[str, bool]:
+    """The openai section's endpoint (the API root) for ``--base-url`` and ``--endpoint``,
+    and whether requests go as chat. A base URL that already ends in the API root (``/v1``)
+    is not given it twice."""
+    suffix = next((s for s in _API_PATHS if path.endswith(s)), None)
+    if not path.startswith("/") or suffix is None:
+        raise KvbenchError(f"--endpoint {path!r}: give an API path ending in /completions or "
+                           "/chat/completions, e.g. /v1/completions")
+    parts = urlsplit(base_url)
+    if parts.username is not None or parts.password is not None:
+        # A secret in the URL would be written into every record.
+        raise KvbenchError("--base-url must not hold credentials: put the key in an "
+                           "environment variable and name it with --api-key-env")
+    if parts.query or parts.fragment:
+        # Not echoed: a query may carry a token.
+        raise KvbenchError("--base-url: give the server's URL without a query or fragment, "
+                           "e.g. http://127.0.0.1:8000")
+    root, base = path.removesuffix(suffix), base_url.rstrip("/")
+    if root and base.endswith(root):
+        root = ""
+    return base + root, _API_PATHS[suffix]
+
+
+def _add_served_engine(data: dict[str, Any], flags: RunFlags) -> None:
+    """Add the engine ``--base-url`` describes to the suite's ``data`` and select it: alone,
+    or beside the engines ``--engines`` names (its ``openai`` being this one)."""
+    from pydantic import ValidationError
+
+    from kvbench.engines.openai.section import OpenAISection
+    from kvbench.engines.registry import NAMED_ENGINES
+    from kvbench.results.paths import path_component_problem
+
+    assert flags.base_url is not None
+    endpoint, chat = _served_endpoint(flags.base_url, flags.endpoint or "/v1/completions")
+    try:
+        section = OpenAISection(endpoint=endpoint, served_model=flags.served_model,
+                                api_key_env=flags.api_key_env, chat=chat)
+    except ValidationError as exc:
+        msg = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+        raise KvbenchError(f"--base-url: {msg}") from None
+    model, taken = flags.served_model, {*NAMED_ENGINES, *data["engines"]}
+    safe = model is not None and path_component_problem(model, "engine") is None
+    name = model if safe and model not in taken else "openai"
+    data["engines"][name] = section.model_dump()
+    chosen = _csv(flags.engines) if flags.engines is not None else []
+    chosen = [name if n == "openai" else n for n in chosen]
+    data["run"]["engines"] = list(dict.fromkeys([*chosen, name]))
+    if str(data["run"]["device"]).startswith("sim:"):
+        raise KvbenchError(f"--base-url drives a live server in real time, and the suite's "
+                           f"device is simulated ({data['run']['device']}): add --device cpu")
+    data["run"]["clock"] = "wall"
 
 
 def _replace_workload(suite: Suite, ref: str) -> None:
