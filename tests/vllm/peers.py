@@ -213,8 +213,8 @@ def kvbench_tool(wl: PeerWorkload) -> Tool:
             workload=WorkloadSection(file=str(path)),
             model=ModelSection(preset="tiny"),
             run=RunSection(
-                device="cpu", clock="wall", kv_memory=str(NUM_BLOCKS * BLOCK
-                                                          * preset.kv_bytes_per_token),
+                device="cpu", clock="wall",
+                kv_memory=f"{NUM_BLOCKS * BLOCK * preset.kv_bytes_per_token}B",
                 block_size=BLOCK, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED,
                 max_model_len=MAX_MODEL_LEN, engines=["served"],
                 max_concurrency=wl.concurrency,

@@ -74,7 +74,7 @@ def _suite(server, tmp: Path, workload: WorkloadSection, engines: list[str],
         workload=workload,
         model=ModelSection(preset="tiny"),
         run=RunSection(
-            device="cpu", clock="wall", kv_memory=str(KV_MEMORY), block_size=BLOCK,
+            device="cpu", clock="wall", kv_memory=f"{KV_MEMORY}B", block_size=BLOCK,
             max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED,
             max_model_len=MAX_MODEL_LEN, engines=engines,
         ),
