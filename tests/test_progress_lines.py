@@ -12,10 +12,11 @@ from rich.progress import Progress
 
 from kvbench.cli.options import PROGRESS_EVERY_ENV, PlainProgress, progress_bar
 
-LINE = re.compile(r"^(?P<task>.+): (?P<done>\d+)/(?P<total>\d+) requests done, "
+SIM = r"(, (?P<sim>[\d,]+\.\d) s simulated)?"
+LINE = re.compile(rf"^(?P<task>.+): (?P<done>\d+)/(?P<total>\d+) requests done{SIM}, "
                   r"(?P<elapsed>\d+) s elapsed$")
-END = re.compile(r"^(?P<task>.+): ended, (?P<done>\d+)/(?P<total>\d+) requests done in "
-                 r"(?P<elapsed>\d+) s$")
+END = re.compile(rf"^(?P<task>.+): ended, (?P<done>\d+)/(?P<total>\d+) requests done{SIM} "
+                 r"in (?P<elapsed>\d+) s$")
 
 
 class Clock:
@@ -111,6 +112,10 @@ def test_run_prints_plain_lines_in_a_log(capsys, monkeypatch, tmp_path: Path) ->
         counts = [int(m["done"]) for m in during]
         assert counts == sorted(counts) and counts[-1] <= 6
         assert [(m["done"], m["total"]) for m in ends] == [("6", "6")]
+        # The virtual clock's seconds go with each line: they only grow, and the run's
+        # last line gives the simulated time its requests took.
+        sims = [float(m["sim"].replace(",", "")) for m in during + ends]
+        assert sims == sorted(sims) and sims[-1] > 0, out
 
 
 def test_an_engine_in_its_own_process_drives_the_lines(capsys, monkeypatch,
@@ -125,3 +130,4 @@ def test_an_engine_in_its_own_process_drives_the_lines(capsys, monkeypatch,
     during, ends = _run_lines(out, "paged")
     assert [(m["done"], m["total"]) for m in ends] == [("3", "3")], out
     assert all(m["total"] == "3" for m in during)
+    assert all(m["sim"] is None for m in during + ends)  # the wall clock: elapsed says it

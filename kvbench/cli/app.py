@@ -18,6 +18,7 @@ from kvbench.cli.options import (
     RUN_PANEL,
     command_line,
     console,
+    engine_task,
     err_console,
     exit_for,
     interruptible,
@@ -122,8 +123,7 @@ def run(
     with interruptible() as interrupts, progress_bar() as progress:
 
         def on_engine(name: str):
-            task = progress.add_task(name, total=len(plan.workload))
-            return lambda done: progress.update(task, completed=done)
+            return engine_task(progress, name, len(plan.workload))
 
         records = execute_plan(plan, on_engine)
     table = Table(title=f"{the_suite.name} ({plan.device.label}, {plan.clock} clock)")

@@ -112,6 +112,22 @@ def progress_bar(*columns: ProgressColumn, unit: str = "requests") -> Progress |
     return PlainProgress(every_s, unit)
 
 
+def engine_task(progress: Progress | PlainProgress, description: str,
+                total: float | None) -> Callable[[int, float | None], None]:
+    """A task on ``progress`` and the callback an engine's run updates it by
+    (:data:`kvbench.run.harness.OnProgress`): requests done, and on the virtual clock the
+    simulated seconds, which a log then shows beside the wall seconds."""
+    task = progress.add_task(description, total=total)
+
+    def update(done: int, sim_s: float | None) -> None:
+        if sim_s is None:
+            progress.update(task, completed=done)
+        else:
+            progress.update(task, completed=done, simulated=f"{sim_s:,.1f} s")
+
+    return update
+
+
 @dataclass(slots=True)
 class _Task:
     description: str

@@ -18,6 +18,7 @@ from kvbench.cli.options import (
     RUN_PANEL,
     command_line,
     console,
+    engine_task,
     err_console,
     exit_for,
     interruptible,
@@ -84,8 +85,7 @@ def soak(
     with interruptible() as interrupts, progress_bar() as progress:
 
         def on_engine(name: str):
-            task = progress.add_task(name, total=waves * len(plan.workload))
-            return lambda done: progress.update(task, completed=done)
+            return engine_task(progress, name, waves * len(plan.workload))
 
         records = run_soak(plan, waves, noise_pct, int(noise_mib * 2**20), on_engine)
     warn(plan.warnings)
@@ -151,8 +151,7 @@ def sweep(
     with interruptible() as interrupts, progress_bar() as progress:
 
         def on_engine(point: str, name: str):
-            task = progress.add_task(f"{name} @ {point}", total=None)
-            return lambda done: progress.update(task, completed=done)
+            return engine_task(progress, f"{name} @ {point}", None)
 
         result = run_sweep(the_suite, base, points, out_dir, command_line(), on_engine,
                            force=force, repeats=repeat)

@@ -19,7 +19,7 @@ from kvbench.results.repeats import fold_repeats
 from kvbench.results.schema import QualityInfo, RunRecord
 from kvbench.run.clocks import Clock, VirtualClock, WallClock
 from kvbench.run.cluster import build_cluster, cluster_log
-from kvbench.run.harness import EngineRun, RequestTiming, RunStatus, StepLog, run_engine
+from kvbench.run.harness import EngineRun, OnProgress, RequestTiming, RunStatus, StepLog, run_engine
 from kvbench.run.isolate import run_isolated
 from kvbench.run.machine import machine_info
 from kvbench.run.machine_state import LoadProbe, noisy_summary
@@ -64,7 +64,7 @@ def _not_run(plan: RunPlan, config: EngineConfig, status: RunStatus, error: str,
 
 
 def _drive(plan: RunPlan, config: EngineConfig, engine: Any,
-           progress: Callable[[int], None] | None, waves: int) -> EngineRun:
+           progress: OnProgress | None, waves: int) -> EngineRun:
     """The harness's run of ``engine``; on the wall clock with the machine's state."""
     telemetry = make_telemetry(plan, config)
     probe = LoadProbe() if plan.clock == "wall" else None
@@ -83,7 +83,7 @@ def _drive(plan: RunPlan, config: EngineConfig, engine: Any,
 def start_and_run(
     plan: RunPlan,
     config: EngineConfig,
-    progress: Callable[[int], None] | None,
+    progress: OnProgress | None,
     waves: int = 1,
     quality: QualityCheck | None = None,
 ) -> tuple[EngineRun, dict]:
@@ -155,7 +155,7 @@ def record_of(plan: RunPlan, run: EngineRun, config: dict, **extra: Any) -> RunR
     )
 
 
-def run_one(plan: RunPlan, config: EngineConfig, progress: Callable[[int], None] | None,
+def run_one(plan: RunPlan, config: EngineConfig, progress: OnProgress | None,
             quality: QualityCheck) -> tuple[RunRecord, KeyboardInterrupt | None]:
     """One engine's run, in this process, as its record; and an interrupt that came while
     the record was built (it is built again, whole, before the interrupt goes on)."""
@@ -208,7 +208,7 @@ def record_unstarted(plan: RunPlan, done: set[str], reason: str) -> list[RunReco
 
 
 def _run_engine(plan: RunPlan, name: str, config: EngineConfig,
-                progress: Callable[[int], None] | None, quality: QualityCheck,
+                progress: OnProgress | None, quality: QualityCheck,
                 held: Held) -> tuple[RunRecord, KeyboardInterrupt | None]:
     """One engine's record, from a fresh process when the plan isolates engines."""
     if not plan.isolated:
@@ -225,7 +225,7 @@ def _run_engine(plan: RunPlan, name: str, config: EngineConfig,
 
 def execute_plan(
     plan: RunPlan,
-    on_engine: Callable[[str], Callable[[int], None] | None] | None = None,
+    on_engine: Callable[[str], OnProgress | None] | None = None,
     *,
     plots: bool = True,
 ) -> list[RunRecord]:

@@ -206,11 +206,24 @@ def wave_requests(workload: Workload, wave: int, waves: int, start_s: float) -> 
     ]
 
 
+# Called as an engine's requests end: requests done, and the simulated seconds elapsed (None
+# on the wall clock, where the caller's own clock says the same).
+OnProgress = Callable[[int, float | None], None]
+
+
+def _with_clock(on_progress: OnProgress | None, clock: Clock) -> Callable[[int], None] | None:
+    if on_progress is None:
+        return None
+    if isinstance(clock, VirtualClock):
+        return lambda done: on_progress(done, clock.now())
+    return lambda done: on_progress(done, None)
+
+
 def run_engine(
     engine: Engine,
     workload: Workload,
     clock: Clock,
-    on_progress: Callable[[int], None] | None = None,
+    on_progress: OnProgress | None = None,
     *,
     telemetry: Telemetry | None = None,
     waves: int = 1,
@@ -231,6 +244,7 @@ def run_engine(
     logged and timed exactly as one at a time."""
     if waves < 1:
         raise ValueError(f"waves must be at least 1, got {waves}")
+    progress = _with_clock(on_progress, clock)
     tel = telemetry if telemetry is not None else Telemetry([RssProbe()], {"rss": OK})
     timings = {
         r.id: RequestTiming(r)
@@ -282,7 +296,7 @@ def run_engine(
                 if replay is not None:
                     arrivals = Arrivals(requests, limit, send_late=max_concurrency is not None)
                     done = _replay_wave(run, replay, clock, arrivals,  # type: ignore[arg-type]
-                                        done, warmup_done, on_progress)
+                                        done, warmup_done, progress)
                     idx = n
                 while idx < n or engine.has_unfinished():
                     if foldable:
@@ -337,8 +351,8 @@ def run_engine(
                     w2 = time.perf_counter()
                     run.step_wall_s += w2 - w0
                     run.telemetry_wall_s += w2 - w1
-                    if on_progress is not None:
-                        on_progress(done)
+                    if progress is not None:
+                        progress(done)
                     # A live server's stalls are bounded by the engine's request timeouts; its
                     # steps only observe, so an empty one is no sign of a stuck scheduler.
                     stalled = report.batch.num_tokens == 0 and report.stamps is None

@@ -17,12 +17,12 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 from kvbench.errors import KvbenchError
 from kvbench.results.schema import RunRecord
+from kvbench.run.harness import OnProgress
 from kvbench.run.plan import RunPlan
 from kvbench.run.signals import Held, deferred_interrupts, sigterm_interrupts
 
@@ -57,13 +57,13 @@ def _child(conn: Connection, plan: RunPlan, name: str, env: dict[str, str], cwd:
     known = len(plan.warnings)
     last = [-1, time.monotonic()]
 
-    def progress(done: int) -> None:
+    def progress(done: int, sim_s: float | None) -> None:
         # Also unchanged counts, now and then: the parent's progress lines in a log are
         # driven by these messages while no request ends.
         now = time.monotonic()
         if done != last[0] or now - last[1] >= _SAME_PROGRESS_S:
             last[0], last[1] = done, now
-            conn.send(("progress", done))
+            conn.send(("progress", (done, sim_s)))
 
     try:
         # The kernels' warnings (a fallback, an unusable build cache) go to the parent,
@@ -79,7 +79,7 @@ def _child(conn: Connection, plan: RunPlan, name: str, env: dict[str, str], cwd:
         conn.close()
 
 
-def run_isolated(plan: RunPlan, name: str, progress: Callable[[int], None] | None,
+def run_isolated(plan: RunPlan, name: str, progress: OnProgress | None,
                  quality: bool, held: Held) -> RunRecord | str:
     """Engine ``name``'s record from a fresh process, or why the process gave none (it
     crashed or was killed); a configuration error it met is raised here."""
@@ -107,7 +107,7 @@ def run_isolated(plan: RunPlan, name: str, progress: Callable[[int], None] | Non
                 break
             if kind == "progress":
                 if progress is not None:
-                    progress(payload)
+                    progress(*payload)
             elif kind == "done":
                 text, warnings = payload
                 plan.warnings += [w for w in warnings if w not in plan.warnings]

@@ -13,6 +13,7 @@ from kvbench.report.tables import summary_markdown
 from kvbench.results.leaks import KV_KIND, analyze_soak
 from kvbench.results.schema import RunRecord
 from kvbench.run.execute import record_of, record_unstarted, start_and_run
+from kvbench.run.harness import OnProgress
 from kvbench.run.plan import RunPlan
 from kvbench.units import format_bytes
 
@@ -22,7 +23,7 @@ def run_soak(
     waves: int,
     noise_pct: float,
     noise_bytes: int,
-    on_engine: Callable[[str], Callable[[int], None] | None] | None = None,
+    on_engine: Callable[[str], OnProgress | None] | None = None,
 ) -> list[RunRecord]:
     """Soak every engine of ``plan`` in turn; records, summary and figures go to its out dir."""
     if waves < 2:

@@ -13,6 +13,7 @@ from kvbench.fileio import write_text_atomic
 from kvbench.report.plots import plot_block_sweep, plot_sweep
 from kvbench.results.schema import RunRecord
 from kvbench.run.execute import execute_plan
+from kvbench.run.harness import OnProgress
 from kvbench.run.plan import plan_run
 from kvbench.run.suite import Suite
 from kvbench.units import format_bytes, parse_bytes
@@ -82,7 +83,7 @@ def run_sweep(
     points: Sequence[SweepPoint],
     out_dir: Path,
     command: str,
-    on_engine: Callable[[str, str], Callable[[int], None] | None] | None = None,
+    on_engine: Callable[[str, str], OnProgress | None] | None = None,
     *,
     force: bool = False,
     repeats: int = 1,
