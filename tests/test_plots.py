@@ -90,3 +90,20 @@ def test_sweep_and_soak_figures(run_dir: Path, tmp_path: Path) -> None:
         memory_growth_pct=200.0, leak_detected=True, findings=["kv_reserved grows"],
     )
     _assert_png(plot_soak([base.model_copy(update={"soak": soak})], tmp_path / "soak.png"))
+
+
+def test_labels_qualify_a_shared_name_by_what_tells_the_records_apart() -> None:
+    from record_factory import make_record
+
+    from kvbench.report.labels import engine_labels
+
+    a = make_record("paged")
+    b = a.model_copy(update={"device": "sim:h200"})
+    c = a.model_copy(update={"device": "sim:h200", "git_commit": "0123456789abcdef"})
+    assert engine_labels([a, make_record("contiguous")]) == ["paged", "contiguous"]
+    assert engine_labels([a, b]) == [f"paged ({a.device})", "paged (sim:h200)"]
+    # No one fact differs between all three: each is named by all that vary.
+    assert engine_labels([a, b, c]) == [f"paged ({a.device}, abc)", "paged (sim:h200, abc)",
+                                        "paged (sim:h200, 01234567)"]
+    assert engine_labels([a, a]) == ["paged (#1)", "paged (#2)"]
+    assert engine_labels([a, a], [Path("one"), Path("two")]) == ["paged (one)", "paged (two)"]

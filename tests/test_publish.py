@@ -212,10 +212,17 @@ def test_publish_refuses_unknown_metrics_with_a_hint(tmp_path: Path, capsys) -> 
     assert not (tmp_path / "t").exists()
 
 
-def test_two_runs_of_the_same_engines_get_distinct_columns(capsys, tmp_path) -> None:
-    """Two runs of one suite on one machine: columns and sentences name each run's engine
-    by its folder, and each run's command stands on its own line."""
+def test_two_runs_of_the_same_engines_get_distinct_columns(capsys, monkeypatch,
+                                                          tmp_path) -> None:
+    """Two runs of one suite on one machine: columns, bars and sentences name each run's
+    engine by its folder, and each run's command stands on its own line."""
+    import kvbench.report.plots as plots
     from helpers import run_cli
+
+    figures = []
+    save = plots.save_png
+    monkeypatch.setattr(plots, "save_png", lambda fig, path: figures.append(fig) or
+                        save(fig, path))
 
     sim = ["quick-sim", "--num-requests", "6", "--engines", "paged,contiguous"]
     for name, seed in (("first", "1"), ("second", "1")):
@@ -223,7 +230,7 @@ def test_two_runs_of_the_same_engines_get_distinct_columns(capsys, tmp_path) -> 
                              capsys)
         assert code == 0, text
     code, text = run_cli(["publish", str(tmp_path / "first"), str(tmp_path / "second"),
-                          "-o", str(tmp_path / "pub")], capsys)
+                          "--figure", "-o", str(tmp_path / "pub")], capsys)
     assert code == 0, text
     md = (tmp_path / "pub" / "tables.md").read_text()
     header = next(line for line in md.splitlines() if line.startswith("| metric |"))
@@ -232,3 +239,7 @@ def test_two_runs_of_the_same_engines_get_distinct_columns(capsys, tmp_path) -> 
     commands = [line for line in md.splitlines() if line.startswith("  - ") and "kvbench run"
                 in line]
     assert len(commands) == 4 and all(line.count("kvbench run") == 1 for line in commands)
+    # The figure has a bar per run, labelled as the columns are: none hides another.
+    legend = figures[-1].axes[0].get_legend_handles_labels()[1]
+    assert sorted(legend) == ["contiguous (first)", "contiguous (second)", "paged (first)",
+                              "paged (second)"]

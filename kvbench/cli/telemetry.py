@@ -255,8 +255,9 @@ def report(
 ) -> None:
     """Tables and figures from existing run records, several runs side by side."""
     from kvbench.report.findings import FINDINGS_TITLE, run_findings
+    from kvbench.report.labels import engine_labels
     from kvbench.report.outputs import check_output_dir, write_outputs
-    from kvbench.report.plots import labels, plot_soak, plot_sweep, write_plots
+    from kvbench.report.plots import plot_soak, plot_sweep, write_plots
     from kvbench.report.tables import machine_lines, markdown_table, table_rows
 
     check_output_dir(output, "--output")
@@ -272,7 +273,7 @@ def report(
         extra.append(("sweep.png", plot_sweep))
     written, errors = write_plots(records, output, extra)
     warn(errors)
-    names = labels(records)
+    names = engine_labels(records)
     named = [r.model_copy(update={"engine": n}) for r, n in zip(records, names, strict=True)]
     lines = ["# kvbench report", "", "Runs: " + ", ".join(f"`{d}`" for d in run_dirs), ""]
     lines += [f"- **warning:** {w}" for w in folder_warnings] + [""] * bool(folder_warnings)

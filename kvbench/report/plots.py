@@ -18,6 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from kvbench.fileio import write_bytes_atomic
+from kvbench.report.labels import engine_labels
 from kvbench.results.metric_table import MetricSpec
 from kvbench.results.schema import RunRecord, request_column
 from kvbench.units import format_bytes
@@ -30,6 +31,7 @@ _ENGINE_COLORS = {"paged": "#1f77b4", "contiguous": "#d62728", "contiguous-reque
 _HASHED_COLORS = ("#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#393b79", "#637939",
                   "#8c6d31", "#843c39", "#7b4173")
 _LINE_STYLES = ("-", "--", ":", "-.")
+_HATCHES = ("", "//", "..", "xx")  # bars' counterpart of the line styles
 _DPI = 110
 
 
@@ -126,36 +128,6 @@ def save_png(fig: Figure, path: Path) -> Path:
     return write_bytes_atomic(path, buf.getvalue())
 
 
-def _short_commit(commit: str | None) -> str:
-    if commit is None:
-        return "no git"
-    return commit[:8] + ("-dirty" if commit.endswith("-dirty") else "")
-
-
-def labels(records: Sequence[RunRecord]) -> list[str]:
-    """Engine names; where two records share one, qualified by what tells them apart
-    (suite, device, KV budget, commit; else the time; else their position)."""
-    names = [r.engine for r in records]
-    facts = [
-        (r.suite, r.device, f"KV {format_bytes(r.summary.get('kv_capacity_bytes'))}",
-         _short_commit(r.git_commit), r.created_utc)
-        for r in records
-    ]
-    out = []
-    for k, (name, f) in enumerate(zip(names, facts, strict=True)):
-        group = [g for n, g in zip(names, facts, strict=True) if n == name]
-        varying = [i for i in range(len(f) - 1) if len({g[i] for g in group}) > 1]
-        if len(group) == 1:
-            out.append(name)
-        elif varying:
-            out.append(f"{name} ({', '.join(f[i] for i in varying)})")
-        elif len({g[-1] for g in group}) == len(group):
-            out.append(f"{name} ({f[-1]})")
-        else:
-            out.append(f"{name} (#{k + 1})")
-    return out
-
-
 def _no_data(ax: Axes, what: str) -> None:
     ax.text(0.5, 0.5, f"no {what} recorded", ha="center", va="center", transform=ax.transAxes)
     ax.set_yticks([])
@@ -169,7 +141,7 @@ def plot_memory(records: Sequence[RunRecord], path: Path) -> Path:
     caps = [max(r.curves.get("kv_capacity_bytes") or [r.summary.get("kv_capacity_bytes") or 0])
             for r in records]
     scale, unit = _unit(max(caps, default=0))
-    for ax, rec, name in zip(axes, records, labels(records), strict=True):
+    for ax, rec, name in zip(axes, records, engine_labels(records), strict=True):
         c = rec.curves
         if not c.get("kv_reserved_bytes") or not c.get("kv_used_bytes"):
             _no_data(ax, "KV memory")
@@ -223,7 +195,7 @@ def plot_fragmentation(records: Sequence[RunRecord], path: Path) -> Path:
     caps = [max(r.curves.get("kv_capacity_bytes") or [r.summary.get("kv_capacity_bytes") or 0])
             for r in records]
     scale, unit = _unit(max(caps, default=0))
-    for ax, rec, name, cap in zip(axes, records, labels(records), caps, strict=True):
+    for ax, rec, name, cap in zip(axes, records, engine_labels(records), caps, strict=True):
         c, s = rec.curves, rec.summary
         if not c.get("kv_free_bytes") or not c.get("kv_largest_free_bytes"):
             _no_data(ax, "free KV memory")
@@ -277,7 +249,7 @@ def plot_concurrency(records: Sequence[RunRecord], path: Path) -> Path:
     """Per engine: requests running (holding KV) and waiting for admission, over run time."""
     fig = _figure(len(records), row_height=2.6)
     axes = fig.subplots(len(records), 1, squeeze=False)[:, 0]
-    for ax, rec, name in zip(axes, records, labels(records), strict=True):
+    for ax, rec, name in zip(axes, records, engine_labels(records), strict=True):
         c = rec.curves
         if not c.get("running"):
             _no_data(ax, "queue sizes")
@@ -314,7 +286,7 @@ def plot_latency_cdfs(records: Sequence[RunRecord], path: Path) -> Path:
     """Empirical CDFs of TTFT, TPOT and E2EL over completed requests, engines overlaid."""
     fig = _figure(1, width=14.0, row_height=3.6)
     axes = fig.subplots(1, len(_LATENCIES), squeeze=False)[0]
-    names = labels(records)
+    names = engine_labels(records)
     styles = engine_styles([r.engine for r in records])
     for ax, (field, title, slo_key) in zip(axes, _LATENCIES, strict=True):
         drawn = []
@@ -368,7 +340,7 @@ def plot_process_memory(records: Sequence[RunRecord], path: Path) -> Path:
     has_device = any(k in r.curves for r in records for k, _ in _DEVICE_CURVES)
     fig = _figure(2 if has_device else 1, row_height=3.0)
     axes = fig.subplots(2 if has_device else 1, 1, squeeze=False)[:, 0]
-    names = labels(records)
+    names = engine_labels(records)
     styles = engine_styles([r.engine for r in records])
     peak = max((max(r.curves.get("rss_bytes") or [0]) for r in records), default=0)
     scale, unit = _unit(peak)
@@ -494,45 +466,50 @@ def plot_block_sweep(records: Sequence[RunRecord], path: Path) -> Path:
 
 
 def plot_metric_bars(
-    sections: Sequence[tuple[str, Sequence[RunRecord]]], metrics: Sequence[MetricSpec],
-    path: Path,
+    sections: Sequence[tuple[str, Sequence[RunRecord], Sequence[str]]],
+    metrics: Sequence[MetricSpec], path: Path,
 ) -> Path:
     """One panel per metric: a group of bars per section (suite, workload, model), a bar per
-    engine. A metric spanning more than two decades is drawn on a log scale."""
-    engines = list(dict.fromkeys(r.engine for _, recs in sections for r in recs))
+    labelled record (``sections`` hold a title, records and their labels). Records of one
+    engine share its colour and differ by hatching. A metric spanning more than two decades
+    is drawn on a log scale."""
+    bars = list(dict.fromkeys((lab, r.engine) for _, recs, labs in sections
+                              for r, lab in zip(recs, labs, strict=True)))
+    styles = engine_styles([engine for _, engine in bars])
     cols = 2
     rows = -(-len(metrics) // cols)
     fig = _figure(rows, width=8.0 * cols, row_height=3.2)
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
-    width = 0.8 / max(len(engines), 1)
+    width = 0.8 / max(len(bars), 1)
     x = np.arange(len(sections))
     for ax, spec in zip(axes, metrics, strict=False):
         values = []
-        for j, engine in enumerate(engines):
+        for j, ((label, _), (color, style)) in enumerate(zip(bars, styles, strict=True)):
             ys = []
-            for _, recs in sections:
-                v = next((r.summary.get(spec.name) for r in recs if r.engine == engine), None)
+            for _, recs, labs in sections:
+                v = next((r.summary.get(spec.name) for r, lab in zip(recs, labs, strict=True)
+                          if lab == label), None)
                 ys.append(np.nan if v is None else float(v))
             values += [y for y in ys if np.isfinite(y) and y > 0]
-            ax.bar(x + (j - (len(engines) - 1) / 2) * width, ys, width,
-                   color=engine_color(engine), label=engine)
+            ax.bar(x + (j - (len(bars) - 1) / 2) * width, ys, width, color=color,
+                   hatch=_HATCHES[_LINE_STYLES.index(style)], label=label)
         if values and max(values) / min(values) > 100:
             ax.set_yscale("log")
         ax.set_title(f"{spec.label} ({spec.unit})" if spec.unit else spec.label, fontsize=9)
-        ax.set_xticks(x, [name for name, _ in sections], rotation=30, ha="right", fontsize=7)
+        ax.set_xticks(x, [name for name, _, _ in sections], rotation=30, ha="right", fontsize=7)
         ax.grid(axis="y", alpha=0.3)
     for ax in axes[len(metrics):]:
         ax.set_visible(False)
-    axes[0].legend(fontsize=7, ncols=min(len(engines), 4))
+    axes[0].legend(fontsize=7, ncols=min(len(bars), 4))
     first = sections[0][1][0]
-    fig.suptitle(f"{first.suite}: {len(engines)} engines on {first.device}, {first.clock} "
+    fig.suptitle(f"{first.suite}: {len(bars)} runs on {first.device}, {first.clock} "
                  "clock", fontsize=11)
     return save_png(fig, path)
 
 
 def plot_soak(records: Sequence[RunRecord], path: Path) -> Path:
     """KV and process memory left after each soak wave drained, per engine."""
-    soaks = [(r, n) for r, n in zip(records, labels(records), strict=True) if r.soak]
+    soaks = [(r, n) for r, n in zip(records, engine_labels(records), strict=True) if r.soak]
     kinds = [("kv_reserved_bytes", "KV reserved after drain"), ("rss_bytes", "process RSS"),
              ("cuda_reserved_bytes", "torch allocator reserved"),
              ("nvml_device_used_bytes", "device used (NVML)")]

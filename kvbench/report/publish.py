@@ -26,6 +26,7 @@ from kvbench.errors import InputFileError, KvbenchError
 from kvbench.report.baselines import machine_slug
 from kvbench.report.compare import mad_spread
 from kvbench.report.findings import FINDINGS_TITLE, run_findings
+from kvbench.report.labels import engine_labels
 from kvbench.report.outputs import check_output_dir, check_output_file, write_outputs
 from kvbench.report.plots import RUN_PLOTS, figure_caption, plot_metric_bars
 from kvbench.report.tables import machine_load_text, table_cell, table_rows
@@ -86,25 +87,9 @@ def by_suite(found: Sequence[FoundRecord]) -> dict[str, list[FoundRecord]]:
 
 
 def column_labels(found: Sequence[FoundRecord]) -> list[str]:
-    """Engine names, qualified where one engine appears more than once by the first of its
-    device, machine, run folder and start time that tells its columns apart (else their
-    position)."""
-    def facts(f: FoundRecord) -> tuple[str, ...]:
-        r = f.record
-        return r.device, machine_slug(r.machine), f.path.parent.name, r.created_utc
-
-    labels = []
-    for k, f in enumerate(found):
-        same = [g for g in found if g.record.engine == f.record.engine]
-        if len(same) == 1:
-            labels.append(f.record.engine)
-            continue
-        mine = facts(f)
-        telling = next((i for i in range(len(mine))
-                        if sum(facts(g)[i] == mine[i] for g in same) == 1), None)
-        qualifier = mine[telling] if telling is not None else f"#{k + 1}"
-        labels.append(f"{f.record.engine} ({qualifier})")
-    return labels
+    """The records' labels (:func:`kvbench.report.labels.engine_labels`), their run
+    folders among the facts that tell them apart."""
+    return engine_labels([f.record for f in found], [f.path.parent for f in found])
 
 
 def labelled(found: Sequence[FoundRecord]) -> list[RunRecord]:
@@ -375,6 +360,7 @@ def publish(
          "the HTML page"),
     ])
     if figure:
-        sections = [(public(s), [f.record for f in fs]) for s, fs in groups.items()]
+        sections = [(public(s), [f.record for f in fs], [public(lab) for lab in column_labels(fs)])
+                    for s, fs in groups.items()]
         written.append(plot_metric_bars(sections, rows or report_metrics(), png))
     return written
