@@ -3,7 +3,9 @@ runs the studies share, and the verdict vocabulary.
 
 A study is a function of a :class:`Context` returning a :class:`Row`. Its verdict comes from
 its measurements through the rule the row states (``rule``); only ``misdescribed`` and
-``not measurable here`` may rest on reasoning, which the row then gives.
+``not measurable here`` may rest on reasoning, which the row then gives. A wall-clock figure
+decides only where its interleaved repeats agree (``not resolved on this machine``
+otherwise), and a claim about GPU kernels or GPU memory is not decided on a CPU at all.
 """
 
 from __future__ import annotations
@@ -19,9 +21,16 @@ from kvbench.errors import KvbenchError
 from kvbench.results.schema import RunRecord
 from kvbench.workloads.model import Workload
 
-Verdict = Literal["reproduced", "partly", "refuted", "misdescribed", "not measurable here"]
+Verdict = Literal["reproduced", "partly", "refuted", "misdescribed", "not measurable here",
+                  "not resolved on this machine"]
 VERDICTS: tuple[str, ...] = ("reproduced", "partly", "refuted", "misdescribed",
-                             "not measurable here")
+                             "not measurable here", "not resolved on this machine")
+NOT_RESOLVED: Verdict = "not resolved on this machine"
+
+# What a row says of a claim about GPU kernels or GPU memory on a machine without a GPU: a
+# CPU kernel at a few GB/s says nothing of how GPU paging behaves.
+GPU_ONLY_RULE = ("a claim about GPU kernels or GPU memory: decided only by a GPU's figures "
+                 "(benchmarks/gpu/check.sh); without them, not measurable here")
 
 
 @dataclass(slots=True)
@@ -44,6 +53,14 @@ class Row:
 def pick(conditions: list[tuple[bool, Verdict]], otherwise: Verdict) -> Verdict:
     """The verdict of the first condition that holds."""
     return next((v for ok, v in conditions if ok), otherwise)
+
+
+def decided(values: list[float], rule: Callable[[float], Verdict]) -> Verdict:
+    """The verdict of a wall-clock figure's repeats: the rule's, where every repeat gives the
+    same one (its range does not straddle a threshold), else ``not resolved on this
+    machine``."""
+    verdicts = {rule(v) for v in values}
+    return verdicts.pop() if len(verdicts) == 1 else NOT_RESOLVED
 
 
 def pct(x: float | None, digits: int = 1) -> str:
