@@ -107,14 +107,17 @@ class Context:
     def size(self, quick: int, full: int) -> int:
         return quick if self.quick else full
 
-    def run(self, suite: str, name: str, **flags: Any) -> SuiteRun:
-        """``kvbench run SUITE --flag value ... --out DIR/runs/NAME`` in-process (records
-        only, no figures); ``flags`` are :class:`~kvbench.run.overrides.RunFlags` fields."""
-        from kvbench.run.execute import record_of, start_and_run
+    def run(self, suite: str, name: str, *, repeat: int | None = None,
+            **flags: Any) -> SuiteRun:
+        """``kvbench run SUITE --flag value ... [--repeat N] --out DIR/runs/NAME``, run as
+        that command runs it (on the wall clock each engine in its own process, repeats in
+        interleaved rounds; no figures); ``flags`` are
+        :class:`~kvbench.run.overrides.RunFlags` fields."""
+        from kvbench.run.execute import execute_plan
         from kvbench.run.overrides import RunFlags, flag_name, resolve_suite
         from kvbench.run.plan import plan_run
 
-        key = (suite, tuple(sorted((k, str(v)) for k, v in flags.items())))
+        key = (suite, repeat, tuple(sorted((k, str(v)) for k, v in flags.items())))
         if key in self._runs:
             return self._runs[key]
         out = self.out_dir / "runs" / name
@@ -124,15 +127,13 @@ class Context:
                 words.append(flag_name(k) if v else "--no-" + flag_name(k)[2:])
             else:
                 words += [flag_name(k), str(v)]
+        if repeat is not None:
+            words += ["--repeat", str(repeat)]
         command = shlex.join([*words, "--out", f"runs/{name}"])
         the_suite, base = resolve_suite(suite, RunFlags(**flags))
-        plan = plan_run(the_suite, base, out, command, force=True)
-        records: dict[str, RunRecord] = {}
-        for engine_name, engine in plan.engines:
-            run, config = start_and_run(plan, engine, None)
-            rec = record_of(plan, run, config)
-            rec.write(out / f"{engine_name}.json")
-            records[engine_name] = rec
+        plan = plan_run(the_suite, base, out, command, repeats=repeat, force=True)
+        # A failed engine's record is a study's figure too (an out-of-memory start, say).
+        records = {r.engine: r for r in execute_plan(plan, plots=False)}
         result = SuiteRun(records, command, plan.workload)
         self._runs[key] = result
         return result
