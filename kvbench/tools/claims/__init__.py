@@ -6,27 +6,18 @@ and the commands that reproduce it; written as ``seed-claims.md`` and ``seed-cla
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 from kvbench.fileio import write_text_atomic
-from kvbench.run.machine import git_commit
+from kvbench.results.provenance import Measurement
 from kvbench.tools.claims import claims as _claims  # noqa: F401  (registers C1-C26)
 from kvbench.tools.claims import policies as _policies  # noqa: F401  (registers P1-P11)
 from kvbench.tools.claims.core import STUDIES, VERDICTS, Context, Row, parse_only, run_one
 
 __all__ = ["STUDIES", "Row", "claims_markdown", "parse_only", "run_claims"]
-
-
-def _load() -> str:
-    try:
-        one, five, fifteen = os.getloadavg()
-    except OSError:
-        return "unknown"
-    return f"{one:.2f} / {five:.2f} / {fifteen:.2f}"
 
 
 def run_claims(out_dir: Path, *, quick: bool, only: str | None = None,
@@ -36,7 +27,9 @@ def run_claims(out_dir: Path, *, quick: bool, only: str | None = None,
     ids = parse_only(only)
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = Context(out_dir, quick)
-    load_before = _load()
+    command = ("kvbench claims" + (" --quick" if quick else "")
+               + (f" --only {only}" if only else "") + " -o DIR")
+    measurement = Measurement(command)
     start = time.perf_counter()
     rows: list[Row] = []
     try:
@@ -47,20 +40,17 @@ def run_claims(out_dir: Path, *, quick: bool, only: str | None = None,
                 on_study(ident, row)
     finally:
         # A failed or interrupted study still leaves the rows before it.
-        _write(out_dir, rows, quick, only, start, load_before)
+        _write(out_dir, rows, quick, measurement, time.perf_counter() - start)
     return rows
 
 
-def _write(out_dir: Path, rows: list[Row], quick: bool, only: str | None, start: float,
-           load_before: str) -> None:
+def _write(out_dir: Path, rows: list[Row], quick: bool, measurement: Measurement,
+           seconds: float) -> None:
     meta = {
         "mode": "quick" if quick else "full",
-        "seconds": time.perf_counter() - start,
-        "load_before": load_before,
-        "load_after": _load(),
-        "machine": _machine(),
-        "command": "kvbench claims" + (" --quick" if quick else "")
-                   + (f" --only {only}" if only else "") + " -o DIR",
+        "seconds": seconds,
+        "command": measurement.command,
+        "provenance": measurement.line(CLOCK_NOTE),
     }
     write_text_atomic(out_dir / "seed-claims.json", json.dumps(
         {"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1, default=str) + "\n")
@@ -71,27 +61,10 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _machine() -> str:
-    from kvbench.run.machine import machine_info
-
-    info = machine_info()
-    return (f"{info['cpu']}, {info['cpu_count']} CPUs, Python {info['python']}, torch "
-            f"{info['versions'].get('torch')}, commit {(git_commit() or 'unknown')[:12]}")
-
-
-def _busy(meta: dict) -> str:
-    """A clause saying the timings were taken under load, when the load average (before or
-    after) exceeded the CPUs."""
-    try:
-        loads = [float(meta[k].split(" / ")[0]) for k in ("load_before", "load_after")]
-        cpus = int(meta["machine"].split(" CPUs")[0].rsplit(", ", 1)[-1])
-    except (KeyError, ValueError, IndexError):
-        return ""
-    if max(loads) <= cpus:
-        return ""
-    return (f", under load (load average up to {max(loads):.1f} on {cpus} CPUs: other work "
-            "shared the machine, so they are slower and noisier than on a quiet one; "
-            "rerun the command there to redo them)")
+# Which figures the machine and its load could change.
+CLOCK_NOTE = ("Simulated runs use the virtual clock: their figures are the same on any machine "
+              "and load; wall-clock figures (C5's host timings, P11's memory spread) come from "
+              "repeats and decide only where the repeats agree")
 
 
 def claims_markdown(rows: list[Row], meta: dict) -> str:
@@ -99,15 +72,14 @@ def claims_markdown(rows: list[Row], meta: dict) -> str:
     lines = [
         "# The field reports' policies and claims, measured",
         "",
+        meta["provenance"],
+        "",
         "One study per policy (P) and claim (C) of the two field reports (`SEED-CLAIMS.md`). "
         "Each verdict follows from the measured figures by the rule in its row; "
-        "`misdescribed` and `not measurable here` give their reason. Simulated runs use the "
-        "virtual clock (identical on any machine); CPU timings (P9, C5, C9, C12, C13, C14) "
-        "are medians taken on the machine below" + _busy(meta) + ".",
+        "`misdescribed` and `not measurable here` give their reason; a claim about GPU "
+        "kernels or GPU memory is not decided without a GPU's figures.",
         "",
         f"- command: `{meta['command']}` ({meta['mode']}: {meta['seconds']:.0f} s)",
-        f"- machine: {meta['machine']}; load average (1/5/15 min) {meta['load_before']} "
-        f"before, {meta['load_after']} after",
         "- verdicts: " + ", ".join(f"{v} {n}" for v, n in counts.items() if n),
         "- every run's command ends in `--out runs/NAME`, relative to the output folder; "
         "`kvbench claims --only ID` redoes one row",
