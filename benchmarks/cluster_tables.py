@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from kvbench.fileio import write_text_atomic
+from kvbench.results.provenance import Measurement
 from kvbench.results.schema import RunRecord
 from kvbench.tools.grid import local_workers, run_point
 from kvbench.units import format_bytes
@@ -258,6 +260,14 @@ def _splice(path: Path, start: str, end: str, section: str) -> None:
     write_text_atomic(path, new)
 
 
+def _stamped(text: str, measurement: Measurement) -> str:
+    """``text`` with the provenance line under its first heading."""
+    lines = text.split("\n")
+    at = next(i for i, line in enumerate(lines) if line.startswith("#"))
+    stamp = measurement.line("Virtual clock: the figures are the same on any machine and load.")
+    return "\n".join([*lines[:at + 1], "", stamp, *lines[at + 1:]])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("table", choices=["disaggregated", "field", "field-saturated"])
@@ -266,18 +276,20 @@ def main() -> None:
     ap.add_argument("--rates", default="inf,100",
                     help="field-saturated: arrival rates (requests/s, inf: all at once)")
     args = ap.parse_args()
+    measurement = Measurement(shlex.join(["python", "benchmarks/cluster_tables.py",
+                                          *sys.argv[1:]]))
     path = TABLES / "field-scenario.md"
     if args.table == "disaggregated":
         text = disaggregated(args.num_requests or 1000, args.workers)
         path = TABLES / "disaggregated-mooncake.md"
-        write_text_atomic(path, text)
+        write_text_atomic(path, _stamped(text, measurement))
     elif args.table == "field":
         section = field(args.num_requests or 4000, args.workers)
-        _splice(path, MARK_START, MARK_END, section)
+        _splice(path, MARK_START, MARK_END, _stamped(section, measurement))
     else:
         rates = [float(x) for x in args.rates.split(",")]
         section = field_saturated(args.num_requests or 2000, args.workers, rates)
-        _splice(path, MARK_SAT_START, MARK_SAT_END, section)
+        _splice(path, MARK_SAT_START, MARK_SAT_END, _stamped(section, measurement))
     print(f"written {path}")
 
 

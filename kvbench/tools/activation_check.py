@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from kvbench.engines.kv.paged import PagedKVManager
 from kvbench.engines.presets import ModelPreset, get_preset
 from kvbench.engines.scheduler import Scheduler, SchedulerConfig
 from kvbench.engines.torch_executor import TorchExecutor
+from kvbench.results.provenance import Measurement
 from kvbench.workloads.model import Request, Segment
 
 BLOCK_SIZE = 16
@@ -207,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--model", default="tiny")
     args = parser.parse_args(argv)
+    measurement = Measurement(shlex.join(["python", "-m", "kvbench.tools.activation_check",
+                                          *(argv if argv is not None else sys.argv[1:])]))
     torch.set_num_threads(1)
     preset = get_preset(args.model).with_dtype(args.dtype)
     rows = []
@@ -218,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
         if triton_installed():
             rows = check_executor(preset, args.device, "triton", "fused")
     rows += check_eager(preset, args.device)
+    print(measurement.line("Allocated bytes depend on the versions, not on the load."))
+    print()
     print(markdown(rows))
     worst = max(rows, key=lambda r: abs(r.error_pct))
     print(f"\n{len(rows)} steps; largest error {worst.error_pct:+.1f}% ({worst.scenario}, "
