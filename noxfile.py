@@ -278,6 +278,18 @@ def claims(session: nox.Session) -> None:
 
 
 @nox.session
+def claims_current(session: nox.Session) -> None:
+    """Fails where results/tables/seed-claims.md states a verdict or figure that the code no
+    longer computes: its studies run again at the published size and are compared (rows of
+    wall-clock figures left out). `-- --quick` checks only the rows whose published study took
+    at most 10 s, as CI does; the whole check takes minutes."""
+    session.install("-e", ".[cpu]")
+    quick = ["--max-seconds", "10"] if "--quick" in session.posargs else []
+    session.run("kvbench", "claims", "--check", "results/tables/seed-claims.json", *quick,
+                "-o", f"{REPORTS}/claims-current", env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
 def asv(session: nox.Session) -> None:
     """The asv benchmarks of this checkout, recorded under HEAD, and their dashboard.
 
