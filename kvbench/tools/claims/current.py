@@ -24,8 +24,8 @@ def _published(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         rows = {r["id"]: r for r in data["rows"]}
         meta = data["meta"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InputFileError(f"{path}: not a seed-claims.json that `kvbench claims` wrote "
-                             f"({exc}); give the JSON beside the published table") from None
+        raise InputFileError(path, f"not a seed-claims.json that `kvbench claims` wrote "
+                                   f"({exc}); give the JSON beside the published table") from None
     return meta, rows
 
 
