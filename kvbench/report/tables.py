@@ -76,8 +76,11 @@ def _span(values: list[float], fmt: str) -> str:
 
 def machine_load_text(record: RunRecord) -> str:
     """The machine while a wall-clock record's engine ran, over its repeats: 1-minute load
-    before and after, steal and I/O wait, CPU seconds; "-" for a virtual-clock record."""
+    before and after, steal and I/O wait, CPU seconds; for a virtual-clock record, that the
+    load could not change its figures."""
     states = record.machine_state
+    if record.clock == "virtual":
+        return "none needed: virtual clock, the figures are the same on any machine and load"
     if not states:
         return "-"
     before = [s.load_before[0] for s in states if s.load_before]
