@@ -151,3 +151,15 @@ def test_sizes_keep_different_values_apart(values: tuple[float, ...], texts: lis
     from kvbench.report.findings import _sizes
 
     assert _sizes(*values) == texts
+
+
+def test_more_requests_at_once_without_more_service_is_no_gain() -> None:
+    """More requests in flight because each is served more slowly is not called a win: the
+    sentence says the throughput and TTFT that did not improve."""
+    f = run_findings(_run(paged={"output_throughput": 101.0, "median_ttft_ms": 30_000.0}))
+    text = _about(f, "paged ran")
+    assert text is not None and text.endswith(
+        ", but that was no gain: its output throughput was 101.0 vs 102.9 tokens/s and its "
+        "TTFT p50 30.0 s vs 26.6 s, so requests were held longer, not served more.")
+    # Faster service keeps the sentence as it was.
+    assert _about(run_findings(_run()), "paged ran").endswith("at most 8 vs 2).")

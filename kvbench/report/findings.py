@@ -119,7 +119,22 @@ def _concurrency(records: Sequence[RunRecord]) -> str | None:
     peaks = hi.same("max_concurrent_requests"), lo.same("max_concurrent_requests")
     if None not in peaks:
         text += f", at most {peaks[0]:.0f} vs {peaks[1]:.0f}"
-    return text + ")."
+    return text + ")" + _no_gain(hi, lo) + "."
+
+
+def _no_gain(hi: _Group, lo: _Group) -> str:
+    """A clause saying that more requests at once was no gain: neither more output
+    throughput nor a lower median TTFT (they were held longer, not served more)."""
+    x_hi, x_lo = hi.same("output_throughput"), lo.same("output_throughput")
+    t_hi, t_lo = hi.same("median_ttft_ms"), lo.same("median_ttft_ms")
+    if None in (x_hi, x_lo, t_hi, t_lo) or not x_lo:
+        return ""
+    faster = x_hi > x_lo * (1 + SAME_PCT / 100) or t_hi < t_lo * (1 - SAME_PCT / 100)
+    if faster:
+        return ""
+    return (f", but that was no gain: {hi.its} output throughput was {x_hi:.1f} vs {x_lo:.1f} "
+            f"tokens/s and {hi.its} TTFT p50 {_duration(t_hi)} vs {_duration(t_lo)}, so requests "
+            "were held longer, not served more")
 
 
 def _waste(records: Sequence[RunRecord]) -> str | None:
