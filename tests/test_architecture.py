@@ -111,3 +111,21 @@ def test_the_rules_catch_a_violation() -> None:
     assert _violations("kvbench.workloads.io", {"kvbench.run.suite"})
     assert not _violations("kvbench.engines.builtin", {"kvbench.kernels.layouts", "kvbench.errors"})
     assert "kvbench.run.execute" in MODULES and "kvbench.engines.kv.paged" in MODULES
+
+
+def test_every_package_ships_in_the_wheel() -> None:
+    """pyproject.toml lists packages one by one: a new sub-package left out of the list
+    imports from a checkout but is missing from an installed wheel."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = {name: root / path for name, path in setup["package-dir"].items()}
+    listed = set(setup["packages"])
+    for name, base in dirs.items():
+        for init in base.rglob("__init__.py"):
+            rel = init.parent.relative_to(base).parts
+            package = ".".join((name, *rel))
+            # A folder mapped on its own (kvbench.engines.kv) is checked under its name.
+            if package not in dirs or package == name:
+                assert package in listed, f"{package} is not in pyproject's packages"
