@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import time
+import tomllib
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from kvbench.fileio import write_text_atomic
 from kvbench.results.provenance import Measurement
@@ -57,6 +59,24 @@ def _write(out_dir: Path, rows: list[Row], quick: bool, measurement: Measurement
     write_text_atomic(out_dir / "seed-claims.md", claims_markdown(rows, meta))
 
 
+QUOTES = Path(__file__).with_name("quotes.toml")
+
+
+def quotes() -> dict[str, dict[str, Any]]:
+    """The reports' own words per policy and claim: ``zh`` (an excerpt of the report), ``en``
+    (its translation), optionally ``zh2``/``en2`` and ``readings``."""
+    return tomllib.loads(QUOTES.read_text())
+
+
+def _words(quote: dict[str, Any] | None) -> str:
+    if not quote:
+        return "-"
+    parts = [f"{quote[k]} ({quote[k.replace('zh', 'en')]})" for k in ("zh", "zh2")
+             if quote.get(k)]
+    parts += [f"reading: {r}" for r in quote.get("readings", [])]
+    return "<br>".join(_cell(p) for p in parts) or "-"
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -84,12 +104,16 @@ def claims_markdown(rows: list[Row], meta: dict) -> str:
         "- every run's command ends in `--out runs/NAME`, relative to the output folder; "
         "`kvbench claims --only ID` redoes one row",
         "",
-        "| id | claim | interpretation tested | measured | verdict | rule | commands |",
-        "|---|---|---|---|---|---|---|",
+        "| id | claim | the report's words | interpretation tested | measured | verdict | rule "
+        "| commands |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    words = quotes() if QUOTES.is_file() else {}
     for r in rows:
         cmds = "<br>".join(f"`{_cell(c)}`" for c in r.commands)
+        # The anchor other tables link a row by: [P9: verdict](seed-claims.md#p9).
         lines.append("| " + " | ".join([
-            r.id, _cell(r.claim), _cell(r.interpretation), _cell(r.measured),
-            f"**{r.verdict}**", _cell(r.rule), cmds]) + " |")
+            f'<a id="{r.id.lower()}"></a>{r.id}', _cell(r.claim), _words(words.get(r.id)),
+            _cell(r.interpretation), _cell(r.measured), f"**{r.verdict}**", _cell(r.rule),
+            cmds]) + " |")
     return "\n".join(lines) + "\n"
