@@ -63,15 +63,16 @@ QUOTES = Path(__file__).with_name("quotes.toml")
 
 
 def quotes() -> dict[str, dict[str, Any]]:
-    """The reports' own words per policy and claim: ``zh`` (an excerpt of the report), ``en``
-    (its translation), optionally ``zh2``/``en2`` and ``readings``."""
+    """The reports' own words per policy and claim: ``zh`` (an excerpt of the report, in
+    ``report``), ``en`` (its translation), optionally more excerpts (``zh2``/``en2``, ...,
+    each in ``report2`` where it is the other report) and ``readings``."""
     return tomllib.loads(QUOTES.read_text())
 
 
 def _words(quote: dict[str, Any] | None) -> str:
     if not quote:
         return "-"
-    parts = [f"{quote[k]} ({quote[k.replace('zh', 'en')]})" for k in ("zh", "zh2")
+    parts = [f"{quote[k]} ({quote[k.replace('zh', 'en')]})" for k in ("zh", "zh2", "zh3")
              if quote.get(k)]
     parts += [f"reading: {r}" for r in quote.get("readings", [])]
     return "<br>".join(_cell(p) for p in parts) or "-"
