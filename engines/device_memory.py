@@ -71,7 +71,10 @@ KVAllocation = Literal["preallocated", "on-demand"]
 
 # CUDA context plus cuBLAS/cuDNN/NCCL handles: a process that has initialised CUDA and
 # loaded torch's kernels (CUDA_MODULE_LOADING=LAZY) shows 300-600 MiB in nvidia-smi on
-# A100/H100-class devices before allocating a tensor; the middle of that range.
+# A100/H100-class devices before allocating a tensor; the middle of that range. vLLM's KV
+# budget takes off only the non-torch memory that grows after its start-up snapshot
+# (``Hardware.non_torch_bytes``): the context exists before it, in the share
+# gpu_memory_utilization leaves.
 NON_TORCH_BYTES = 512 * 2**20
 # Activation peaks kept for recurring forward shapes (cleared when full).
 _PEAKS_KEPT = 4096

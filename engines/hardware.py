@@ -4,6 +4,10 @@ the device an engine runs on.
 Memory is what ``nvidia-smi`` reports as total; bandwidth and dense BF16/FP16 tensor FLOPs
 are the vendors' datasheet peaks (no sparsity); ``link_bytes_per_s`` is the per-GPU
 interconnect bandwidth for tensor-parallel all-reduce (NVLink, or PCIe for L40S).
+``non_torch_bytes`` is the memory per rank that grows outside PyTorch's allocator while an
+engine loads and profiles its model (cuBLAS workspaces, attention-backend buffers), which
+vLLM's memory profile takes from the KV budget (its logged ``non_torch_memory``); the CUDA
+context and NCCL communicators exist before vLLM's start-up snapshot and are not in it.
 
 A device also carries the cost-model coefficients saying how close software gets to those
 peaks on it: typical values of well-tuned engines for the table's GPUs, fitted ones for a
@@ -22,6 +26,14 @@ from kvbench.errors import KvbenchError
 from kvbench.units import did_you_mean
 
 MiB = 2**20
+GiB = 2**30
+
+# vLLM's profile on an H100-80G, TP 1 (vllm-project/vllm PR #12126, its log: "model weights
+# take 19.86GiB; non_torch_memory takes 0.16GiB; PyTorch activation peak memory takes
+# 36.63GiB"), measured against torch's reserved bytes since PR #11809. No A100, H200 or L40S
+# log found gives a figure, so those take this closest sourced one, as does a saved device
+# written before the field existed.
+SOURCED_NON_TORCH_BYTES = int(0.16 * GiB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +98,7 @@ class Hardware:
     link_bytes_per_s: float
     link: str
     coef: CostCoefficients = field(default_factory=CostCoefficients)
+    non_torch_bytes: int = SOURCED_NON_TORCH_BYTES
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,15 +113,25 @@ class Hardware:
             value = getattr(hw, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise KvbenchError(f"{name} must be a positive number, not {value}")
+        nt = hw.non_torch_bytes
+        if not (isinstance(nt, int) and not isinstance(nt, bool) and nt >= 0):
+            raise KvbenchError(f"non_torch_bytes must be a whole number >= 0, not {nt!r}")
         return hw
 
 
+# non_torch_bytes: h100-sxm is sourced (SOURCED_NON_TORCH_BYTES); the others take that
+# figure as the closest sourced one, for want of a log of their own.
 _GPUS: dict[str, Hardware] = {
-    "a100-40gb": Hardware("a100-40gb", 40960 * MiB, 1.555e12, 312e12, 600e9, "NVLink3"),
-    "a100-80gb": Hardware("a100-80gb", 81920 * MiB, 2.039e12, 312e12, 600e9, "NVLink3"),
-    "h100-sxm": Hardware("h100-sxm", 81559 * MiB, 3.35e12, 989e12, 900e9, "NVLink4"),
-    "h200": Hardware("h200", 143771 * MiB, 4.8e12, 989e12, 900e9, "NVLink4"),
-    "l40s": Hardware("l40s", 46068 * MiB, 0.864e12, 362e12, 64e9, "PCIe4x16"),
+    "a100-40gb": Hardware("a100-40gb", 40960 * MiB, 1.555e12, 312e12, 600e9, "NVLink3",
+                          non_torch_bytes=SOURCED_NON_TORCH_BYTES),
+    "a100-80gb": Hardware("a100-80gb", 81920 * MiB, 2.039e12, 312e12, 600e9, "NVLink3",
+                          non_torch_bytes=SOURCED_NON_TORCH_BYTES),
+    "h100-sxm": Hardware("h100-sxm", 81559 * MiB, 3.35e12, 989e12, 900e9, "NVLink4",
+                         non_torch_bytes=SOURCED_NON_TORCH_BYTES),
+    "h200": Hardware("h200", 143771 * MiB, 4.8e12, 989e12, 900e9, "NVLink4",
+                     non_torch_bytes=SOURCED_NON_TORCH_BYTES),
+    "l40s": Hardware("l40s", 46068 * MiB, 0.864e12, 362e12, 64e9, "PCIe4x16",
+                     non_torch_bytes=SOURCED_NON_TORCH_BYTES),
 }
 
 
@@ -128,7 +151,8 @@ def get_gpu(name: str) -> Hardware:
 
 # Uncalibrated figures for real compute on a CPU under the virtual clock; replace them with a
 # profile from `kvbench calibrate` for predictions that match this machine.
-CPU_HARDWARE = Hardware("cpu", psutil.virtual_memory().total, 20e9, 2e11, 20e9, "none")
+CPU_HARDWARE = Hardware("cpu", psutil.virtual_memory().total, 20e9, 2e11, 20e9, "none",
+                        non_torch_bytes=0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -288,9 +288,9 @@ def _print_deployment(dep: Deployment, demand: str, result: list[CapacityRow]) -
         title=f"{dep.preset.name} on {dep.label}, max_model_len {dep.max_model_len}, "
         f"requests of {demand}",
         caption=f"KV {format_bytes(first.kv_bytes_per_token_per_rank)}/token/rank, budget "
-        f"{format_bytes(first.kv_budget_bytes_per_rank)}/rank after weights and activations "
-        f"(gpu_memory_utilization {dep.gpu_memory_utilization}); TPOT = one decode step of "
-        f"the running requests (max_num_seqs {dep.max_num_seqs})",
+        f"{format_bytes(first.kv_budget_bytes_per_rank)}/rank after weights, activations and "
+        f"non-torch memory (gpu_memory_utilization {dep.gpu_memory_utilization}); TPOT = one "
+        f"decode step of the running requests (max_num_seqs {dep.max_num_seqs})",
     )
     for col in ("policy", "reserved tok/req", "held", "max concurrent/replica", "total",
                 "paged ÷ this", "TPOT ms", "prefill ms"):

@@ -3,9 +3,12 @@ they give. A profile written by ``kvbench calibrate`` simulates the device it me
 
 from __future__ import annotations
 
+from kvbench.engines.activations import AttentionImpl
 from kvbench.engines.hardware import DeviceSpec, Hardware, get_gpu
+from kvbench.engines.kv_budget import KVBudget, profile_activation_bytes, vllm_kv_budget
 from kvbench.engines.presets import ModelPreset
 from kvbench.errors import KvbenchError
+from kvbench.units import format_bytes
 
 
 def parse_device(text: str) -> DeviceSpec:
@@ -71,14 +74,6 @@ def _match_gpu(name: str, memory_bytes: int) -> Hardware:
     return Hardware(name, memory_bytes, 1e12, 1e14, 1e11, "unknown")
 
 
-def activation_reserve_bytes(preset: ModelPreset, max_num_batched_tokens: int, max_num_seqs: int,
-                             tp: int = 1) -> int:
-    """Estimated peak activation memory per rank: hidden, QKV and MLP intermediates of one
-    step's tokens plus float32 logits of the sampled rows (vLLM measures this by profiling)."""
-    per_token = (4 * preset.hidden_size + 2 * preset.intermediate_size) * preset.dtype_bytes // tp
-    return max_num_batched_tokens * per_token + max_num_seqs * preset.vocab_size * 4
-
-
 def kv_budget_bytes(
     device: DeviceSpec,
     preset: ModelPreset,
@@ -87,35 +82,63 @@ def kv_budget_bytes(
     gpu_memory_utilization: float,
     max_num_batched_tokens: int,
     max_num_seqs: int,
+    attention: AttentionImpl = "fused",
+    page_tokens: int = 1,
 ) -> int:
-    """Total KV bytes over all ranks: explicit, or device memory x utilisation - weights -
-    activation reserve (per rank, times TP)."""
+    """Total KV bytes over all ranks: explicit, or vLLM's rule per rank (:func:`gpu_kv_budget`)
+    times TP."""
     if kv_memory is not None:
         return kv_memory
     if device.kind == "cpu" or device.profiled_kind == "cpu":
         # The simulated CPU keeps the real one's budget, so a replay matches a real run.
         return 256 * 2**20
+    budget = gpu_kv_budget(
+        device, preset, gpu_memory_utilization=gpu_memory_utilization,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        attention=attention, page_tokens=page_tokens,
+    )
+    if budget.kv_bytes <= 0:
+        raise KvbenchError(
+            f"{preset.name} leaves no KV memory on {device.label}: of "
+            f"{format_bytes(budget.requested_bytes)} per rank (gpu_memory_utilization "
+            f"{gpu_memory_utilization}), weights take {format_bytes(budget.weights_bytes)}, the "
+            f"profiled activation peak {format_bytes(budget.activation_peak_bytes)} and non-torch "
+            f"memory {format_bytes(budget.non_torch_bytes)}: use more tensor parallelism (e.g. "
+            f"sim:{device.hardware.name}x{device.tp * 2}), a larger GPU, a smaller model, or "
+            "lower max_num_batched_tokens"
+        )
+    return budget.kv_bytes * device.tp
+
+
+def gpu_kv_budget(
+    device: DeviceSpec,
+    preset: ModelPreset,
+    *,
+    gpu_memory_utilization: float,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    attention: AttentionImpl = "fused",
+    page_tokens: int = 1,
+) -> KVBudget:
+    """vLLM's KV budget of one rank of a GPU device (:mod:`kvbench.engines.kv_budget`): the
+    device's memory x utilisation, less the rank's weights, the activation model's peak on
+    vLLM's profiling batch and the device's non-torch memory. The simulated engines run
+    eagerly, so no CUDA graph memory is taken. A real CUDA device starts from its free
+    memory, as memory other processes hold is not this run's."""
     if device.kind == "cuda":
         import torch
 
-        free, _total = torch.cuda.mem_get_info(device.torch_device)
-        usable = int(free * gpu_memory_utilization)
+        memory, _total = torch.cuda.mem_get_info(device.torch_device)
     else:
-        assert device.gpu is not None
-        usable = int(device.gpu.memory_bytes * gpu_memory_utilization)
+        memory = device.hardware.memory_bytes
     tp = device.tp
-    per_rank = (
-        usable
-        - preset.weight_bytes // tp
-        - activation_reserve_bytes(preset, max_num_batched_tokens, max_num_seqs, tp)
+    return vllm_kv_budget(
+        memory, gpu_memory_utilization,
+        weights_bytes=preset.weight_bytes // tp,
+        activation_peak_bytes=profile_activation_bytes(
+            preset, tp, max_num_batched_tokens, max_num_seqs, attention, page_tokens),
+        non_torch_bytes=device.hardware.non_torch_bytes,
     )
-    if per_rank <= 0:
-        raise KvbenchError(
-            f"{preset.name} weights ({preset.weight_bytes / 2**30:.1f} GiB) leave no KV memory on "
-            f"{device.label}: use more tensor parallelism (e.g. sim:{device.hardware.name}x"
-            f"{tp * 2}), a larger GPU, or a smaller model"
-        )
-    return per_rank * tp
 
 
 def on_demand_kv_bytes(device: DeviceSpec, preset: ModelPreset) -> int:

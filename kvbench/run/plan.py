@@ -134,6 +134,7 @@ def plan_run(
             device, preset, kv_memory=kv_memory,
             gpu_memory_utilization=run.gpu_memory_utilization,
             max_num_batched_tokens=run.max_num_batched_tokens, max_num_seqs=run.max_num_seqs,
+            attention=memory.attention_impl, page_tokens=block_size,
         )
     settings = EngineSettings(
         preset=preset,

@@ -1,11 +1,12 @@
 """Capacity planning: how many requests fit at once in a deployment's KV budget under each
 KV layout, and the latency the cost model predicts at that concurrency.
 
-The budget is the one ``kvbench run`` gives a simulated GPU (device memory x utilisation,
-minus the rank's share of the weights and the activation reserve), and the KV managers are
-built by the same factory, so a plan matches what the sim then runs. A request holding
-``L`` tokens takes ``reserve(L)`` slots contiguously (``max_model_len``, ``L`` itself, or
-the next power of two) and ``ceil(L / block_size)`` blocks paged. With a workload the plan
+The budget is the one ``kvbench run`` gives a simulated GPU with fused attention (vLLM's rule:
+device memory x utilisation, minus the rank's share of the weights, the activation peak of
+vLLM's profiling forward and non-torch memory), and the KV managers are built by the same
+factory, so a plan matches what the sim then runs. A request holding ``L`` tokens takes
+``reserve(L)`` slots contiguously (``max_model_len``, ``L`` itself, or the next power of two)
+and ``ceil(L / block_size)`` blocks paged. With a workload the plan
 uses its mean demand per request: requests that fit on average, ignoring the contiguous
 arena's holes (``kvbench run`` measures those).
 
