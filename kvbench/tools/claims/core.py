@@ -2,10 +2,12 @@
 runs the studies share, and the verdict vocabulary.
 
 A study is a function of a :class:`Context` returning a :class:`Row`. Its verdict comes from
-its measurements through the rule the row states (``rule``); only ``misdescribed`` and
-``not measurable here`` may rest on reasoning, which the row then gives. A wall-clock figure
-decides only where its interleaved repeats agree (``not resolved on this machine``
-otherwise), and a claim about GPU kernels or GPU memory is not decided on a CPU at all.
+its measurements through the rule the row states (``rule``), computed by a pure function of
+the figures registered in :data:`RULES` (so that each can be shown to go either way); only
+``misdescribed`` and ``not measurable here`` may rest on reasoning, which the row then
+gives. A wall-clock figure decides only where its interleaved repeats agree (``not resolved
+on this machine`` otherwise), and a claim about GPU kernels or GPU memory is not decided on
+a CPU at all.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvbench.errors import KvbenchError
 from kvbench.results.schema import RunRecord
 from kvbench.workloads.model import Workload
+
+if TYPE_CHECKING:
+    from kvbench.run.plan import RunPlan
 
 Verdict = Literal["reproduced", "partly", "refuted", "misdescribed", "not measurable here",
                   "not resolved on this machine"]
@@ -48,6 +53,31 @@ class Row:
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
             raise ValueError(f"{self.id}: unknown verdict {self.verdict!r}")
+
+
+Rule = Callable[..., Verdict]
+# Every study's verdict rule by study id: a pure function of the figures (numbers, small
+# dicts), so a test can feed it figures either side of each threshold.
+RULES: dict[str, Rule] = {}
+
+
+def rule(ident: str) -> Callable[[Rule], Rule]:
+    """Register the decorated function as the verdict rule of study ``ident``."""
+    def register(fn: Rule) -> Rule:
+        if ident in RULES:
+            raise RuntimeError(f"rule {ident} registered twice")
+        RULES[ident] = fn
+        return fn
+    return register
+
+
+BEST_FIRST: tuple[Verdict, ...] = ("reproduced", "partly", "refuted")
+
+
+def best_of(*verdicts: Verdict) -> Verdict:
+    """The most favourable of the readings' verdicts (where fair readings differ, the
+    claim gets the benefit of the doubt)."""
+    return min(verdicts, key=BEST_FIRST.index)
 
 
 def pick(conditions: list[tuple[bool, Verdict]], otherwise: Verdict) -> Verdict:
@@ -114,29 +144,53 @@ class Context:
         interleaved rounds; no figures); ``flags`` are
         :class:`~kvbench.run.overrides.RunFlags` fields."""
         from kvbench.run.execute import execute_plan
+
+        key = ("run", suite, repeat, _flag_key(flags))
+        if key not in self._runs:
+            extra = [] if repeat is None else ["--repeat", str(repeat)]
+            plan, command = self._plan("run", suite, name, flags, extra, repeat)
+            # A failed engine's record is a study's figure too (an out-of-memory start, say).
+            records = {r.engine: r for r in execute_plan(plan, plots=False)}
+            self._runs[key] = SuiteRun(records, command, plan.workload)
+        return self._runs[key]
+
+    def soak(self, suite: str, name: str, *, waves: int, **flags: Any) -> SuiteRun:
+        """``kvbench soak SUITE --waves N --flag value ... --out DIR/runs/NAME``: the
+        workload sent ``waves`` times through one engine instance, each wave once the last
+        has drained, so what an engine fails to give back accumulates (each record's
+        ``soak`` holds the memory after every drain and kvbench's leak verdict)."""
+        from kvbench.results.leaks import DEFAULT_NOISE_BYTES, DEFAULT_NOISE_PCT
+        from kvbench.tools.soak import run_soak
+
+        key = ("soak", suite, waves, _flag_key(flags))
+        if key not in self._runs:
+            plan, command = self._plan("soak", suite, name, flags, ["--waves", str(waves)])
+            records = {r.engine: r for r in run_soak(plan, waves, DEFAULT_NOISE_PCT,
+                                                     DEFAULT_NOISE_BYTES)}
+            self._runs[key] = SuiteRun(records, command, plan.workload)
+        return self._runs[key]
+
+    def _plan(self, verb: str, suite: str, name: str, flags: dict[str, Any],
+              extra: list[str], repeat: int | None = None) -> tuple[RunPlan, str]:
+        """The run plan of ``kvbench VERB SUITE ...`` into ``runs/NAME`` and that command."""
         from kvbench.run.overrides import RunFlags, flag_name, resolve_suite
         from kvbench.run.plan import plan_run
 
-        key = (suite, repeat, tuple(sorted((k, str(v)) for k, v in flags.items())))
-        if key in self._runs:
-            return self._runs[key]
-        out = self.out_dir / "runs" / name
-        words = ["kvbench", "run", suite]
+        words = ["kvbench", verb, suite]
         for k, v in flags.items():
             if isinstance(v, bool):
                 words.append(flag_name(k) if v else "--no-" + flag_name(k)[2:])
             else:
                 words += [flag_name(k), str(v)]
-        if repeat is not None:
-            words += ["--repeat", str(repeat)]
-        command = shlex.join([*words, "--out", f"runs/{name}"])
+        command = shlex.join([*words, *extra, "--out", f"runs/{name}"])
         the_suite, base = resolve_suite(suite, RunFlags(**flags))
-        plan = plan_run(the_suite, base, out, command, repeats=repeat, force=True)
-        # A failed engine's record is a study's figure too (an out-of-memory start, say).
-        records = {r.engine: r for r in execute_plan(plan, plots=False)}
-        result = SuiteRun(records, command, plan.workload)
-        self._runs[key] = result
-        return result
+        plan = plan_run(the_suite, base, self.out_dir / "runs" / name, command,
+                        repeats=repeat, force=True)
+        return plan, command
+
+
+def _flag_key(flags: dict[str, Any]) -> tuple:
+    return tuple(sorted((k, str(v)) for k, v in flags.items()))
 
 
 Study = Callable[[Context], Row]
