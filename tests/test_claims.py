@@ -10,13 +10,10 @@ from pathlib import Path
 
 import pytest
 from cli_main import run_main
-from pydantic import create_model
 
-from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.errors import KvbenchError
 from kvbench.tools.claims import STUDIES, parse_only
 from kvbench.tools.claims.core import VERDICTS, Row, pick
-from kvbench.tools.claims.policies import modality_options, not_built
 
 SEED_CLAIMS = Path(__file__).resolve().parents[2] / "shared" / "SEED-CLAIMS.md"
 
@@ -47,22 +44,6 @@ def test_verdict_rules_pick_the_first_condition_that_holds() -> None:
     assert pick([(False, "reproduced")], "refuted") == "refuted"
     with pytest.raises(ValueError, match="unknown verdict"):
         Row("C0", "c", "i", "m", "true", "r")  # type: ignore[arg-type]
-
-
-def test_modality_features_are_detected_from_the_registry(monkeypatch) -> None:
-    from kvbench.engines import registry
-
-    # Without the modality-aware policy (engines/kv/modal.py) no kind has such options.
-    without = {name: kind for name, kind in registry.KINDS.items() if name != "modal"}
-    monkeypatch.setattr(registry, "KINDS", without)
-    assert "feature not built" in not_built("per-modality KV precision")
-    with_option = create_model("WithOption", __base__=PagedPolicy, vision_kv_dtype=(str, "int8"))
-    kinds = dict(without)
-    kinds["paged"] = registry.Kind(with_option, *[getattr(registry.KINDS["paged"], f)
-                                                  for f in ("manager", "layout")])
-    monkeypatch.setattr(registry, "KINDS", kinds)
-    assert modality_options() == {"paged": ["vision_kv_dtype"]}
-    assert "feature not built" not in not_built("per-modality KV precision")
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from kvbench.tools.claims.core import (
 # features not built (not measurable here), mechanisms that cannot do what is claimed
 # (misdescribed).
 REASONING_ONLY = {
-    "P8": "not measurable here", "P9": "not measurable here", "P10": "misdescribed",
+    "P9": "not measurable here", "P10": "misdescribed",
     "C9": "not measurable here", "C12": "not measurable here", "C13": "not measurable here",
     "C14": "not measurable here", "C24": "not measurable here", "C25": "misdescribed",
 }
@@ -52,6 +52,8 @@ CASES: dict[str, list[tuple[tuple[Any, ...], str]]] = {
               "pressure": {SYNC: 100, HINT: 99, PRE: 100}},), "partly"),
            (({"light": {SYNC: 100, HINT: 99, PRE: 99},
               "pressure": {SYNC: 100, HINT: 101, PRE: 98.5}},), "refuted")],
+    "P8": [((0.0, 0.316), "reproduced"), ((0.1, 0.2), "partly"), ((0.089, 0.02), "refuted"),
+           ((0.1, 0.1), "refuted")],
     "P5": [((0.5, 0.52), "reproduced"), ((0.5, 0.505), "partly"), ((0.5, 0.495), "partly"),
            ((0.5, 0.48), "refuted")],
     "P6": [(({"2048": (True, False)}, (97, 99), (85.5, 83.0)), "reproduced"),

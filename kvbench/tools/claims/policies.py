@@ -28,32 +28,6 @@ if TYPE_CHECKING:
 POLICY_LOAD = {"workload": "mixed-text", "request_rate": 16}
 
 
-def modality_options() -> dict[str, list[str]]:
-    """Options of the built-in policies about per-modality precision or pages, by kind: the
-    features P7/P8/C19/C22 need. Empty until an engine kind has one."""
-    from kvbench.engines.registry import KINDS
-
-    words = ("modality", "vision", "precision", "kv_dtype")
-    found: dict[str, list[str]] = {}
-    for name, kind in KINDS.items():
-        if not kind.is_policy:
-            continue
-        hits = [f for f in kind.section.model_fields if any(w in f for w in words)]
-        if hits:
-            found[name] = hits
-    return found
-
-
-def not_built(what: str) -> str:
-    opts = modality_options()
-    if opts:
-        listed = "; ".join(f"{k}: {', '.join(v)}" for k, v in opts.items())
-        return (f"engine options found ({listed}) but this study does not drive them yet: "
-                f"{what} is to be measured with them")
-    return (f"feature not built: no engine kind of the registry has an option for {what} "
-            "(checked: every policy section's fields)")
-
-
 def modality_shares(ctx: Context) -> dict[str, float]:
     """Token shares by modality of the ``mixed-multimodal`` workload, over the tokens its
     requests hold at their longest (prompt segments plus output, which is text)."""
@@ -390,25 +364,38 @@ def p7(ctx: Context) -> Row:
     )
 
 
+@rule("P8")
+def p8_rule(hit_paged: float, hit_modal: float) -> Verdict:
+    """The claim: cross-modal reuse 0% -> 63.2% with modality pages. Reproduced if modality
+    pages add at least half that gain (32 points) to the prefix hit rate, partly if they add
+    any, refuted if they add none."""
+    gain = hit_modal - hit_paged
+    return pick([(gain >= 0.316, "reproduced"), (gain > 0, "partly")], "refuted")
+
+
 @study("P8")
 def p8(ctx: Context) -> Row:
     n = ctx.size(200, 1000)
-    r = ctx.run("quick-sim", "p8-multimodal", engines="paged", workload="mixed-multimodal",
-                num_requests=n, kv_memory="40GiB")
-    s = r["paged"]
+    r = ctx.run("quick-sim", "p8-modality-pages", engines="paged,modal-pages",
+                workload="multimodal-reuse", model="llama-3-8b", num_requests=n,
+                kv_memory="40GiB", prefix_caching=True)
+    hit = {e: r[e].get("prefix_hit_rate") or 0.0 for e in r.records}
+    table = {e: r[e]["peak_page_table_bytes"] for e in r.records}
     return Row(
         "P8", "modality-aware pages (vision 512, text 256-1024); reuse 0 -> 63.2%, table 1.8 "
         "-> 2.1 MB",
-        "vision and text in pages of their own sizes over one page table",
-        f"{not_built('modality-aware page sizes')}. Measured instead (one pool of 16-token "
-        f"blocks, Llama-2-7B sim, {n} mixed-multimodal requests): prefix hit rate "
-        f"{pct(s.get('prefix_hit_rate'))}, peak page table {num(s['peak_page_table_bytes'] / 1e6)}"
-        f" MB, KV waste {s['kv_waste_pct']:.2f}%",
-        "not measurable here",
-        "not measurable until an engine option gives vision and text pages of their own size",
-        [r.command], {"prefix_hit_rate": s.get("prefix_hit_rate"),
-                      "peak_page_table_bytes": s["peak_page_table_bytes"],
-                      "options": modality_options()},
+        "vision tokens in 512-token pages of their own, text in 16-token pages, one shared "
+        "pool and page table (`modal-pages`) against one pool of 16-token blocks (`paged`), "
+        f"both with prefix caching; Llama-3-8B sim, {n} multimodal-reuse requests (images "
+        "recurring across requests), 40 GiB; cross-modal reuse = the prefix cache's hit rate",
+        "prefix hit rate " + ", ".join(f"{e} {pct(v)}" for e, v in hit.items())
+        + "; peak page table " + ", ".join(f"{e} {num(v / 1e6)} MB" for e, v in table.items())
+        + "; a modal hit ends where a class's page is not full, so a 512-token vision page "
+        "stops it at any image of fewer tokens",
+        p8_rule(hit["paged"], hit["modal-pages"]),
+        "reproduced if modality pages raise the hit rate by at least half the claimed 63.2 "
+        "points; partly if they raise it at all; refuted if not",
+        [r.command], {"prefix_hit_rate": hit, "peak_page_table_bytes": table},
     )
 
 
