@@ -149,13 +149,7 @@ def table(pooled: dict[str, Samples], wl: PeerWorkload, rounds: int, warmup: int
             _fmt(d[name][m], ".3f") for d in (r, pace, paced) for m in METRICS) + " |")
     lines += [
         "",
-        "Reading: the raw medians of two tools differ by as much as the server's own pace "
-        "differed between their rounds (the *pace* columns, from the server's histograms of "
-        "exactly those requests); with it divided out, kvbench and a peer agree within 10% "
-        "where the peer read its stream as it came (`tests/vllm/test_served.py` asserts that "
-        "for bench serve and GuideLLM). Every client's mean TPOT and ITL equal the server's "
-        "engine-core figures to a fraction of a percent; its TTFT exceeds the server's by the "
-        "HTTP and API-process time outside the server's stamps (a few ms).",
+        _reading(pooled, paced),
         "",
         "GuideLLM's records hold each request's first and last token times but not the gaps "
         "between chunks, so its ITL is not compared (what GuideLLM reports as ITL is TPOT as "
@@ -168,6 +162,26 @@ def table(pooled: dict[str, Samples], wl: PeerWorkload, rounds: int, warmup: int
         "",
     ]
     return "\n".join(lines)
+
+
+def _reading(pooled: dict[str, Samples], paced: dict[str, dict[str, float | None]]) -> str:
+    """The paragraph that reads the tables, its figures from these samples."""
+    def off(values: list[float | None]) -> str:
+        kept = [abs(v - 1) for v in values if v is not None]
+        return "n/a" if not kept else f"{100 * max(kept):.1f}%"
+
+    agree = "; ".join(f"{name} {off(list(ratios_.values()))}" for name, ratios_ in paced.items()
+                      if name in ("vllm bench serve", "guidellm"))
+    steady = [n for n in ("kvbench", "vllm bench serve", "guidellm") if n in pooled]
+    clock = off([by_server_clock(pooled[n], m) for n in steady for m in ("tpot", "itl")])
+    return (
+        "Reading: the raw medians of two tools differ by as much as the server's own pace "
+        "differed between their rounds (the *pace* columns, from the server's histograms of "
+        "exactly those requests). With it divided out, kvbench's figures differ from those of "
+        f"a peer that reads its stream as it came by at most: {agree} (the *paced* columns). "
+        f"The mean TPOT and ITL of {', '.join(steady)} are within {clock} of the server's "
+        "engine-core figures; a client's TTFT exceeds the server's by the HTTP and "
+        "API-process time outside the server's stamps (a few ms).")
 
 
 def _rounded(value: object) -> object:
