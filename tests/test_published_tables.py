@@ -18,8 +18,9 @@ MARKDOWN = sorted(TABLES.rglob("*.md"))
 # A verdict or a figure stated outside the claims table: a link to its row, e.g.
 # [P9: not measurable here](seed-claims.md#p9) or [C15: 30.42 GB](seed-claims.md#c15).
 ROW_LINK = re.compile(r"\[(?P<id>[PC]\d+): (?P<text>[^\]]+)\]\(seed-claims\.md#[pc]\d+\)")
-VERDICT_WORDS = re.compile(r"\b(reproduced|refuted|misdescribed|not measurable here|"
-                           r"not resolved on this machine)\b", re.I)
+# Every verdict word but "partly", which prose uses in its plain sense.
+VERDICT_WORDS = re.compile(r"\b(" + "|".join(v for v in VERDICTS if v != "partly") + r")\b",
+                           re.I)
 
 
 def _record_page(text: str) -> bool:

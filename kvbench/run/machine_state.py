@@ -7,18 +7,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kvbench.results.provenance import load_now
 from kvbench.results.schema import NOISY, MachineState, RunRecord
 
 # Above this share of CPU time taken by the hypervisor, timings measure the neighbours.
 NOISY_STEAL_PCT = 5.0
-
-
-def _load() -> tuple[float, float, float] | None:
-    try:
-        one, five, fifteen = os.getloadavg()
-    except OSError:
-        return None
-    return (round(one, 2), round(five, 2), round(fifteen, 2))
 
 
 def _cpu_jiffies() -> tuple[int, int, int] | None:
@@ -58,7 +51,7 @@ class LoadProbe:
     """Readings at the start of an engine's run; :meth:`stop` gives its MachineState."""
 
     def __init__(self) -> None:
-        self.load = _load()
+        self.load = load_now()
         self.jiffies = _cpu_jiffies()
         self.times = os.times()
 
@@ -71,7 +64,7 @@ class LoadProbe:
                 iowait = round(100.0 * (jiffies[1] - self.jiffies[1]) / total, 2)
                 steal = round(100.0 * (jiffies[2] - self.jiffies[2]) / total, 2)
         state = MachineState(
-            load_before=self.load, load_after=_load(), cpu_count=os.cpu_count(),
+            load_before=self.load, load_after=load_now(), cpu_count=os.cpu_count(),
             steal_pct=steal, iowait_pct=iowait,
             user_cpu_s=round(times.user - self.times.user, 4),
             system_cpu_s=round(times.system - self.times.system, 4),
