@@ -4,7 +4,9 @@ step = overhead + per_seq x seqs
        + max(FLOPs / (peak FLOPs x flops_eff), bytes / (HBM bw x bw_eff))
        + tensor-parallel all-reduce time
 
-or, where attention runs as its own, unfused operator (``CostCoefficients.split_attention``),
+or, where compute and memory traffic do not overlap (``CostCoefficients.overlap`` false, as
+measured on CPUs), their sum in place of each max; or, where attention runs as its own,
+unfused operator (``CostCoefficients.split_attention``),
 the max is taken separately for the linear layers (their FLOPs; weights and copies) and for
 attention (its FLOPs; the KV it reads and writes), and the two are added. Unfused attention
 also computes the masked half of each prefill chunk's query x key square; the batch shape
@@ -25,6 +27,8 @@ ones from ``kvbench calibrate`` for a profiled device.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -111,27 +115,14 @@ class CostModel:
         return flops, attention / tp, masked, nbytes, kv_bytes, allreduce
 
     def step_time_s(self, batch: BatchShape) -> float:
-        c, hw = self.coef, self.hardware
+        c = self.coef
         assert c is not None  # resolved at construction
         if batch.prefill_tokens + batch.decode_tokens == 0 and batch.copied_bytes == 0:
             # No forward pass; only the mapping calls, if any, take time.
             return c.map_op_s * batch.map_ops / self.tp
         flops, attention, masked, nbytes, kv_bytes, allreduce = self._work(batch)
-        peak_flops, peak_bw = hw.flops_per_s, hw.hbm_bytes_per_s
-        if c.split_attention:
-            assert c.attention_flops_efficiency and c.attention_bandwidth_efficiency
-            roofline = max(
-                (flops - attention) / (peak_flops * c.flops_efficiency),
-                (nbytes - kv_bytes) / (peak_bw * c.bandwidth_efficiency),
-            ) + max(
-                (attention + masked) / (peak_flops * c.attention_flops_efficiency),
-                kv_bytes / (peak_bw * c.attention_bandwidth_efficiency),
-            )
-        else:
-            roofline = max(
-                flops / (peak_flops * c.flops_efficiency),
-                nbytes / (peak_bw * c.bandwidth_efficiency),
-            )
+        roofline = self._roofline(flops, attention, masked, nbytes, kv_bytes,
+                                  max if c.overlap else operator.add)
         step = c.overhead_s + c.per_seq_s * batch.num_seqs + roofline + allreduce
         if batch.map_ops:
             step += c.map_op_s * batch.map_ops / self.tp
@@ -145,7 +136,7 @@ class CostModel:
         floating-point operations in the same order, on arrays, so every time equals the
         one-step figure bit for bit. None when an integer term would exceed 2**53 (it would
         round differently as a float)."""
-        c, hw = self.coef, self.hardware
+        c = self.coef
         assert c is not None
         tp, n = self.tp, num_seqs
         context = np.asarray(context, dtype=np.int64)
@@ -166,22 +157,29 @@ class CostModel:
             msg = n * self._allreduce_bytes_per_token
             ring = 2 * (tp - 1) / tp * msg / self.hardware.link_bytes_per_s
             allreduce = 2 * self.preset.num_layers * (ring + _ALLREDUCE_LATENCY_S)
-        peak_flops, peak_bw = hw.flops_per_s, hw.hbm_bytes_per_s
-        if c.split_attention:
-            assert c.attention_flops_efficiency and c.attention_bandwidth_efficiency
-            roofline = np.maximum(
-                (flops - attention) / (peak_flops * c.flops_efficiency),
-                (nbytes - kv_bytes) / (peak_bw * c.bandwidth_efficiency),
-            ) + np.maximum(
-                (attention + masked) / (peak_flops * c.attention_flops_efficiency),
-                kv_bytes / (peak_bw * c.attention_bandwidth_efficiency),
-            )
-        else:
-            roofline = np.maximum(
-                flops / (peak_flops * c.flops_efficiency),
-                nbytes / (peak_bw * c.bandwidth_efficiency),
-            )
+        roofline = self._roofline(flops, attention, masked, nbytes, kv_bytes,
+                                  np.maximum if c.overlap else np.add)
         return c.overhead_s + c.per_seq_s * n + roofline + allreduce
+
+    def _roofline(self, flops: Any, attention: Any, masked: Any, nbytes: Any, kv_bytes: Any,
+                  combine: Callable[[Any, Any], Any]) -> Any:
+        """The step's compute and memory time, each side at its efficiency, joined by
+        ``combine``: ``max`` where they overlap (a roofline), a sum where they do not. Takes
+        floats or arrays alike, so that a fast-forwarded step equals a single one bit for bit."""
+        c, hw = self.coef, self.hardware
+        assert c is not None
+        peak_flops, peak_bw = hw.flops_per_s, hw.hbm_bytes_per_s
+        if not c.split_attention:
+            return combine(flops / (peak_flops * c.flops_efficiency),
+                           nbytes / (peak_bw * c.bandwidth_efficiency))
+        assert c.attention_flops_efficiency and c.attention_bandwidth_efficiency
+        return combine(
+            (flops - attention) / (peak_flops * c.flops_efficiency),
+            (nbytes - kv_bytes) / (peak_bw * c.bandwidth_efficiency),
+        ) + combine(
+            (attention + masked) / (peak_flops * c.attention_flops_efficiency),
+            kv_bytes / (peak_bw * c.attention_bandwidth_efficiency),
+        )
 
     def describe(self) -> dict[str, Any]:
         assert self.coef is not None

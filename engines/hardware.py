@@ -50,6 +50,10 @@ class CostCoefficients:
     and writes against ``attention_bandwidth_efficiency``) added to that of the linear layers
     (their FLOPs, the weights and KV copies): what an unfused attention, as on a CPU, costs.
 
+    ``overlap`` false adds each roofline's compute and memory times instead of taking the
+    larger: a device that does not hide one behind the other. Calibration keeps whichever
+    form predicts held-out steps best.
+
     ``map_op_s`` is one virtual-memory map or unmap call of one physical page (one layer's K
     or V on one rank) that a step waits for (``BatchShape.map_ops``; virtually contiguous
     KV). Its default of 10 us is an assumed order of magnitude for a ``cuMemMap`` +
@@ -64,6 +68,7 @@ class CostCoefficients:
     attention_flops_efficiency: float | None = None
     attention_bandwidth_efficiency: float | None = None
     map_op_s: float = 10e-6
+    overlap: bool = True
 
     @property
     def split_attention(self) -> bool:
@@ -74,6 +79,10 @@ class CostCoefficients:
             self.attention_bandwidth_efficiency is None
         ):
             raise KvbenchError("set both attention efficiencies, or neither")
+        if not isinstance(self.overlap, bool):
+            raise KvbenchError(
+                f"cost coefficient overlap must be true or false, not {self.overlap!r}"
+            )
         for name in ("flops_efficiency", "bandwidth_efficiency", "attention_flops_efficiency",
                      "attention_bandwidth_efficiency"):
             value = getattr(self, name)

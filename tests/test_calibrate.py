@@ -19,7 +19,14 @@ from kvbench.run.devices import kv_budget_bytes, parse_device
 from kvbench.run.execute import execute_plan
 from kvbench.run.plan import plan_run
 from kvbench.run.suite import Suite
-from kvbench.tools.calibrate.fit import _bounded_lstsq, features, fit_coefficients, holdout_mask
+from kvbench.tools.calibrate.fit import (
+    FORMS,
+    _bounded_lstsq,
+    best_form,
+    features,
+    fit_coefficients,
+    holdout_mask,
+)
 from kvbench.tools.calibrate.measure import CPU_GRID, Grid, GridPoint, _batch, calibrate
 from kvbench.tools.calibrate.profile import load_profile, save_profile
 
@@ -44,6 +51,26 @@ def test_fit_recovers_coefficients_of_noise_free_steps() -> None:
     np.testing.assert_allclose(pred, t, rtol=1e-6)
     assert fitted.coef.overhead_s == pytest.approx(5e-3, rel=1e-3)
     assert fitted.coef.attention_flops_efficiency == pytest.approx(0.12, rel=1e-3)
+
+
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f.name)
+def test_every_form_recovers_its_own_steps_and_is_chosen_for_them(form) -> None:
+    """Steps timed by one structure of the cost are fitted exactly by that structure, which
+    then predicts held-out steps best of all."""
+    split = dict(attention_flops_efficiency=0.12, attention_bandwidth_efficiency=0.15)
+    true = CostCoefficients(flops_efficiency=0.4, bandwidth_efficiency=0.07, overhead_s=2e-3,
+                            per_seq_s=2e-4, overlap=form.overlap, **(split if form.split else {}))
+    preset = get_preset("tiny")
+    cost = CostModel(preset, replace(CPU_HARDWARE, coef=true))
+    shapes = _shapes(CPU_GRID.points())
+    x = np.array([features(cost, s) for s in shapes])
+    t = np.array([cost.step_time_s(s) for s in shapes])
+    coef = fit_coefficients(x, t, form)
+    fitted = CostModel(preset, replace(CPU_HARDWARE, coef=coef))
+    np.testing.assert_allclose([fitted.step_time_s(s) for s in shapes], t, rtol=1e-6)
+    chosen, _coef, errors = best_form(x, t, holdout_mask(len(t), 4))
+    assert chosen == form and errors[form.name] < 1e-4
+    assert min(v for k, v in errors.items() if k != form.name) > 1e-3
 
 
 def test_bounded_least_squares_keeps_bounds() -> None:

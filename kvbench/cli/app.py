@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
-from kvbench.cli import alert_flags, claims, regress, scale, telemetry, workload
+from kvbench.cli import alert_flags, claims, fidelity, regress, scale, telemetry, workload
 from kvbench.cli.options import (
     INSPECT_PANEL,
     RUN_PANEL,
@@ -33,7 +33,7 @@ from kvbench.run.overrides import RunFlags
 
 # The commands in the order of a newcomer's path: run, look at results, then the rest.
 HELP_ORDER = ("run", "sweep", "soak", "compare", "baseline", "report", "publish", "workload",
-              "capacity", "calibrate", "claims", "list", "machine")
+              "capacity", "calibrate", "fidelity", "claims", "list", "machine")
 
 
 class _WorkflowGroup(TyperGroup):
@@ -54,6 +54,7 @@ app = typer.Typer(
     help="Benchmark KV-cache memory management: paged vs contiguous vs vLLM.",
 )
 claims.register(app)
+fidelity.register(app)
 regress.register(app)
 scale.register(app)
 telemetry.register(app)

@@ -73,10 +73,15 @@ def calibrate(
         f"wall / CPU time of the steps {fit.median_wall_over_cpu:.2f} "
         f"({profile.torch_threads} torch threads)"
     )
+    forms = ", ".join(f"{k} {v:.1f}%" for k, v in fit.form_errors_pct.items())
+    console.print(f"structure: {fit.form} (held-out median error by structure: {forms})")
+    attention = (
+        f"attention {coef.attention_flops_efficiency:.3f} / "
+        f"{coef.attention_bandwidth_efficiency:.3f}, " if coef.split_attention else ""
+    )
     console.print(
         f"coefficients: linear layers {coef.flops_efficiency:.3f} of peak FLOPs / "
-        f"{coef.bandwidth_efficiency:.3f} of peak bandwidth, attention "
-        f"{coef.attention_flops_efficiency:.3f} / {coef.attention_bandwidth_efficiency:.3f}, "
+        f"{coef.bandwidth_efficiency:.3f} of peak bandwidth, {attention}"
         f"overhead {coef.overhead_s * 1e3:.3f} ms/step + {coef.per_seq_s * 1e6:.1f} us/seq "
         f"({profile.hardware_source})"
     )

@@ -86,6 +86,7 @@ def start_and_run(
     progress: OnProgress | None,
     waves: int = 1,
     quality: QualityCheck | None = None,
+    wrap: Callable[[Any], Any] | None = None,
 ) -> tuple[EngineRun, dict]:
     """Build one engine and drive it through the workload. An engine that fails to start, or
     is interrupted while starting, yields a run with that status (its record is still
@@ -93,7 +94,8 @@ def start_and_run(
     torch CPU threads; its record's ``engine_config.cpu_threads`` says what it ran at, and a
     run whose count changed fails (its figures would not compare). With ``quality``, a run
     whose KV policy stores tokens below the model's precision is compared with its
-    full-precision reference (``run.quality``; :mod:`kvbench.run.quality`)."""
+    full-precision reference (``run.quality``; :mod:`kvbench.run.quality`). ``wrap``
+    puts an observer around the engine before it runs."""
     section = {"kind": config.section.kind, **config.section.model_dump()}
     if plan.cpu_threads is not None:
         # Again before each engine: one that changed the count must not pass it on.
@@ -115,6 +117,8 @@ def start_and_run(
     except Exception as exc:
         reason = f"engine failed to start: {type(exc).__name__}: {exc}"
         return _not_run(plan, config, "failed", reason, waves), section
+    if wrap is not None:
+        engine = wrap(engine)
     described = {**section, **engine.describe()}
     not_checked = capture = None
     if quality is not None:

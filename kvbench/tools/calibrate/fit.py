@@ -1,15 +1,17 @@
 """Fitting the cost model's coefficients to measured step times.
 
-The fit keeps the cost model's roofline form with attention as its own operator
-(``CostCoefficients.split_attention``): fixed costs per step and per sequence, plus a
-roofline for the linear layers and one for attention. Which side of each max binds is
-decided per point, alternating with a bounded linear least-squares fit of relative error
-(efficiencies at most 1, fixed costs at least 0) until no point changes side.
+Every :data:`FORMS` structure of the step cost is fitted (fixed costs per step and per
+sequence, plus one roofline for the whole step or one for the linear layers and one for
+attention, their compute and memory times overlapping or added), by bounded linear
+least squares of relative error (efficiencies at most 1, fixed costs at least 0); the
+form that predicts held-out steps best is kept.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,53 +21,84 @@ from kvbench.engines.hardware import CostCoefficients
 from kvbench.errors import KvbenchError
 from kvbench.tools.calibrate.profile import FitSummary, ProfilePoint
 
-# Fitted parameters: fixed costs per step and per sequence, then 1 / efficiency for
-# linear-layer FLOPs and bytes and attention FLOPs and bytes. The lower bounds say that no
-# step beats the peak figures. (A per-token cost would be collinear with the linear layers'
-# FLOPs, so there is none.)
-_NUM_PARAMS = 6
-_LOWER = np.array([0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+
+@dataclass(frozen=True, slots=True)
+class Form:
+    """A structure of the step cost: one roofline over the whole step, or one for the linear
+    layers plus one for attention (``split``); in each, compute and memory time overlapping
+    (the larger counts) or not (both count)."""
+
+    name: str
+    split: bool
+    overlap: bool
+
+
+FORMS = (
+    Form("step roofline", split=False, overlap=True),
+    Form("operator roofline", split=True, overlap=True),
+    Form("step sum", split=False, overlap=False),
+    Form("operator sum", split=True, overlap=False),
+)
 
 
 def features(cost: CostModel, shape: BatchShape) -> np.ndarray:
     """[1, seqs, then seconds at peak of: linear-layer FLOPs, weight and copy bytes,
-    attention FLOPs (masked ones included), KV bytes] of one step."""
+    attention FLOPs, KV bytes, and the masked attention FLOPs that only unfused attention
+    computes] of one step."""
     r = cost.terms(shape)
     peak_flops, peak_bw = cost.hardware.flops_per_s, cost.hardware.hbm_bytes_per_s
     return np.array([
         1.0, shape.num_seqs,
         (r.flops - r.attention_flops) / peak_flops, (r.nbytes - r.kv_bytes) / peak_bw,
-        (r.attention_flops + r.masked_attention_flops) / peak_flops, r.kv_bytes / peak_bw,
+        r.attention_flops / peak_flops, r.kv_bytes / peak_bw,
+        r.masked_attention_flops / peak_flops,
     ])
 
 
-def fit_coefficients(x: np.ndarray, t: np.ndarray) -> CostCoefficients:
-    """Least relative-squared-error coefficients (split-attention form) for features ``x``
-    (rows from :func:`features`) and measured step times ``t``.
+def _design(x: np.ndarray, form: Form) -> np.ndarray:
+    """The fitted columns of ``form``: fixed costs per step and per sequence, then (compute,
+    memory) seconds at peak per roofline. A per-token cost would be collinear with the
+    linear layers' FLOPs, so there is none."""
+    if form.split:
+        return np.column_stack([x[:, 0], x[:, 1], x[:, 2], x[:, 3], x[:, 4] + x[:, 6], x[:, 5]])
+    return np.column_stack([x[:, 0], x[:, 1], x[:, 2] + x[:, 4], x[:, 3] + x[:, 5]])
 
-    Which side of each max binds is fixed per point, the rest is a linear fit; the two
-    alternate until no point changes side. Starting sides: as measured at peak figures, and
-    each uniform choice; the best end wins.
-    """
-    if len(t) < _NUM_PARAMS:
-        raise KvbenchError(f"a fit needs at least {_NUM_PARAMS} points, got {len(t)}")
-    n = len(t)
-    starts = [(x[:, 2] >= x[:, 3], x[:, 4] >= x[:, 5])] + [
-        (np.full(n, a), np.full(n, b)) for a in (True, False) for b in (True, False)
-    ]
+
+def fit_coefficients(x: np.ndarray, t: np.ndarray,
+                     form: Form = FORMS[1]) -> CostCoefficients:
+    """Least relative-squared-error coefficients of ``form`` for features ``x`` (rows from
+    :func:`features`) and measured step times ``t``. Fitted: the fixed costs and 1 /
+    efficiency per roofline side, bounded so that no step beats the peak figures.
+
+    With overlap, which side of each max binds is fixed per point and the rest is a linear
+    fit; the two alternate until no point changes side. Starting sides: as measured at peak
+    figures, and each uniform choice; the best end wins."""
+    a = _design(x, form)
+    n, k = a.shape
+    if n < k:
+        raise KvbenchError(f"a fit needs at least {k} points, got {n}")
+    lower = np.r_[0.0, 0.0, np.ones(k - 2)]
+    pairs = range(2, k, 2)
+    if form.overlap:
+        starts = [[a[:, j] >= a[:, j + 1] for j in pairs]] + [
+            [np.full(n, side) for side in sides]
+            for sides in itertools.product((True, False), repeat=len(pairs))
+        ]
+    else:
+        starts = [[np.ones(n, bool) for _ in pairs]]
     best: tuple[float, np.ndarray] | None = None
-    for linear, attention in starts:
+    for binds in starts:
         for _ in range(50):
-            a = np.column_stack([
-                x[:, 0], x[:, 1], x[:, 2] * linear, x[:, 3] * ~linear,
-                x[:, 4] * attention, x[:, 5] * ~attention,
-            ])
-            p = _bounded_lstsq(a / t[:, None], np.ones(n), _LOWER)
-            sides = (p[2] * x[:, 2] >= p[3] * x[:, 3], p[4] * x[:, 4] >= p[5] * x[:, 5])
-            if (sides[0] == linear).all() and (sides[1] == attention).all():
+            cols = [a[:, 0], a[:, 1]]
+            for j, side in zip(pairs, binds, strict=True):
+                cols += [a[:, j] * side, a[:, j + 1] * ~side] if form.overlap else \
+                    [a[:, j], a[:, j + 1]]
+            p = _bounded_lstsq(np.column_stack(cols) / t[:, None], np.ones(n), lower)
+            now = [p[j] * a[:, j] >= p[j + 1] * a[:, j + 1] for j in pairs]
+            if not form.overlap or all((b == m).all() for b, m in zip(binds, now, strict=True)):
                 break
-            linear, attention = sides
-        loss = float(np.sum((_predict(p, x) / t - 1) ** 2))
+            binds = now
+        loss = float(np.sum((_predict(p, a, form.overlap) / t - 1) ** 2))
         if best is None or loss < best[0]:
             best = (loss, p)
     assert best is not None
@@ -73,17 +106,47 @@ def fit_coefficients(x: np.ndarray, t: np.ndarray) -> CostCoefficients:
     return CostCoefficients(
         flops_efficiency=float(1 / p[2]), bandwidth_efficiency=float(1 / p[3]),
         overhead_s=float(p[0]), per_seq_s=float(p[1]),
-        attention_flops_efficiency=float(1 / p[4]),
-        attention_bandwidth_efficiency=float(1 / p[5]),
+        attention_flops_efficiency=float(1 / p[4]) if form.split else None,
+        attention_bandwidth_efficiency=float(1 / p[5]) if form.split else None,
+        overlap=form.overlap,
     )
 
 
-def _predict(p: np.ndarray, x: np.ndarray) -> np.ndarray:
-    return (
-        x[:, :2] @ p[:2]
-        + np.maximum(p[2] * x[:, 2], p[3] * x[:, 3])
-        + np.maximum(p[4] * x[:, 4], p[5] * x[:, 5])
-    )
+def fit_forms(x: np.ndarray, t: np.ndarray, held: np.ndarray
+              ) -> dict[str, tuple[CostCoefficients, float]]:
+    """Per form: its coefficients fitted on the points not ``held``, and the median absolute
+    relative error (%) with which they predict the ``held`` points."""
+    out: dict[str, tuple[CostCoefficients, float]] = {}
+    for form in FORMS:
+        coef = fit_coefficients(x[~held], t[~held], form)
+        pred = _predict(_params(coef), _design(x[held], form), form.overlap)
+        out[form.name] = coef, float(np.median(np.abs(pred / t[held] - 1)) * 100)
+    return out
+
+
+def best_form(x: np.ndarray, t: np.ndarray, held: np.ndarray
+              ) -> tuple[Form, CostCoefficients, dict[str, float]]:
+    """The form of :func:`fit_forms` with the least held-out error, its coefficients, and
+    every form's error."""
+    fits = fit_forms(x, t, held)
+    form = min(FORMS, key=lambda f: fits[f.name][1])
+    return form, fits[form.name][0], {k: err for k, (_c, err) in fits.items()}
+
+
+def _params(c: CostCoefficients) -> np.ndarray:
+    p = [c.overhead_s, c.per_seq_s, 1 / c.flops_efficiency, 1 / c.bandwidth_efficiency]
+    if c.split_attention:
+        assert c.attention_flops_efficiency and c.attention_bandwidth_efficiency
+        p += [1 / c.attention_flops_efficiency, 1 / c.attention_bandwidth_efficiency]
+    return np.array(p)
+
+
+def _predict(p: np.ndarray, a: np.ndarray, overlap: bool) -> np.ndarray:
+    out = a[:, :2] @ p[:2]
+    for j in range(2, a.shape[1], 2):
+        compute, memory = p[j] * a[:, j], p[j + 1] * a[:, j + 1]
+        out = out + (np.maximum(compute, memory) if overlap else compute + memory)
+    return out
 
 
 def _bounded_lstsq(a: np.ndarray, b: np.ndarray, lower: np.ndarray) -> np.ndarray:

@@ -6,8 +6,9 @@ Each grid point is one step of ``batch`` sequences, each computing ``chunk`` new
 top of ``context`` tokens (on average) already in KV (``chunk == 1``: a decode). Points are
 timed in rounds, every point once per round, so that slow drift in machine load hits all
 points alike; a point's time is the median of its rounds after a warm-up round. A fixed
-pseudo-random quarter of the points is held out of the fit, and the profile reports the
-fitted model's error on them.
+pseudo-random quarter of the points is held out of the fit: each structure of the step cost
+(:data:`~kvbench.tools.calibrate.fit.FORMS`) is fitted on the rest, the one that predicts
+them best is kept, and the profile reports its error on them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kvbench.engines.hardware import Hardware
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.presets import ModelPreset
 from kvbench.errors import KvbenchError
-from kvbench.tools.calibrate.fit import features, fit_coefficients, holdout_mask, summarize
+from kvbench.tools.calibrate.fit import best_form, features, holdout_mask, summarize
 from kvbench.tools.calibrate.profile import Profile, ProfilePoint
 
 _BLOCK_SIZE = 16
@@ -126,7 +127,7 @@ def calibrate(
     x = np.array([features(cost, shape) for _b, shape in batches])
     t = np.array([statistics.median(s) for s in samples])
     held = holdout_mask(len(points), grid.holdout_every)
-    coef = fit_coefficients(x[~held], t[~held])
+    form, coef, form_errors = best_form(x, t, held)
     fitted = CostModel(preset, replace(hardware, coef=coef))
     rows = [
         ProfilePoint(
@@ -144,7 +145,8 @@ def calibrate(
         dtype=preset.dtype, attention=executor.kernels.name,
         torch_threads=torch.get_num_threads(), machine=machine_info(),
         hardware=replace(hardware, coef=coef).to_json(), hardware_source=source,
-        grid=grid.to_json(), points=rows, fit=summarize(rows),
+        grid=grid.to_json(), points=rows,
+        fit=summarize(rows).model_copy(update={"form": form.name, "form_errors_pct": form_errors}),
     )
 
 

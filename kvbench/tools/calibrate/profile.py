@@ -48,6 +48,10 @@ class FitSummary(_Strict):
     heldout_p90_err_pct: float
     heldout_max_err_pct: float
     median_wall_over_cpu: float  # over all samples
+    # The structure of the step cost kept (calibrate.fit.FORMS), and each one's held-out
+    # median error: the evidence it was kept on. Absent from profiles older than the choice.
+    form: str = "operator roofline"
+    form_errors_pct: dict[str, float] = {}
 
 
 class Profile(_Strict):

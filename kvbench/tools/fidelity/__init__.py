@@ -1,0 +1,1 @@
+"""Sim-to-real fidelity: how far the simulator's predictions are from real runs."""
