@@ -20,7 +20,7 @@ from kvbench.results.schema import QualityInfo, RunRecord
 from kvbench.run.clocks import Clock, VirtualClock, WallClock
 from kvbench.run.cluster import build_cluster, cluster_log
 from kvbench.run.harness import EngineRun, OnProgress, RequestTiming, RunStatus, StepLog, run_engine
-from kvbench.run.isolate import run_isolated
+from kvbench.run.isolate import Wrap, run_isolated
 from kvbench.run.machine import machine_info
 from kvbench.run.machine_state import LoadProbe, noisy_summary
 from kvbench.run.plan import RunPlan
@@ -86,7 +86,7 @@ def start_and_run(
     progress: OnProgress | None,
     waves: int = 1,
     quality: QualityCheck | None = None,
-    wrap: Callable[[Any], Any] | None = None,
+    wrap: Wrap | None = None,
 ) -> tuple[EngineRun, dict]:
     """Build one engine and drive it through the workload. An engine that fails to start, or
     is interrupted while starting, yields a run with that status (its record is still
@@ -160,10 +160,11 @@ def record_of(plan: RunPlan, run: EngineRun, config: dict, **extra: Any) -> RunR
 
 
 def run_one(plan: RunPlan, config: EngineConfig, progress: OnProgress | None,
-            quality: QualityCheck) -> tuple[RunRecord, KeyboardInterrupt | None]:
+            quality: QualityCheck, wrap: Wrap | None = None
+            ) -> tuple[RunRecord, KeyboardInterrupt | None]:
     """One engine's run, in this process, as its record; and an interrupt that came while
     the record was built (it is built again, whole, before the interrupt goes on)."""
-    run, described = start_and_run(plan, config, progress, quality=quality)
+    run, described = start_and_run(plan, config, progress, quality=quality, wrap=wrap)
     try:
         return record_of(plan, run, described), None
     except KeyboardInterrupt as exc:
@@ -213,11 +214,11 @@ def record_unstarted(plan: RunPlan, done: set[str], reason: str) -> list[RunReco
 
 def _run_engine(plan: RunPlan, name: str, config: EngineConfig,
                 progress: OnProgress | None, quality: QualityCheck,
-                held: Held) -> tuple[RunRecord, KeyboardInterrupt | None]:
+                held: Held, wrap: Wrap | None) -> tuple[RunRecord, KeyboardInterrupt | None]:
     """One engine's record, from a fresh process when the plan isolates engines."""
     if not plan.isolated:
-        return run_one(plan, config, progress, quality)
-    got = run_isolated(plan, name, progress, quality.enabled, held)
+        return run_one(plan, config, progress, quality, wrap)
+    got = run_isolated(plan, name, progress, quality.enabled, held, wrap)
     if isinstance(got, str):
         # A process that an interrupt passed on to ended before it could say so itself.
         status: RunStatus = "failed" if held.signum is None else "interrupted"
@@ -232,6 +233,7 @@ def execute_plan(
     on_engine: Callable[[str], OnProgress | None] | None = None,
     *,
     plots: bool = True,
+    wrap: Wrap | None = None,
 ) -> list[RunRecord]:
     """Run every engine, ``plan.repeats`` rounds of all engines, on the wall clock each round
     in another order (:func:`round_order`) and each engine in its own process; each record is
@@ -239,7 +241,8 @@ def execute_plan(
     not stop the others and is not repeated. An interrupt (Ctrl-C, SIGTERM) stops the run:
     the current engine's record says where (or, when its run had ended, is written as it
     ran), engines not yet started get interrupted records, and the summary is still
-    written. The folder's manifest says which engines finished."""
+    written. The folder's manifest says which engines finished. ``wrap`` (picklable, for
+    an engine in its own process) puts an observer around each engine before it runs."""
     runs: dict[str, list[RunRecord]] = {}
     stopped: str | None = None
     late: KeyboardInterrupt | None = None
@@ -256,7 +259,7 @@ def execute_plan(
                     continue
                 label = name if plan.repeats == 1 else f"{name} ({repeat + 1}/{plan.repeats})"
                 progress = on_engine(label) if on_engine else None
-                record, late = _run_engine(plan, name, engine, progress, quality, held)
+                record, late = _run_engine(plan, name, engine, progress, quality, held, wrap)
                 runs[name] = _write_record(plan, runs.get(name, []), name, record)
                 if name not in manifest.engines_finished and plan.repeats == repeat + 1:
                     manifest.engines_finished.append(name)

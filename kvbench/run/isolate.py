@@ -17,6 +17,7 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -25,6 +26,9 @@ from kvbench.results.schema import RunRecord
 from kvbench.run.harness import OnProgress
 from kvbench.run.plan import RunPlan
 from kvbench.run.signals import Held, deferred_interrupts, sigterm_interrupts
+
+# An observer put around an engine before it runs (the engine in, the engine to drive out).
+Wrap = Callable[[Any], Any]
 
 # How often the parent looks at held signals and the child's liveness while it waits.
 _POLL_S = 0.1
@@ -45,7 +49,7 @@ def _context() -> Any:
 
 
 def _child(conn: Connection, plan: RunPlan, name: str, env: dict[str, str], cwd: str,
-           quality: bool) -> None:
+           quality: bool, wrap: Wrap | None) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -69,7 +73,7 @@ def _child(conn: Connection, plan: RunPlan, name: str, env: dict[str, str], cwd:
         # The kernels' warnings (a fallback, an unusable build cache) go to the parent,
         # which has said them once already, rather than to this process's stderr.
         with sigterm_interrupts(), deferred_interrupts(), collected_warnings() as said:
-            record, _ = run_one(plan, config, progress, QualityCheck(quality))
+            record, _ = run_one(plan, config, progress, QualityCheck(quality), wrap)
             conn.send(("done", (record.to_json(), plan.warnings[known:] + said)))
     except KvbenchError as exc:
         conn.send(("error", str(exc)))
@@ -80,14 +84,14 @@ def _child(conn: Connection, plan: RunPlan, name: str, env: dict[str, str], cwd:
 
 
 def run_isolated(plan: RunPlan, name: str, progress: OnProgress | None,
-                 quality: bool, held: Held) -> RunRecord | str:
+                 quality: bool, held: Held, wrap: Wrap | None = None) -> RunRecord | str:
     """Engine ``name``'s record from a fresh process, or why the process gave none (it
     crashed or was killed); a configuration error it met is raised here."""
     ctx = _context()
     receive, send = ctx.Pipe(duplex=False)
     sent = dataclasses.replace(plan, lock=None)  # the folder's lock stays with this process
     proc = ctx.Process(target=_child, name=f"kvbench {name}",
-                       args=(send, sent, name, dict(os.environ), os.getcwd(), quality))
+                       args=(send, sent, name, dict(os.environ), os.getcwd(), quality, wrap))
     proc.start()
     send.close()
     forwarded = False

@@ -50,13 +50,14 @@ def _run_table(wl: dict[str, Any], form: str) -> list[str]:
             "preemptions", "peak_kv_used_bytes")
     names = ("throughput (req/s)", "mean concurrency", "max concurrency", "preemptions",
              "peak KV used (bytes)")
-    head = ["load", *[f"{n}: real → sim" for n in names]]
+    head = ["load", *[f"{n}: real → sim" for n in names], "loop's share of a busy cycle"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for lv in wl["levels"]:
         r = lv["forms"][form]["run"]
         cells = [f"{lv['load']:.0%}"] + [
             f"{_num(r[k]['real'])} → {_num(r[k]['sim'])} ({_pct(r[k]['error_pct'], True)})"
             for k in keys]
+        cells.append(_pct(lv["gap_pct"]))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -113,8 +114,9 @@ def markdown(result: dict[str, Any], stamp: str, figure: str | None) -> str:
                 "Per-request absolute percentage error (APE) and the error of the simulated "
                 "percentiles:", "", *_latency_table(wl, form), "",
                 "Run-level figures:", "", *_run_table(wl, form), "",
-                "Step time by kind of step (real steps of each run, predicted from their "
-                "shapes):", "", *_step_table(wl, form), "",
+                "Step cycle by kind of step (each real step with the run loop's time before "
+                "it while requests were pending, against the cost predicted from its shape):",
+                "", *_step_table(wl, form), "",
                 "Every structure, median per-request APE:", "", *_form_table(wl, forms)]
     if figure:
         out += ["", f"![simulated vs measured TTFT and TPOT per request]({figure})"]

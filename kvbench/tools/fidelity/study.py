@@ -9,14 +9,15 @@ Layout of the output folder:
 - ``sim/<form>/<run>/`` the simulated runs, one folder per structure of the step cost;
 - ``fidelity.json`` every error, ``fidelity.md`` the table, ``fidelity.png`` the figure.
 
-The real runs go one after another in this process (the calibration run first, after an
-unreported warm-up run of it); the simulated half is deterministic and can be done again
-from the folder alone (:func:`resimulate`).
+The real runs go one after another, each in its own process as ``kvbench run`` runs it (the
+calibration run first); the simulated half is deterministic and can be done again from the
+folder alone (:func:`resimulate`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import shlex
@@ -109,28 +110,20 @@ def _plan(flags: dict[str, Any], out: Path):
 
 def real_run(spec: Spec, workload: str, rate: float, out: Path, seed: int
              ) -> tuple[RunRecord, StepSample]:
-    """One real run in this process, its record and steps written to ``out``."""
-    from kvbench.run.execute import record_of, start_and_run
+    """One real run as ``kvbench run`` makes it (in its own process on the wall clock), its
+    steps observed; the record and ``steps.json`` are written to ``out``."""
+    from kvbench.run.execute import execute_plan
 
     plan = _plan(_flags(spec, workload, rate, seed=seed, sim=None), out)
-    (name, config), = plan.engines
-    taps: list[StepTap] = []
-
-    def wrap(engine: Any) -> StepTap:
-        taps.append(StepTap(engine))
-        return taps[0]
-
-    run, described = start_and_run(plan, config, None, wrap=wrap)
-    record = record_of(plan, run, described)
-    record.write(out / f"{name}.json")
+    path = out / "steps.json"
+    path.unlink(missing_ok=True)
+    record, = execute_plan(plan, plots=False, wrap=functools.partial(StepTap, path=path))
     if record.status != "ok":
         raise KvbenchError(f"the real run in {out} {record.status}: {record.error}")
-    seconds = [float(x) for x in run.steps.dt_s]
-    shapes = taps[0].shapes if taps else []
-    if len(shapes) != len(seconds):
-        raise KvbenchError(f"{len(shapes)} step shapes for {len(seconds)} logged steps")
-    steps = StepSample(shapes, seconds)
-    steps.save(out / "steps.json")
+    steps = StepSample.load(path)
+    if len(steps.shapes) != record.summary["num_steps"]:
+        raise KvbenchError(f"{len(steps.shapes)} steps observed in {out}, "
+                           f"{record.summary['num_steps']} logged")
     return record, steps
 
 
@@ -157,7 +150,8 @@ def fit_profiles(steps: StepSample, hardware: Hardware, base: Profile
     keep = [i for i, s in enumerate(steps.shapes) if s.num_tokens > 0]
     shapes = [steps.shapes[i] for i in keep]
     x = np.array([features(CostModel(preset, hardware), s) for s in shapes])
-    t = np.array([steps.seconds[i] for i in keep])
+    cycles = steps.cycles
+    t = np.array([cycles[i] for i in keep])
     held = holdout_mask(len(t), 4)
     held_shapes = [s for s, h in zip(shapes, held, strict=True) if h]
     profiles, by_kind, score = {}, {}, {}
@@ -214,9 +208,9 @@ def _rows(record: RunRecord) -> list[dict[str, Any]]:
 
 
 def measure(spec: Spec, out: Path, say: Say, command: str) -> dict[str, Any]:
-    """The real half: a warm-up and the calibration run, then per validation workload a
-    capacity sweep and a run at each load. Writes ``real/plan.json`` (what the simulated
-    half needs, and how the real runs were measured) and returns it."""
+    """The real half: the calibration run, then per validation workload a capacity sweep
+    and a run at each load. Writes ``real/plan.json`` (what the simulated half needs, and
+    how the real runs were measured) and returns it."""
     import json
 
     from kvbench.fileio import write_text_atomic
@@ -225,8 +219,6 @@ def measure(spec: Spec, out: Path, say: Say, command: str) -> dict[str, Any]:
     measurement = Measurement(command)
 
     real = out / "real"
-    say(f"{spec.engine}: warm-up run of {spec.calibration}")
-    real_run(spec, spec.calibration, math.inf, real / "warm-up", spec.seed + 1)
     say(f"{spec.engine}: calibration run of {spec.calibration}, every request at once")
     record, _ = real_run(spec, spec.calibration, math.inf, real / "calibration", spec.seed + 1)
     save_profile(_base_profile(spec, record, command)[0], real / "peaks.json")
@@ -291,7 +283,9 @@ def resimulate(out: Path, say: Say) -> dict[str, Any]:
             run = level["run"]
             real_record = load_record(real / run / f"{spec.engine}.json")
             steps = StepSample.load(real / run / "steps.json")
-            row: dict[str, Any] = {**level, "forms": {}}
+            busy = [g / c for g, c in zip(steps.gaps, steps.cycles, strict=True) if g > 0]
+            row: dict[str, Any] = {**level, "forms": {},
+                                   "gap_pct": 100 * float(np.median(busy)) if busy else 0.0}
             for form, profile in profiles.items():
                 say(f"simulating {run} ({form})")
                 path = out / f"profile-{slug(form)}.json"
@@ -306,7 +300,7 @@ def resimulate(out: Path, say: Say) -> dict[str, Any]:
                 row["forms"][form] = {
                     "requests": request_errors(pairs),
                     "run": run_errors(real_record.summary, sim.summary),
-                    "steps": step_errors(steps.shapes, steps.seconds,
+                    "steps": step_errors(steps.shapes, steps.cycles,
                                          [cost.step_time_s(s) for s in steps.shapes]),
                 }
             row["misses"] = misses(row["forms"][best]["requests"], level["load"])
