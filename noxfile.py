@@ -131,6 +131,13 @@ def vllm(session: nox.Session) -> None:
     if session.posargs[:1] == [ENGINE_BOUND]:
         _engine_bound(session, session.posargs[1:], with_vllm=True)
         return
+    if session.posargs[:1] == ["fidelity"]:
+        # vLLM's CPU attention takes blocks of 32 tokens; at 4 MiB one 2048-token request
+        # would not fit beside its null block.
+        session.run("kvbench", "fidelity", "--engine", "vllm", *FIDELITY_FULL, "--cpu-threads",
+                    "1", "--block-size", "32", "--kv-memory", "8MiB",
+                    "-o", f"{REPORTS}/fidelity-vllm", env={"OMP_NUM_THREADS": "1"})
+        return
     _install_peers(session, cpu_torch=not cuda)
     session.run("pytest", "tests/vllm", *session.posargs)
     session.run(
@@ -192,6 +199,9 @@ QUICK_SUITES = (("quick-sim", ()), ("quick-cpu", ("--repeat", "3")))
 BENCH_DIR = "runs/bench"
 BASELINES = "results/baselines"
 REPORTS = "reports"
+# What results/tables/fidelity.md publishes: two validation workloads at three loads.
+FIDELITY_FULL = ["--workload", "mixed-text",
+                 "--workload", "azure:../shared/traces/azure_llm_2023_conv.csv"]
 
 
 def _bench_dir(posargs: list[str]) -> str:
@@ -289,6 +299,19 @@ def claims_current(session: nox.Session) -> None:
     quick = ["--max-seconds", "10"] if "--quick" in session.posargs else []
     session.run("kvbench", "claims", "--check", "results/tables/seed-claims.json", *quick,
                 "-o", f"{REPORTS}/claims-current", env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def fidelity(session: nox.Session) -> None:
+    """The simulator's error against real runs of the built-in engine on the CPU, into
+    reports/fidelity/: the quick check (12 requests, two loads; about a minute), failing
+    where a median per-request error is above 50%, as CI runs it. `-- --full` runs what
+    results/tables/fidelity.md publishes (mixed-text and the Azure conversation trace at
+    three loads; about 4 minutes); vLLM's: `nox -s vllm -- fidelity`."""
+    session.install("-e", ".[cpu]")
+    args = FIDELITY_FULL if "--full" in session.posargs else ["--quick"]
+    session.run("kvbench", "fidelity", *args, "--cpu-threads", "1", "--max-median-error", "50",
+                "-o", f"{REPORTS}/fidelity", env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session

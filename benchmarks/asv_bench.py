@@ -22,6 +22,10 @@
 - ``EngineBound.track_output_throughput``, ``EngineBoundVsVLLM.track_*``: output tokens/s on
   the engine-bound suite (every request queued at once, real compute on the CPU) and the
   paged / vLLM ratio (skipped, saying why, where vLLM is not installed).
+- ``Fidelity.track_median_error_pct``: the simulator's median per-request TTFT and TPOT
+  error against the stored real runs of ``results/fidelity/paged-cpu`` (the built-in engine
+  on a CPU), simulated again with this checkout's cost model and fit: deterministic, so a
+  step in the graph is a change to the model, never noise.
 - ``KVBookkeeping.time_churn``: one KV manager's allocate, grow and free of every policy
   (``benchmarks/kv_bookkeeping.py``, which also prints the per-page table).
 
@@ -487,3 +491,45 @@ class KVBookkeeping:
         from benchmarks.kv_bookkeeping import churn
 
         churn(self.kv, self.seqs, self.LIVE, self.PAGES)
+
+
+class Fidelity:
+    """The median, over the stored check's workloads and loads, of the median per-request
+    error of the kept structure of the step cost (``kvbench fidelity --resimulate``)."""
+
+    params = (("ttft", "tpot"),)
+    param_names = ("latency",)
+    timeout = 600
+
+    def setup_cache(self) -> dict[str, float] | None:
+        import os
+        import shutil
+        import tempfile
+
+        from kvbench.tools.fidelity.study import resimulate
+
+        root = Path(__file__).resolve().parents[1]
+        src = root / "results" / "fidelity" / "paged-cpu" / "real"
+        if not (src / "plan.json").is_file():
+            return None
+        here = os.getcwd()
+        os.chdir(root)  # the plan names its trace relative to the repository
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                shutil.copytree(src, Path(tmp) / "real")
+                result = resimulate(Path(tmp), lambda _: None)
+        finally:
+            os.chdir(here)
+        kept = [lv["forms"][result["form"]]["requests"]
+                for wl in result["workloads"] for lv in wl["levels"]]
+        return {k: statistics.median(e[k]["median_ape_pct"] for e in kept)
+                for k in ("ttft", "tpot")}
+
+    def setup(self, cache, latency: str) -> None:
+        if cache is None:
+            raise NotImplementedError("no stored real runs under results/fidelity/paged-cpu")
+
+    def track_median_error_pct(self, cache, latency):
+        return cache[latency]
+
+    track_median_error_pct.unit = "%"

@@ -13,7 +13,7 @@ import pytest
 
 from kvbench.engines.base import BatchShape
 from kvbench.engines.costmodel import CostModel
-from kvbench.engines.hardware import get_gpu
+from kvbench.engines.hardware import CostCoefficients, get_gpu
 from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.presets import get_preset
 from kvbench.engines.registry import KINDS, NAMED_ENGINES
@@ -171,11 +171,18 @@ def test_folded_step_log_keeps_the_metrics(tmp_path: Path, monkeypatch: Any) -> 
             == {k: v for k, v in b.items() if k not in ("summary", "curves")}
 
 
-def test_decode_step_times_equal_one_step_times() -> None:
+_SPLIT = {"attention_flops_efficiency": 0.3, "attention_bandwidth_efficiency": 0.5}
+
+
+@pytest.mark.parametrize("coef", [
+    None, CostCoefficients(overlap=False), CostCoefficients(**_SPLIT),
+    CostCoefficients(overlap=False, **_SPLIT)], ids=["step-roofline", "step-sum",
+                                                   "operator-roofline", "operator-sum"])
+def test_decode_step_times_equal_one_step_times(coef: CostCoefficients | None) -> None:
     rng = np.random.default_rng(0)
     for preset, hw, tp in (("llama-2-7b", "a100-80gb", 1), ("qwen2.5-7b", "h200", 2),
                            ("llama-3-8b", "h100-sxm", 4)):
-        cost = CostModel(get_preset(preset), get_gpu(hw), tp)
+        cost = CostModel(get_preset(preset), get_gpu(hw), tp, coef)
         for _ in range(20):
             n = int(rng.integers(1, 300))
             context = np.cumsum(rng.integers(n, 40 * n, size=50))

@@ -30,6 +30,7 @@ def fidelity(
     cpu_threads: Annotated[int | None, typer.Option(help="torch's CPU threads for the real runs.")] = None,
     quick: Annotated[bool, typer.Option(help="A smoke check: 12 requests, loads 0.5 and 1.2, capacity from all-at-once alone.")] = False,
     resimulate: Annotated[bool, typer.Option("--resimulate", help="Only the simulated half, again, from the real runs already in --output.")] = False,
+    max_median_error: Annotated[float | None, typer.Option(help="Exit 1 when a median per-request error (TTFT, TPOT or E2E, any load) is above this many percent.")] = None,
 ) -> None:
     """Measure the simulator's error against a real engine.
 
@@ -59,6 +60,14 @@ def fidelity(
                 f"E2E {e['e2el']['median_ape_pct']:.1f}% "
                 f"({'goal met' if not lv['misses'] else 'goal missed'})")
     console.print(f"structure kept: {result['form']}; table written to {table}")
+    if max_median_error is not None:
+        worst = max(e["median_ape_pct"] or 0.0 for wl in result["workloads"]
+                    for lv in wl["levels"] for e in lv["forms"][result["form"]]["requests"]
+                    .values())
+        if worst > max_median_error:
+            err_console.print(f"a median per-request error of {worst:.1f}% is above "
+                              f"--max-median-error {max_median_error:g}%")
+            raise typer.Exit(1)
 
 
 def _spec(engine: str, device: str, model: str, calibration: str, workload: list[str] | None,

@@ -93,8 +93,9 @@ def markdown(result: dict[str, Any], stamp: str, figure: str | None) -> str:
     out = [
         f"# Sim-to-real fidelity: {spec['engine']} on {spec['device']}, model {spec['model']}",
         "", stamp, "",
-        f"The cost model was fitted on the steps of one real run of `{spec['calibration']}` "
-        f"(every request at once); each other workload ran for real and in simulation with "
+        f"The cost model was fitted on the steps of two real runs of "
+        f"`{spec['calibration']}` (every request at once, then Poisson arrivals at the "
+        f"throughput that reached); each other workload ran for real and in simulation with "
         f"the fitted profile, at the same arrival times, KV budget ({spec['kv_memory']}), "
         f"block size ({spec['block_size']}) and scheduler settings. Load levels are "
         f"fractions of the capacity a request-rate sweep of the real engine reached.",

@@ -63,6 +63,11 @@ class StepSample:
     seconds: list[float]
     gaps: list[float]
 
+    @classmethod
+    def join(cls, samples: list[StepSample]) -> StepSample:
+        return cls([s for x in samples for s in x.shapes], [s for x in samples for s in x.seconds],
+                   [g for x in samples for g in x.gaps])
+
     @property
     def cycles(self) -> list[float]:
         return [g + s for g, s in zip(self.gaps, self.seconds, strict=True)]
