@@ -110,6 +110,8 @@ def test_a_real_check_end_to_end(checked: Path) -> None:
         assert kept["requests"]["ttft"]["median_ape_pct"] >= 0
         assert kept["steps"]["decode-only"]["n"] > 0
         assert len(lv["points"]["ttft"]) == 6
+        # The second real run of the load, against the first: the machine's noise.
+        assert lv["noise"]["e2el"]["n"] == 6 and lv["noise"]["e2el"]["median_ape_pct"] >= 0
     # The fitted profile simulates: kvbench run --device sim:PROFILE.json loads it.
     profile = json.loads((checked / "profile-step-roofline.json").read_text())
     assert profile["hardware"]["coef"]["overlap"] is True
@@ -119,6 +121,23 @@ def test_the_simulated_half_is_deterministic(checked: Path) -> None:
     first = resimulate(checked, lambda _: None)
     again = resimulate(checked, lambda _: None)
     assert json.dumps(first) == json.dumps(again)
+
+
+def test_publish_writes_stamped_tables_and_keeps_what_resimulating_needs(
+        checked: Path, tmp_path: Path) -> None:
+    from kvbench.results.provenance import LINE
+    from kvbench.tools.fidelity.publish import main
+
+    first = resimulate(checked, lambda _: None)
+    tables, keep = tmp_path / "tables", tmp_path / "keep"
+    tables.mkdir()
+    assert main([str(checked), "--tables", str(tables), "--keep", str(keep)]) == 0
+    for page in ("fidelity.md", "fidelity-paged-cpu.md"):
+        assert any(LINE.match(line) for line in (tables / page).read_text().splitlines())
+    assert "(fidelity-paged-cpu.png)" in (tables / "fidelity-paged-cpu.md").read_text()
+    # The kept runs alone give the same errors again.
+    again = resimulate(keep / "paged-cpu", lambda _: None)
+    assert again["workloads"] == first["workloads"]
 
 
 @pytest.mark.parametrize("args, message", [

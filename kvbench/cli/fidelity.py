@@ -28,7 +28,7 @@ def fidelity(
     max_model_len: Annotated[int, typer.Option(help="Context limit per sequence.")] = 2048,
     seed: Annotated[int, typer.Option(help="Seed of the validation workloads and their arrivals.")] = 0,
     cpu_threads: Annotated[int | None, typer.Option(help="torch's CPU threads for the real runs.")] = None,
-    quick: Annotated[bool, typer.Option(help="A smoke check: 12 requests, loads 0.5 and 1.2, capacity from all-at-once alone.")] = False,
+    quick: Annotated[bool, typer.Option(help="A smoke check: 12 requests, loads 0.5 and 1.2, capacity from all-at-once alone, no second real run per load.")] = False,
     resimulate: Annotated[bool, typer.Option("--resimulate", help="Only the simulated half, again, from the real runs already in --output.")] = False,
     max_median_error: Annotated[float | None, typer.Option(help="Exit 1 when a median per-request error (TTFT, TPOT or E2E, any load) is above this many percent.")] = None,
 ) -> None:
@@ -105,7 +105,7 @@ def _spec(engine: str, device: str, model: str, calibration: str, workload: list
     if quick:
         from dataclasses import replace
 
-        spec = replace(spec, num_requests=12, loads=(0.5, 1.2), sweep=())
+        spec = replace(spec, num_requests=12, loads=(0.5, 1.2), sweep=(), repeat_real=False)
     return spec
 
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 from kvbench.errors import KvbenchError
-from kvbench.fileio import read_text, write_text_atomic
+from kvbench.fileio import read_text, write_bytes_atomic, write_text_atomic
 from kvbench.tools.fidelity.errors import goal_pct
+from kvbench.tools.fidelity.report import figure_png, markdown
 from kvbench.tools.fidelity.study import CALIBRATION
 
 
@@ -30,7 +32,8 @@ def _name(result: dict[str, Any]) -> str:
 
 def headline(checks: list[tuple[str, dict[str, Any]]]) -> str:
     """The index page: per check, workload and load, the median (p90) per-request errors of
-    the kept structure, preemptions real → simulated and the goal."""
+    the kept structure, preemptions real → simulated, the goal, and a second real run's
+    error against the first (the machine's noise)."""
     out = ["# Sim-to-real fidelity", "",
            "How far kvbench's simulator is from real engines, request by request: the "
            "median (p90) absolute percentage error of each request's latency, simulated "
@@ -44,8 +47,9 @@ def headline(checks: list[tuple[str, dict[str, Any]]]) -> str:
                 f"Model {spec['model']}, {spec['num_requests']} requests per run, KV "
                 f"{spec['kv_memory']}, block size {spec['block_size']}; structure kept: "
                 f"{result['form']}.", "",
-                "| workload | load | req/s | TTFT | TPOT | E2E | preemptions real → sim | goal |",
-                "|---|---|---|---|---|---|---|---|"]
+                "| workload | load | req/s | TTFT | TPOT | E2E | preemptions real → sim | goal "
+                "| real vs real: TTFT / TPOT / E2E |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for wl in result["workloads"]:
             for lv in wl["levels"]:
                 kept = lv["forms"][result["form"]]
@@ -55,8 +59,12 @@ def headline(checks: list[tuple[str, dict[str, Any]]]) -> str:
                 missed = lv["misses"]
                 goal = f"≤ {goal_pct(lv['load']):.0f}%: " + ("met" if not missed else
                                                              "missed")
+                noise = lv.get("noise")
+                floor = (" / ".join(f"{noise[k]['median_ape_pct']:.1f}%" for k in noise)
+                         if noise else "–")
                 out.append(f"| {wl['workload']} | {lv['load']:.0%} | {lv['rate']:.2f} | "
-                           f"{' | '.join(cells)} | {pre['real']} → {pre['sim']} | {goal} |")
+                           f"{' | '.join(cells)} | {pre['real']} → {pre['sim']} | {goal} | "
+                           f"{floor} |")
         out.append("")
     return "\n".join(out)
 
@@ -74,11 +82,17 @@ def keep_real(src: Path, dest: Path) -> None:
     for run in runs:
         (dest / run).mkdir()
         shutil.copy(src / run / "steps.json", dest / run / "steps.json")
-        record = src / run / f"{engine}.json"
-        if record.exists():
-            data = json.loads(read_text(record))
-            data["curves"] = {}
-            write_text_atomic(dest / run / record.name, json.dumps(data) + "\n")
+        _without_curves(src / run / f"{engine}.json", dest / run)
+        if (src / f"{run}-again").is_dir():
+            (dest / f"{run}-again").mkdir()
+            _without_curves(src / f"{run}-again" / f"{engine}.json", dest / f"{run}-again")
+
+
+def _without_curves(record: Path, dest: Path) -> None:
+    if record.exists():
+        data = json.loads(read_text(record))
+        data["curves"] = {}
+        write_text_atomic(dest / record.name, json.dumps(data) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                                f"{folder} first")
         result = json.loads(read_text(folder / "fidelity.json"))
         name = f"fidelity-{_name(result)}"
-        text = read_text(folder / "fidelity.md").replace("(fidelity.png)", f"({name}.png)")
-        write_text_atomic(args.tables / f"{name}.md", text)
-        shutil.copy(folder / "fidelity.png", args.tables / f"{name}.png")
+        write_text_atomic(args.tables / f"{name}.md",
+                          markdown(result, result["stamp"], f"{name}.png"))
+        write_bytes_atomic(args.tables / f"{name}.png", figure_png(result))
         checks.append((f"{name}.md", result))
         if args.keep is not None:
             keep_real(folder / "real", args.keep / _name(result) / "real")
@@ -106,4 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except KvbenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

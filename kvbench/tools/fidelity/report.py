@@ -29,7 +29,7 @@ def _latency_table(wl: dict[str, Any], form: str) -> list[str]:
     head = ["load", "req/s"] + [f"{_NAMES[k.removesuffix('_ms')]} APE median / p90"
                                 for k in LATENCIES]
     head += [f"{_NAMES[k.removesuffix('_ms')]} p50 / p90 error" for k in LATENCIES]
-    head += ["goal (median)"]
+    head += ["goal (median)", "real vs real: TTFT / TPOT / E2E APE median"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for lv in wl["levels"]:
         e = lv["forms"][form]["requests"]
@@ -41,6 +41,9 @@ def _latency_table(wl: dict[str, Any], form: str) -> list[str]:
         cells.append(f"≤ {goal_pct(lv['load']):.0f}%: " + (
             "met" if not missed else "missed by " + ", ".join(
                 f"{_NAMES[k]} {v:.1f} points" for k, v in missed.items())))
+        noise = lv.get("noise")
+        cells.append(" / ".join(_pct(noise[k]["median_ape_pct"]) for k in noise)
+                     if noise else "–")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -113,7 +116,8 @@ def markdown(result: dict[str, Any], stamp: str, figure: str | None) -> str:
                 f"Capacity {wl['capacity_req_s']:.2f} req/s (sweep, offered → achieved req/s: "
                 f"{sweep}); {spec['num_requests']} requests per run.", "",
                 "Per-request absolute percentage error (APE) and the error of the simulated "
-                "percentiles:", "", *_latency_table(wl, form), "",
+                "percentiles; the last column compares the real run with a second real run "
+                "of the same load: the machine's own noise.", "", *_latency_table(wl, form), "",
                 "Run-level figures:", "", *_run_table(wl, form), "",
                 "Step cycle by kind of step (each real step with the run loop's time before "
                 "it while requests were pending, against the cost predicted from its shape):",

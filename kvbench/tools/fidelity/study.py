@@ -71,6 +71,9 @@ class Spec:
     max_model_len: int = 4096
     seed: int = 0
     cpu_threads: int | None = None
+    # Each load's real run once more, to measure how far a real run is from itself: the
+    # error below which the simulator's cannot be told apart from the machine's noise.
+    repeat_real: bool = True
 
     @property
     def sim_engine(self) -> str:
@@ -247,6 +250,8 @@ def measure(spec: Spec, out: Path, say: Say, command: str) -> dict[str, Any]:
             run = f"{name}-load{round(load * 100)}"
             say(f"{spec.engine}: {workload} at {load:.0%} of {capacity:.2f} req/s")
             real_run(spec, workload, load * capacity, real / run, spec.seed)
+            if spec.repeat_real:
+                real_run(spec, workload, load * capacity, real / f"{run}-again", spec.seed)
             levels.append({"load": load, "rate": load * capacity, "run": run})
         plan["workloads"].append({"workload": workload, "name": name, "sweep": sweep,
                                   "capacity_req_s": capacity, "levels": levels})
@@ -313,6 +318,10 @@ def resimulate(out: Path, say: Say) -> dict[str, Any]:
                                          [cost.step_time_s(s) for s in steps.shapes]),
                 }
             row["misses"] = misses(row["forms"][best]["requests"], level["load"])
+            again = real / f"{run}-again" / f"{spec.engine}.json"
+            if again.is_file():
+                row["noise"] = request_errors(
+                    matched_requests(_rows(real_record), _rows(load_record(again))))
             rows.append(row)
         result["workloads"].append({**wl, "levels": rows})
     write_text_atomic(out / "fidelity.json", json.dumps(result, indent=1) + "\n")
