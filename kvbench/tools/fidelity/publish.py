@@ -2,7 +2,8 @@
 results/tables --keep results/fidelity``.
 
 Each check's table and figure go to ``TABLES/fidelity-<engine>-<device>.md|.png``, and
-``TABLES/fidelity.md`` gets the headline rows of all of them with their measurement stamps.
+``TABLES/fidelity.md`` gets the headline rows of all of them with their measurement stamps,
+and ``--notes`` under them.
 With ``--keep``, what the simulated half needs of each check's real runs (plan, peak
 figures, the calibration steps, each load's record and steps; no sweep runs, no curves) is
 copied to ``KEEP/<engine>-<device>/real/``, where ``kvbench fidelity --resimulate`` and asv
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checks", nargs="+", type=Path, help="output folders of kvbench fidelity")
     parser.add_argument("--tables", type=Path, required=True)
     parser.add_argument("--keep", type=Path)
+    parser.add_argument("--notes", type=Path, help="Markdown put under the headline rows: "
+                        "where the goal was missed, and why")
     args = parser.parse_args(argv)
     checks = []
     for folder in args.checks:
@@ -115,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         checks.append((f"{name}.md", result))
         if args.keep is not None:
             keep_real(folder / "real", args.keep / _name(result) / "real")
-    write_text_atomic(args.tables / "fidelity.md", headline(checks) + "\n")
+    notes = read_text(args.notes, "notes (.md)") if args.notes else ""
+    write_text_atomic(args.tables / "fidelity.md", headline(checks) + "\n" + notes)
     return 0
 
 

@@ -66,9 +66,9 @@ class Spec:
     # Request rates of the capacity sweep besides all-at-once, as multiples of the
     # all-at-once throughput; the capacity is the most any point sustained.
     sweep: tuple[float, ...] = (0.75, 1.0)
-    kv_memory: str = "8MiB"
+    kv_memory: str = "4MiB"
     block_size: int = 16
-    max_model_len: int = 4096
+    max_model_len: int = 2048
     seed: int = 0
     cpu_threads: int | None = None
     # Each load's real run once more, to measure how far a real run is from itself: the
@@ -84,7 +84,7 @@ class Spec:
 
 
 def slug(text: str) -> str:
-    """A folder name for a workload or form: ``azure:…/conv.csv`` -> ``azure-conv``."""
+    """A folder name for a workload or form: ``azure:…/llm_conv.csv`` -> ``azure-llm-conv``."""
     stem = Path(text.split(":", 1)[-1]).stem if ":" in text else text
     kind = text.split(":", 1)[0] + "-" if ":" in text else ""
     return re.sub(r"[^a-z0-9]+", "-", (kind + stem).lower()).strip("-")
