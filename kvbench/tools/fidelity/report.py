@@ -25,12 +25,17 @@ def _num(value: float | None) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(cells) + " |" for cells in rows)]
+
+
 def _latency_table(wl: dict[str, Any], form: str) -> list[str]:
     head = ["load", "req/s"] + [f"{_NAMES[k.removesuffix('_ms')]} APE median / p90"
                                 for k in LATENCIES]
     head += [f"{_NAMES[k.removesuffix('_ms')]} p50 / p90 error" for k in LATENCIES]
     head += ["goal (median)", "real vs real: TTFT / TPOT / E2E APE median"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for lv in wl["levels"]:
         e = lv["forms"][form]["requests"]
         cells = [f"{lv['load']:.0%}", f"{lv['rate']:.2f}"]
@@ -44,8 +49,8 @@ def _latency_table(wl: dict[str, Any], form: str) -> list[str]:
         noise = lv.get("noise")
         cells.append(" / ".join(_pct(noise[k]["median_ape_pct"]) for k in noise)
                      if noise else "–")
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(cells)
+    return _table(head, rows)
 
 
 def _run_table(wl: dict[str, Any], form: str) -> list[str]:
@@ -54,39 +59,39 @@ def _run_table(wl: dict[str, Any], form: str) -> list[str]:
     names = ("throughput (req/s)", "mean concurrency", "max concurrency", "preemptions",
              "peak KV used (bytes)")
     head = ["load", *[f"{n}: real → sim" for n in names], "loop's share of a busy cycle"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for lv in wl["levels"]:
         r = lv["forms"][form]["run"]
         cells = [f"{lv['load']:.0%}"] + [
             f"{_num(r[k]['real'])} → {_num(r[k]['sim'])} ({_pct(r[k]['error_pct'], True)})"
             for k in keys]
         cells.append(_pct(lv["gap_pct"]))
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(cells)
+    return _table(head, rows)
 
 
 def _step_table(wl: dict[str, Any], form: str) -> list[str]:
     head = ["load", *[f"{k}: steps, APE median, total error" for k in STEP_KINDS]]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for lv in wl["levels"]:
         s = lv["forms"][form]["steps"]
         cells = [f"{lv['load']:.0%}"] + [
             f"{s[k]['n']}, {_pct(s[k]['median_ape_pct'])}, {_pct(s[k]['total_error_pct'], True)}"
             for k in STEP_KINDS]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(cells)
+    return _table(head, rows)
 
 
 def _form_table(wl: dict[str, Any], forms: list[str]) -> list[str]:
     head = ["load", *[f"{f}: TTFT / TPOT / E2E" for f in forms]]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for lv in wl["levels"]:
         cells = [f"{lv['load']:.0%}"]
         for f in forms:
             e = lv["forms"][f]["requests"]
             cells.append(" / ".join(_pct(e[k]["median_ape_pct"]) for k in e))
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(cells)
+    return _table(head, rows)
 
 
 def markdown(result: dict[str, Any], stamp: str, figure: str | None) -> str:
