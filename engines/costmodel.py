@@ -4,11 +4,11 @@ step = overhead + per_seq x seqs
        + max(FLOPs / (peak FLOPs x flops_eff), bytes / (HBM bw x bw_eff))
        + tensor-parallel all-reduce time
 
-or, where compute and memory traffic do not overlap (``CostCoefficients.overlap`` false, as
-measured on CPUs), their sum in place of each max; or, where attention runs as its own,
-unfused operator (``CostCoefficients.split_attention``),
-the max is taken separately for the linear layers (their FLOPs; weights and copies) and for
-attention (its FLOPs; the KV it reads and writes), and the two are added. Unfused attention
+or, where compute and memory traffic do not overlap (``CostCoefficients.overlap`` false),
+their sum in place of each max; and where attention runs as its own, unfused operator
+(``CostCoefficients.split_attention``), the max is taken separately for the linear layers
+(their FLOPs; weights and copies) and for attention (its FLOPs; the KV it reads and writes),
+and the two are added. Unfused attention
 also computes the masked half of each prefill chunk's query x key square; the batch shape
 does not keep chunk sizes, so that is estimated as if the step's prefill chunks were equal.
 
