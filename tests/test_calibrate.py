@@ -99,7 +99,12 @@ def test_tiny_calibration_writes_a_profile_the_sim_runs(tmp_path: Path) -> None:
     assert all(p.measured_s > 0 and len(p.samples_s) == 1 for p in loaded.points)
     coef = loaded.coefficients()
     coef.validate()
-    assert coef.split_attention and 0 < coef.flops_efficiency <= 1
+    assert 0 < coef.flops_efficiency <= 1 and 0 < coef.bandwidth_efficiency <= 1
+    # The structure kept is the one recorded, with the least held-out error of all.
+    form = next(f for f in FORMS if f.name == loaded.fit.form)
+    assert (coef.split_attention, coef.overlap) == (form.split, form.overlap)
+    errors = loaded.fit.form_errors_pct
+    assert set(errors) == {f.name for f in FORMS} and errors[form.name] == min(errors.values())
     hw = loaded.hardware_spec()
     assert hw.hbm_bytes_per_s > 1e8 and hw.flops_per_s > 1e8
     # Sane fit: a bigger step is predicted slower, and the fitted points are close.
