@@ -41,9 +41,7 @@ def fidelity(
     from kvbench.tools.fidelity import study
     from kvbench.tools.fidelity.report import write_report
 
-    def say(text: str) -> None:
-        err_console.print(text)
-
+    say = err_console.print
     if not resimulate:
         spec = _spec(engine, device, model, calibration_workload, workload, num_requests,
                      loads, kv_memory, block_size, max_model_len, seed, cpu_threads, quick)

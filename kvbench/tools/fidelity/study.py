@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from kvbench.engines.costmodel import CostModel
-from kvbench.engines.hardware import Hardware
 from kvbench.errors import KvbenchError
 from kvbench.results.schema import RunRecord
 from kvbench.tools.calibrate.fit import features, fit_forms, holdout_mask
@@ -147,7 +146,7 @@ def sim_run(spec: Spec, workload: str, rate: float, out: Path, seed: int, profil
     return record
 
 
-def fit_profiles(steps: StepSample, hardware: Hardware, base: Profile
+def fit_profiles(steps: StepSample, base: Profile
                  ) -> tuple[str, dict[str, Profile], dict[str, Any]]:
     """Per structure of the step cost, a profile fitted on the calibration run's steps with a
     fixed quarter held out, and its errors on the held-out steps by kind. The structure kept
@@ -155,10 +154,11 @@ def fit_profiles(steps: StepSample, hardware: Hardware, base: Profile
     decodes outnumber the prefills that make TTFT a hundredfold, so each kind counts once."""
     from kvbench.engines.presets import get_preset
 
-    preset = get_preset(base.model)
+    preset, hardware = get_preset(base.model), base.hardware_spec()
     keep = [i for i, s in enumerate(steps.shapes) if s.num_tokens > 0]
     shapes = [steps.shapes[i] for i in keep]
-    x = np.array([features(CostModel(preset, hardware), s) for s in shapes])
+    peak = CostModel(preset, hardware)
+    x = np.array([features(peak, s) for s in shapes])
     cycles = steps.cycles
     t = np.array([cycles[i] for i in keep])
     held = holdout_mask(len(t), 4)
@@ -182,8 +182,8 @@ def fit_profiles(steps: StepSample, hardware: Hardware, base: Profile
     return best, profiles, {"score_pct": score, "heldout_steps": by_kind}
 
 
-def _base_profile(spec: Spec, record: RunRecord, command: str) -> tuple[Profile, Hardware]:
-    """The profile's facts other than the fit, and the peak figures the fit is relative to:
+def _base_profile(spec: Spec, record: RunRecord, command: str) -> Profile:
+    """The profile's facts other than the fit, with the peak figures the fit is relative to:
     measured on a CPU, the datasheet's for a GPU."""
     import datetime as dt
 
@@ -209,7 +209,7 @@ def _base_profile(spec: Spec, record: RunRecord, command: str) -> tuple[Profile,
                        heldout_median_err_pct=0, heldout_p90_err_pct=0,
                        heldout_max_err_pct=0, median_wall_over_cpu=0),
     )
-    return profile, hardware
+    return profile
 
 
 def _rows(record: RunRecord) -> list[dict[str, Any]]:
@@ -232,7 +232,7 @@ def measure(spec: Spec, out: Path, say: Say, command: str) -> dict[str, Any]:
     record, _ = real_run(spec, spec.calibration, math.inf, real / CALIBRATION[0], spec.seed + 1)
     paced = record.summary["request_throughput"]
     real_run(spec, spec.calibration, paced, real / CALIBRATION[1], spec.seed + 1)
-    save_profile(_base_profile(spec, record, command)[0], real / "peaks.json")
+    save_profile(_base_profile(spec, record, command), real / "peaks.json")
     plan: dict[str, Any] = {"spec": spec.to_json(), "command": command, "workloads": [],
                             "calibration_rate": paced}
     for workload in spec.validation:
@@ -262,15 +262,52 @@ def measure(spec: Spec, out: Path, say: Say, command: str) -> dict[str, Any]:
     return plan
 
 
+def _compare_level(spec: Spec, out: Path, workload: str, level: dict[str, Any],
+                   profiles: dict[str, Profile], best: str, say: Say) -> dict[str, Any]:
+    """One load's real run against its simulation with each profile (and against its second
+    real run): the errors, and the kept structure's per-request points for the figure."""
+    from kvbench.engines.presets import get_preset
+    from kvbench.results.schema import load_record
+
+    real = out / "real"
+    run = level["run"]
+    real_record = load_record(real / run / f"{spec.engine}.json")
+    real_rows = _rows(real_record)
+    steps = StepSample.load(real / run / "steps.json")
+    busy = [g / c for g, c in zip(steps.gaps, steps.cycles, strict=True) if g > 0]
+    row: dict[str, Any] = {**level, "forms": {},
+                           "gap_pct": 100 * float(np.median(busy)) if busy else 0.0}
+    preset = get_preset(spec.model)
+    for form, profile in profiles.items():
+        say(f"simulating {run} ({form})")
+        sim = sim_run(spec, workload, level["rate"], out / "sim" / slug(form) / run, spec.seed,
+                      out / f"profile-{slug(form)}.json")
+        cost = CostModel(preset, profile.hardware_spec())
+        pairs = matched_requests(real_rows, _rows(sim))
+        if form == best:
+            row["points"] = {k: [[r[f"{k}_ms"], s[f"{k}_ms"]] for r, s in pairs
+                                 if r[f"{k}_ms"] and s[f"{k}_ms"]]
+                             for k in ("ttft", "tpot")}
+        row["forms"][form] = {
+            "requests": request_errors(pairs),
+            "run": run_errors(real_record.summary, sim.summary),
+            "steps": step_errors(steps.shapes, steps.cycles,
+                                 [cost.step_time_s(s) for s in steps.shapes]),
+        }
+    row["misses"] = misses(row["forms"][best]["requests"], level["load"])
+    again = real / f"{run}-again" / f"{spec.engine}.json"
+    if again.is_file():
+        row["noise"] = request_errors(matched_requests(real_rows, _rows(load_record(again))))
+    return row
+
+
 def resimulate(out: Path, say: Say) -> dict[str, Any]:
     """The simulated half, from the real half's files alone: fit every structure of the
     step cost on the calibration steps, simulate each validation run with each, and compare.
     Writes ``fidelity.json`` and returns it."""
     import json
 
-    from kvbench.engines.presets import get_preset
     from kvbench.fileio import read_text, write_text_atomic
-    from kvbench.results.schema import load_record
 
     real = out / "real"
     if not (real / "plan.json").is_file():
@@ -281,8 +318,7 @@ def resimulate(out: Path, say: Say) -> dict[str, Any]:
                    "loads": tuple(plan["spec"]["loads"]), "sweep": tuple(plan["spec"]["sweep"])})
     peaks = load_profile(real / "peaks.json")
     steps = [StepSample.load(real / run / "steps.json") for run in CALIBRATION]
-    best, profiles, fits = fit_profiles(StepSample.join(steps), peaks.hardware_spec(), peaks)
-    preset = get_preset(spec.model)
+    best, profiles, fits = fit_profiles(StepSample.join(steps), peaks)
     result: dict[str, Any] = {"spec": spec.to_json(), "command": plan["command"],
                               "stamp": plan["stamp"],
                               "machine": peaks.machine, "form": best,
@@ -292,37 +328,8 @@ def resimulate(out: Path, say: Say) -> dict[str, Any]:
     for form, profile in profiles.items():
         save_profile(profile, out / f"profile-{slug(form)}.json")
     for wl in plan["workloads"]:
-        rows = []
-        for level in wl["levels"]:
-            run = level["run"]
-            real_record = load_record(real / run / f"{spec.engine}.json")
-            steps = StepSample.load(real / run / "steps.json")
-            busy = [g / c for g, c in zip(steps.gaps, steps.cycles, strict=True) if g > 0]
-            row: dict[str, Any] = {**level, "forms": {},
-                                   "gap_pct": 100 * float(np.median(busy)) if busy else 0.0}
-            for form, profile in profiles.items():
-                say(f"simulating {run} ({form})")
-                path = out / f"profile-{slug(form)}.json"
-                sim = sim_run(spec, wl["workload"], level["rate"], out / "sim" / slug(form) / run,
-                              spec.seed, path)
-                cost = CostModel(preset, profile.hardware_spec())
-                pairs = matched_requests(_rows(real_record), _rows(sim))
-                if form == best:
-                    row["points"] = {k: [[r[f"{k}_ms"], s[f"{k}_ms"]] for r, s in pairs
-                                         if r[f"{k}_ms"] and s[f"{k}_ms"]]
-                                     for k in ("ttft", "tpot")}
-                row["forms"][form] = {
-                    "requests": request_errors(pairs),
-                    "run": run_errors(real_record.summary, sim.summary),
-                    "steps": step_errors(steps.shapes, steps.cycles,
-                                         [cost.step_time_s(s) for s in steps.shapes]),
-                }
-            row["misses"] = misses(row["forms"][best]["requests"], level["load"])
-            again = real / f"{run}-again" / f"{spec.engine}.json"
-            if again.is_file():
-                row["noise"] = request_errors(
-                    matched_requests(_rows(real_record), _rows(load_record(again))))
-            rows.append(row)
+        rows = [_compare_level(spec, out, wl["workload"], level, profiles, best, say)
+                for level in wl["levels"]]
         result["workloads"].append({**wl, "levels": rows})
     write_text_atomic(out / "fidelity.json", json.dumps(result, indent=1) + "\n")
     return result
