@@ -43,8 +43,8 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-from kvbench.engines.costmodel import CostModel
 from kvbench.engines.registry import build_engine
+from kvbench.engines.sim.costmodel import CostModel
 from kvbench.results.metrics import summarize
 from kvbench.run.clocks import VirtualClock
 from kvbench.run.harness import run_engine
@@ -304,7 +304,7 @@ class _Decodes:
         import numpy as np
         import torch
 
-        from kvbench.engines.presets import get_preset
+        from kvbench.engines.model.presets import get_preset
 
         tiny, block, seqs = get_preset("tiny"), 16, 8
         gen = torch.Generator().manual_seed(0)

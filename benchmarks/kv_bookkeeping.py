@@ -18,11 +18,11 @@ import argparse
 import statistics
 import time
 
+from kvbench.engines.builtin.scheduler import SchedulerConfig
 from kvbench.engines.config import EngineSettings, engine_config
 from kvbench.engines.kv.base import KVManager
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
 from kvbench.engines.registry import NAMED_ENGINES
-from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.engines.sequence import Sequence
 from kvbench.run.devices import parse_device
 from kvbench.workloads.model import Request, Segment

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
 from kvbench.kernels import cpu_native, reference
 
 HEADS = {"tiny": get_preset("tiny"), "7b": get_preset("mistral-7b")}

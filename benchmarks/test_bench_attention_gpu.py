@@ -4,8 +4,9 @@ scattered over the pool) versus contiguous (one extent per sequence), same kerne
 Each case reports, in ``extra_info``: the kernel time measured with CUDA events over
 back-to-back calls with the L2 cache flushed in between (``device_us``), the KV bytes one
 call must read (every sequence's K and V, once), the bytes/s that makes, and its percentage
-of the device's peak HBM bandwidth from ``kvbench.engines.hardware``. pytest-benchmark's own timing
-is the wall time of one call including launch and a synchronise, as an engine step sees it.
+of the device's peak HBM bandwidth from ``kvbench.engines.sim.hardware``. pytest-benchmark's
+own timing is the wall time of one call including launch and a synchronise, as an engine step
+sees it.
 ``benchmarks/gpu/summarize.py`` turns the JSON report into a paged-vs-contiguous table.
 
 Run with ``pytest benchmarks/test_bench_attention_gpu.py --benchmark-json=FILE``; it skips
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
 
 pytestmark = [
     pytest.mark.cuda,

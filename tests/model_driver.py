@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvbench.engines.llama import AttentionBatch, LlamaForCausalLM, greedy
-from kvbench.engines.presets import ModelPreset
-from kvbench.engines.torch_device import TORCH_DTYPES
-from kvbench.engines.weights import build_model
+from kvbench.engines.builtin.torch_device import TORCH_DTYPES
+from kvbench.engines.model.llama import AttentionBatch, LlamaForCausalLM, greedy
+from kvbench.engines.model.presets import ModelPreset
+from kvbench.engines.model.weights import build_model
 from kvbench.kernels import get_backend
 from kvbench.kernels.layouts import BlockTables, Extents, KVLayout
 

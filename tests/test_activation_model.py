@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.engines.activations import ActivationModel, ForwardShape
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
+from kvbench.engines.sim.activations import ActivationModel, ForwardShape
 from kvbench.tools.activation_check import SCENARIOS, check_eager, check_executor
 
 TINY = get_preset("tiny")

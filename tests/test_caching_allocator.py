@@ -3,7 +3,7 @@ splitting, coalescing and release rules."""
 
 from __future__ import annotations
 
-from kvbench.engines.caching_allocator import (
+from kvbench.engines.sim.caching_allocator import (
     LARGE_BUFFER,
     MIN_BLOCK,
     SMALL_BUFFER,

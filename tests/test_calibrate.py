@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvbench.engines.costmodel import CostModel
-from kvbench.engines.hardware import CPU_HARDWARE, CostCoefficients
 from kvbench.engines.kv.paged import PagedKVManager
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
+from kvbench.engines.sim.costmodel import CostModel
+from kvbench.engines.sim.hardware import CPU_HARDWARE, CostCoefficients
 from kvbench.errors import KvbenchError
 from kvbench.run.devices import kv_budget_bytes, parse_device
 from kvbench.run.execute import execute_plan

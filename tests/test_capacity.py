@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 
 from helpers import run_cli, text_request
 from kvbench.cli.app import app
-from kvbench.engines.hardware import MiB, get_gpu
-from kvbench.engines.kv_budget import profile_activation_bytes
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
 from kvbench.engines.sequence import Sequence
+from kvbench.engines.sim.hardware import MiB, get_gpu
+from kvbench.engines.sim.kv_budget import profile_activation_bytes
 from kvbench.errors import KvbenchError
 from kvbench.tools.capacity import Demand, Deployment, concurrency_curve, plan, policies
 

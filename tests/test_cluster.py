@@ -7,12 +7,12 @@ import json
 import pytest
 
 from helpers import make_workload, run_cli, text_request
-from kvbench.engines.cluster import ClusterEngine, ClusterSection
+from kvbench.engines.builtin.scheduler import SchedulerConfig
+from kvbench.engines.cluster.engine import ClusterEngine, ClusterSection
 from kvbench.engines.config import EngineSettings, engine_config
-from kvbench.engines.costmodel import CostModel
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
 from kvbench.engines.registry import NAMED_ENGINES, build_engine
-from kvbench.engines.scheduler import SchedulerConfig
+from kvbench.engines.sim.costmodel import CostModel
 from kvbench.results.cluster import cluster_summary
 from kvbench.results.metric_table import METRIC_BY_NAME, METRICS, curve_spec
 from kvbench.results.metrics import summarize

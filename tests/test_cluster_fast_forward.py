@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvbench.engines.cluster import ROUTERS, ClusterSection
+from kvbench.engines.cluster.engine import ROUTERS, ClusterSection
 from kvbench.run.execute import record_of, start_and_run
 from kvbench.run.plan import plan_run
 from kvbench.run.suite import ModelSection, RunSection, Suite, WorkloadSection

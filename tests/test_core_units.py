@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvbench.engines.base import BatchShape
-from kvbench.engines.costmodel import CostModel
-from kvbench.engines.hardware import get_gpu
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
+from kvbench.engines.sim.costmodel import CostModel
+from kvbench.engines.sim.hardware import get_gpu
 from kvbench.errors import KvbenchError
 from kvbench.results.curves import build_curves
 from kvbench.run.devices import kv_budget_bytes, parse_device

@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 
 from kvbench.engines.base import BatchShape
-from kvbench.engines.costmodel import CostModel
-from kvbench.engines.hardware import CostCoefficients, Hardware, get_gpu
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
+from kvbench.engines.sim.costmodel import CostModel
+from kvbench.engines.sim.hardware import CostCoefficients, Hardware, get_gpu
 from kvbench.errors import KvbenchError
 from kvbench.run.devices import parse_device
 

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from helpers import make_workload, text_request
-from kvbench.engines.activations import ActivationModel, ForwardShape
-from kvbench.engines.caching_allocator import ROUND_LARGE
+from kvbench.engines.builtin.scheduler import SchedulerConfig
 from kvbench.engines.config import EngineSettings, engine_config
-from kvbench.engines.costmodel import CostModel
-from kvbench.engines.device_memory import NON_TORCH_BYTES, MemoryOptions
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
 from kvbench.engines.registry import NAMED_ENGINES, build_engine
-from kvbench.engines.scheduler import SchedulerConfig
+from kvbench.engines.sim.activations import ActivationModel, ForwardShape
+from kvbench.engines.sim.caching_allocator import ROUND_LARGE
+from kvbench.engines.sim.costmodel import CostModel
+from kvbench.engines.sim.device_memory import NON_TORCH_BYTES, MemoryOptions
 from kvbench.errors import KvbenchError
 from kvbench.results.metrics import summarize
 from kvbench.run.clocks import VirtualClock

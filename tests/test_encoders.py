@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.engines.encoders import Encoders, image_views, synthetic_image
+from kvbench.engines.model.encoders import Encoders, image_views, synthetic_image
 from kvbench.errors import KvbenchError
 from kvbench.workloads.modalities import (
     audio_token_count,

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 
 from helpers import make_workload, text_request
+from kvbench.engines.builtin.scheduler import SchedulerConfig
 from kvbench.engines.config import EngineSection, EngineSettings, engine_config
-from kvbench.engines.costmodel import CostModel
 from kvbench.engines.kv.contiguous import ContiguousPolicy
 from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.kv.paged_mixed import PagedMixedPolicy
 from kvbench.engines.kv.segmented import SegmentedPolicy
 from kvbench.engines.kv.vattention import VAttentionPolicy
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
 from kvbench.engines.registry import NAMED_ENGINES, build_engine
-from kvbench.engines.scheduler import SchedulerConfig
+from kvbench.engines.sim.costmodel import CostModel
 from kvbench.results.metrics import summarize
 from kvbench.run.clocks import VirtualClock
 from kvbench.run.devices import parse_device

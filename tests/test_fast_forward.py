@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from kvbench.engines.base import BatchShape
-from kvbench.engines.costmodel import CostModel
-from kvbench.engines.hardware import CostCoefficients, get_gpu
 from kvbench.engines.kv.paged import PagedPolicy
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
 from kvbench.engines.registry import KINDS, NAMED_ENGINES
-from kvbench.engines.replay import pool as replay_pool
+from kvbench.engines.sim.costmodel import CostModel
+from kvbench.engines.sim.hardware import CostCoefficients, get_gpu
+from kvbench.engines.sim.replay import pool as replay_pool
 from kvbench.run import stepstats
 from kvbench.run.execute import record_of, start_and_run
 from kvbench.run.plan import plan_run

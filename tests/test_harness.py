@@ -191,8 +191,8 @@ def test_stamped_events_keep_their_own_times_and_idle_steps_are_no_stall() -> No
 
 
 def test_the_virtual_clock_refuses_wall_stamps() -> None:
-    from kvbench.engines.costmodel import CostModel
-    from kvbench.engines.presets import get_preset
+    from kvbench.engines.model.presets import get_preset
+    from kvbench.engines.sim.costmodel import CostModel
     from kvbench.run.clocks import VirtualClock
     from kvbench.run.devices import parse_device
 

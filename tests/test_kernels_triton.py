@@ -472,7 +472,7 @@ def test_model_generates_the_reference_tokens():
     """The decoder on the Triton backend, paged: chunked prefill, then batched decodes."""
     from model_driver import SMALL, Runner, prompts
 
-    from kvbench.engines.weights import build_model
+    from kvbench.engines.model.weights import build_model
 
     tokens = [
         Runner(build_model(SMALL, kernels, torch.device("cpu"), seed=0), "paged", num_seqs=2)
@@ -553,11 +553,11 @@ def test_modal_class_pools_match_the_reference():
     """The executor's pool of page classes (float32 text, int8 vision, separate caches,
     attention merged over the classes) gives the same step with Triton as with the
     reference: prefill then a decode over text, image and text positions."""
-    from kvbench.engines.class_pools import ClassPools
+    from kvbench.engines.builtin.scheduler import SchedulerConfig
     from kvbench.engines.config import EngineSettings, engine_config
+    from kvbench.engines.kv.class_pools import ClassPools
     from kvbench.engines.kv.modal import ModalPolicy
-    from kvbench.engines.presets import ModelPreset
-    from kvbench.engines.scheduler import SchedulerConfig
+    from kvbench.engines.model.presets import ModelPreset
     from kvbench.engines.sequence import Sequence
     from kvbench.run.devices import parse_device
     from kvbench.workloads.model import Request, Segment

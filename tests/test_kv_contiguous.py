@@ -269,10 +269,10 @@ def test_alignment_rounds_extents_up_and_the_rounding_is_internal_waste():
 
 
 def test_alignment_unit_is_one_layers_k_or_v_per_token_on_a_rank():
+    from kvbench.engines.builtin.scheduler import SchedulerConfig
     from kvbench.engines.config import EngineSettings, engine_config
     from kvbench.engines.kv.contiguous import ContiguousPolicy
-    from kvbench.engines.presets import get_preset
-    from kvbench.engines.scheduler import SchedulerConfig
+    from kvbench.engines.model.presets import get_preset
     from kvbench.run.devices import parse_device
 
     def slots(align: int, model: str = "llama-3-8b") -> int:

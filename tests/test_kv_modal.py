@@ -10,6 +10,7 @@ import torch
 from model_driver import SMALL
 
 from helpers import make_workload
+from kvbench.engines.builtin.scheduler import SchedulerConfig
 from kvbench.engines.config import EngineSettings, engine_config
 from kvbench.engines.kv.modal import (
     ModalKVManager,
@@ -19,7 +20,6 @@ from kvbench.engines.kv.modal import (
     vision_share,
 )
 from kvbench.engines.registry import NAMED_ENGINES, build_engine, parse_section
-from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.engines.sequence import Sequence
 from kvbench.errors import KvbenchError
 from kvbench.run.devices import parse_device
@@ -141,7 +141,7 @@ def test_a_shared_pool_is_one_buffer_of_the_budget(policy) -> None:
 
 def test_classes_of_a_shared_buffer_keep_their_pages_apart() -> None:
     # A text page and a vision page on other units: writing one leaves the other's bytes.
-    from kvbench.engines.class_pools import ClassPools
+    from kvbench.engines.kv.class_pools import ClassPools
 
     kv = _manager(ModalPolicy(vision_page_tokens=64, kv_dtype={"image": "int8"}))
     pools = ClassPools(SMALL, kv.classes, torch.device("cpu"))
@@ -228,8 +228,8 @@ def test_real_compute_class_split_is_exact_and_int8_mostly_agrees() -> None:
 
 
 def test_sim_accounts_classes_and_encoder_cache() -> None:
-    from kvbench.engines.costmodel import CostModel
-    from kvbench.engines.presets import get_preset
+    from kvbench.engines.model.presets import get_preset
+    from kvbench.engines.sim.costmodel import CostModel
     from kvbench.run.clocks import VirtualClock
     from kvbench.run.harness import run_engine
 
@@ -292,7 +292,7 @@ def _fill_paged(kv, seq: Sequence) -> None:
 def _virtual():
     """Real compute under the virtual clock: which request finds which blocks cached does
     not depend on how fast this machine computes."""
-    from kvbench.engines.costmodel import CostModel
+    from kvbench.engines.sim.costmodel import CostModel
     from kvbench.run.clocks import VirtualClock
 
     return VirtualClock(CostModel(SMALL, parse_device("cpu").hardware, 1))
@@ -322,8 +322,8 @@ def _with_prefix(on: bool) -> EngineSettings:
 
 
 def test_multimodal_reuse_preset_hits_in_the_sim() -> None:
-    from kvbench.engines.costmodel import CostModel
-    from kvbench.engines.presets import get_preset
+    from kvbench.engines.model.presets import get_preset
+    from kvbench.engines.sim.costmodel import CostModel
     from kvbench.results.metrics import summarize
     from kvbench.run.clocks import VirtualClock
     from kvbench.run.harness import run_engine

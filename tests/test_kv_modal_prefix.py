@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from kv_driver import VOCAB, KVDriver
 from model_driver import SMALL
 
+from kvbench.engines.builtin.scheduler import SchedulerConfig
 from kvbench.engines.config import EngineSettings, engine_config
 from kvbench.engines.kv.modal import ModalKVManager, ModalPolicy
-from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.engines.sequence import Sequence
 from kvbench.run.devices import parse_device
 from kvbench.workloads.modalities import image_token_count
@@ -237,7 +237,7 @@ def _reuse_workload():
 
 
 def _virtual():
-    from kvbench.engines.costmodel import CostModel
+    from kvbench.engines.sim.costmodel import CostModel
     from kvbench.run.clocks import VirtualClock
 
     return VirtualClock(CostModel(SMALL, parse_device("cpu").hardware, 1))
@@ -335,9 +335,9 @@ def test_int8_vision_in_a_shared_buffer_computes_what_split_pools_do() -> None:
 def test_multimodal_reuse_preset_hits_on_modal_as_on_paged_in_the_sim() -> None:
     from dataclasses import replace
 
-    from kvbench.engines.costmodel import CostModel
-    from kvbench.engines.presets import get_preset
+    from kvbench.engines.model.presets import get_preset
     from kvbench.engines.registry import NAMED_ENGINES, build_engine
+    from kvbench.engines.sim.costmodel import CostModel
     from kvbench.results.metrics import summarize
     from kvbench.run.clocks import VirtualClock
     from kvbench.run.harness import run_engine

@@ -4,11 +4,11 @@ free memory at that moment, and the fragmentation waits summarised from them."""
 from __future__ import annotations
 
 from helpers import make_workload, text_request
+from kvbench.engines.builtin.scheduler import SchedulerConfig
 from kvbench.engines.config import EngineSettings, engine_config
-from kvbench.engines.costmodel import CostModel
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
 from kvbench.engines.registry import NAMED_ENGINES, build_engine
-from kvbench.engines.scheduler import SchedulerConfig
+from kvbench.engines.sim.costmodel import CostModel
 from kvbench.results.curves import build_curves
 from kvbench.results.metrics import summarize
 from kvbench.run.clocks import VirtualClock

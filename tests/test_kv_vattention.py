@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_driver import KVDriver, make_seq, random_operations
 
+from kvbench.engines.builtin.scheduler import SchedulerConfig
 from kvbench.engines.config import EngineSettings, engine_config
 from kvbench.engines.kv.vattention import VAttentionKVManager, VAttentionPolicy
-from kvbench.engines.presets import get_preset
-from kvbench.engines.scheduler import SchedulerConfig
+from kvbench.engines.model.presets import get_preset
 from kvbench.errors import KvbenchError
 from kvbench.run.devices import parse_device
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from model_driver import SMALL, Runner, make_model, prompts
 
-from kvbench.engines.llama import LlamaForCausalLM, apply_rope, greedy, linear, rope_cos_sin
+from kvbench.engines.model.llama import LlamaForCausalLM, apply_rope, greedy, linear, rope_cos_sin
 
 
 def dense_logits(model: LlamaForCausalLM, ids: np.ndarray) -> torch.Tensor:

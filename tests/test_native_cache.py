@@ -25,7 +25,7 @@ from kvbench.kernels.backend import collected_warnings, get_backend
 
 CC = cpu_native.compiler()
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler")
-POOL_SOURCE = Path(cpu_native.__file__).parents[1] / "engines" / "replay" / "native.c"
+POOL_SOURCE = Path(cpu_native.__file__).parents[1] / "engines" / "sim" / "replay" / "native.c"
 # A library whose constructor runs as soon as it is loaded: it leaves a marker file.
 PLANTED_C = r"""
 #include <stdio.h>

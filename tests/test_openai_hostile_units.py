@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from kvbench.engines.openai.reply import Ask, BadReply, Reply, SseReader, parse_usage
-from kvbench.engines.openai.scrub import scrub
-from kvbench.engines.openai.server_metrics import (
+from kvbench.engines.external.openai.reply import Ask, BadReply, Reply, SseReader, parse_usage
+from kvbench.engines.external.openai.scrub import scrub
+from kvbench.engines.external.openai.server_metrics import (
     MAX_SERIES,
     MetricsError,
     ServerKV,

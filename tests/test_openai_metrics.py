@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.engines.openai.server_metrics import ServerKV, parse_metrics, relevant_lines
+from kvbench.engines.external.openai.server_metrics import ServerKV, parse_metrics, relevant_lines
 
 pytest.importorskip("prometheus_client")
 

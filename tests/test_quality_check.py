@@ -11,11 +11,11 @@ from typer.testing import CliRunner
 
 from helpers import make_workload
 from kvbench.cli.app import app
+from kvbench.engines.builtin.scheduler import SchedulerConfig
 from kvbench.engines.config import EngineSettings, engine_config
 from kvbench.engines.kv.modal import ModalPolicy
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
 from kvbench.engines.registry import NAMED_ENGINES, build_engine
-from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.results.schema import load_record
 from kvbench.run.clocks import WallClock
 from kvbench.run.devices import parse_device

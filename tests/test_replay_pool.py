@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.hashing import BlockHasher
-from kvbench.engines.replay import pool as replay_pool
-from kvbench.engines.replay.pool import ArrayPool, NativePool
+from kvbench.engines.sim.replay import pool as replay_pool
+from kvbench.engines.sim.replay.pool import ArrayPool, NativePool
 from kvbench.workloads.model import contents_token_ids, key_hash
 
 # The numpy pool, and the C one where a compiler builds it.

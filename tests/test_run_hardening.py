@@ -13,7 +13,7 @@ import time
 import pytest
 
 from helpers import REPO, run_cli
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
 from kvbench.errors import KvbenchError
 from kvbench.run.overrides import RunFlags, resolve_suite
 from kvbench.run.plan import plan_run
@@ -181,7 +181,7 @@ def test_calibration_profiles_with_impossible_figures_are_refused(
 
 def _write_profile(path, **hardware):
     """A profile file as `kvbench calibrate` writes it, with ``hardware`` figures replaced."""
-    from kvbench.engines.hardware import CPU_HARDWARE
+    from kvbench.engines.sim.hardware import CPU_HARDWARE
     from kvbench.tools.calibrate.profile import FitSummary, Profile, save_profile
 
     fit = FitSummary(train_points=6, heldout_points=2, train_median_err_pct=5.0,
@@ -338,8 +338,8 @@ def test_an_interrupt_while_a_record_is_built_still_writes_it(tmp_path, monkeypa
 # --- vLLM's CPU block size chosen for the user (item 14) -----------------------------------
 
 def test_vllms_cpu_block_multiple_is_chosen_unless_the_user_chose() -> None:
+    from kvbench.engines.external.vllm import VllmSection
     from kvbench.engines.kv.paged import PagedPolicy
-    from kvbench.engines.vllm import VllmSection
     from kvbench.run.devices import parse_device
     from kvbench.run.plan import _block_size
 

@@ -9,11 +9,11 @@ from typer.testing import CliRunner
 
 from helpers import make_workload, text_request
 from kvbench.cli.app import app
+from kvbench.engines.builtin.scheduler import SchedulerConfig
 from kvbench.engines.config import EngineSettings, engine_config
-from kvbench.engines.costmodel import CostModel
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
 from kvbench.engines.registry import NAMED_ENGINES, build_engine
-from kvbench.engines.scheduler import SchedulerConfig
+from kvbench.engines.sim.costmodel import CostModel
 from kvbench.results.leaks import KV_KIND, analyze_soak, fit_kind, slope_per_wave
 from kvbench.results.metrics import summarize
 from kvbench.run.clocks import VirtualClock

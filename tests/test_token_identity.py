@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 
 from helpers import make_workload
+from kvbench.engines.builtin.scheduler import SchedulerConfig
 from kvbench.engines.config import EngineSection, EngineSettings, engine_config
 from kvbench.engines.kv.contiguous import ContiguousPolicy
 from kvbench.engines.kv.modal import ModalPolicy
@@ -21,9 +22,8 @@ from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.kv.paged_mixed import PagedMixedPolicy
 from kvbench.engines.kv.segmented import SegmentedPolicy
 from kvbench.engines.kv.vattention import VAttentionPolicy
-from kvbench.engines.presets import ModelPreset, get_preset
+from kvbench.engines.model.presets import ModelPreset, get_preset
 from kvbench.engines.registry import NAMED_ENGINES, build_engine
-from kvbench.engines.scheduler import SchedulerConfig
 from kvbench.results.metrics import summarize
 from kvbench.run.clocks import WallClock
 from kvbench.run.devices import parse_device

@@ -10,9 +10,9 @@ import pytest
 import torch
 from model_driver import SMALL
 
-from kvbench.engines.executor import ScheduledBatch, ScheduledSeq
+from kvbench.engines.builtin.executor import ScheduledBatch, ScheduledSeq
+from kvbench.engines.builtin.torch_executor import TorchExecutor
 from kvbench.engines.sequence import Sequence
-from kvbench.engines.torch_executor import TorchExecutor
 from kvbench.errors import KvbenchError
 from kvbench.kernels.layouts import BlockTables, Extents
 from kvbench.kernels.slot_copy import SlotCopy

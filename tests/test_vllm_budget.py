@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.engines.activations import ActivationModel, ForwardShape
-from kvbench.engines.device_memory import NON_TORCH_BYTES
-from kvbench.engines.hardware import SOURCED_NON_TORCH_BYTES, DeviceSpec, Hardware, get_gpu
-from kvbench.engines.kv_budget import profile_activation_bytes
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
+from kvbench.engines.sim.activations import ActivationModel, ForwardShape
+from kvbench.engines.sim.device_memory import NON_TORCH_BYTES
+from kvbench.engines.sim.hardware import SOURCED_NON_TORCH_BYTES, DeviceSpec, Hardware, get_gpu
+from kvbench.engines.sim.kv_budget import profile_activation_bytes
 from kvbench.errors import KvbenchError
 from kvbench.run.devices import gpu_kv_budget, kv_budget_bytes, parse_device
 from kvbench.run.suite import ModelSection, RunSection, Suite, WorkloadSection

@@ -11,11 +11,11 @@ import torch
 from model_driver import SMALL, Runner, prompts
 from safetensors.torch import save_file
 
-from kvbench.engines import torch_device
-from kvbench.engines.hf_config import WeightsError, hf_config, preset_from_hf_config
-from kvbench.engines.llama import LlamaForCausalLM
-from kvbench.engines.presets import get_preset, preset_names
-from kvbench.engines.weights import INDEX_FILE, build_model, read_checkpoint_preset
+from kvbench.engines.builtin import torch_device
+from kvbench.engines.model.hf_config import WeightsError, hf_config, preset_from_hf_config
+from kvbench.engines.model.llama import LlamaForCausalLM
+from kvbench.engines.model.presets import get_preset, preset_names
+from kvbench.engines.model.weights import INDEX_FILE, build_model, read_checkpoint_preset
 from kvbench.errors import KvbenchError
 from kvbench.kernels import get_backend
 

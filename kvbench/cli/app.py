@@ -158,9 +158,9 @@ def run(
 @app.command("list", rich_help_panel=INSPECT_PANEL)
 def list_names() -> None:
     """Model presets, GPUs, engines, suites and workload presets."""
-    from kvbench.engines.hardware import get_gpu, gpu_names
-    from kvbench.engines.presets import get_preset, preset_names
+    from kvbench.engines.model.presets import get_preset, preset_names
     from kvbench.engines.registry import KINDS, NAMED_ENGINES
+    from kvbench.engines.sim.hardware import get_gpu, gpu_names
     from kvbench.run.suite import suite_names
     from kvbench.units import format_bytes
     from kvbench.workloads.presets import preset_names as workload_presets

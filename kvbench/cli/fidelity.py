@@ -72,7 +72,7 @@ def _spec(engine: str, device: str, model: str, calibration: str, workload: list
           num_requests: int, loads: str, kv_memory: str, block_size: int, max_model_len: int,
           seed: int, cpu_threads: int | None, quick: bool):
     """The check's settings, every flag checked before any run starts."""
-    from kvbench.engines.presets import get_preset
+    from kvbench.engines.model.presets import get_preset
     from kvbench.tools.fidelity.study import Spec
 
     if engine == "openai":

@@ -33,7 +33,7 @@ def calibrate(
     profile that `kvbench run --device sim:PROFILE.json` simulates."""
     from dataclasses import replace
 
-    from kvbench.engines.presets import get_preset
+    from kvbench.engines.model.presets import get_preset
     from kvbench.tools.calibrate.measure import CPU_GRID, CUDA_GRID
     from kvbench.tools.calibrate.measure import calibrate as run_calibration
     from kvbench.tools.calibrate.profile import save_profile
@@ -110,8 +110,8 @@ def capacity(
 
     Per KV layout (contiguous reservation policies, paged block sizes): max concurrent
     requests, KV bytes per token, KV budget, and the cost model's latency at that load."""
-    from kvbench.engines.hardware import get_gpu
-    from kvbench.engines.presets import get_preset
+    from kvbench.engines.model.presets import get_preset
+    from kvbench.engines.sim.hardware import get_gpu
     from kvbench.fileio import write_text_atomic
     from kvbench.tools.capacity import plan, policies, write_concurrency_plot
 

@@ -1,4 +1,4 @@
-"""Metrics and curves of a cluster run (:mod:`kvbench.engines.cluster`): pure functions over
+"""Metrics and curves of a cluster run (:mod:`kvbench.engines.cluster.engine`): pure functions over
 its per-step replica log, the harness's step log and the request timings.
 
 Summary metrics (besides the usual ones, which cover the whole cluster: KV capacity and
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbench.engines.cluster import ClusterLog
+from kvbench.engines.cluster.engine import ClusterLog
 from kvbench.results.curves import MAX_POINTS, bucket_edges
 from kvbench.run.harness import EngineRun
 

@@ -261,7 +261,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("device_growth_pct", "%", "lower", "device", "device memory growth after warm-up %",
        ".1f", needs=("device",)),
     _m("memory_growth_pct", "%", "lower", "device", "memory growth after warm-up %", ".1f"),
-    # A simulated device's memory (kvbench.engines.device_memory): step peaks, and the
+    # A simulated device's memory (kvbench.engines.sim.device_memory): step peaks, and the
     # components at the step of peak_device_bytes.
     _m("peak_device_bytes_per_rank", "bytes", "lower", "device",
        "peak device memory per rank (modelled)", "bytes", needs=("device",)),

@@ -83,7 +83,7 @@ taken when warm-up ends and when the run ends):
   of warm-up. Warm-up ends with the step that finishes the first 10% of the run's requests.
 
 Modelled device memory (engines that model it, the simulator; see
-:mod:`kvbench.engines.device_memory`), replacing the device metrics above:
+:mod:`kvbench.engines.sim.device_memory`), replacing the device metrics above:
 
 - ``peak_device_bytes``: the largest step peak of the device's used memory (reserved by the
   caching allocator plus non-torch memory: what nvidia-smi would show), summed over
@@ -111,8 +111,8 @@ from typing import Any
 import numpy as np
 
 from kvbench.engines.base import DeviceMemory
-from kvbench.engines.device_memory import DeviceOutOfMemory
 from kvbench.engines.kv.modality import MODALITIES
+from kvbench.engines.sim.device_memory import DeviceOutOfMemory
 from kvbench.results.slo import SLO
 from kvbench.run.gaps import weighted_stats
 from kvbench.run.harness import EngineRun

@@ -11,7 +11,7 @@ import time
 from abc import ABC, abstractmethod
 
 from kvbench.engines.base import StepReport
-from kvbench.engines.costmodel import CostModel
+from kvbench.engines.sim.costmodel import CostModel
 
 CLOCKS = ("wall", "virtual")
 

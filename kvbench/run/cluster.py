@@ -1,6 +1,6 @@
 """Runs of many replicas (``[cluster]`` in a suite, ``--replicas`` / ``--prefill-replicas``
 + ``--decode-replicas``): what a plan checks and how its engine is built. The cluster itself
-is :mod:`kvbench.engines.cluster`."""
+is :mod:`kvbench.engines.cluster.engine`."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import tracemalloc
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvbench.engines.builtin import BuiltinEngine
-from kvbench.engines.cluster import ClusterEngine, ClusterLog, ClusterSection
+from kvbench.engines.builtin.engine import BuiltinEngine
+from kvbench.engines.cluster.engine import ClusterEngine, ClusterLog, ClusterSection
 from kvbench.engines.config import EngineConfig, KVPolicy
-from kvbench.engines.costmodel import CostModel
 from kvbench.engines.registry import build_engine
+from kvbench.engines.sim.costmodel import CostModel
 from kvbench.errors import KvbenchError
 
 if TYPE_CHECKING:

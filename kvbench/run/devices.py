@@ -3,10 +3,10 @@ they give. A profile written by ``kvbench calibrate`` simulates the device it me
 
 from __future__ import annotations
 
-from kvbench.engines.activations import AttentionImpl
-from kvbench.engines.hardware import DeviceSpec, Hardware, get_gpu
-from kvbench.engines.kv_budget import KVBudget, profile_activation_bytes, vllm_kv_budget
-from kvbench.engines.presets import ModelPreset
+from kvbench.engines.model.presets import ModelPreset
+from kvbench.engines.sim.activations import AttentionImpl
+from kvbench.engines.sim.hardware import DeviceSpec, Hardware, get_gpu
+from kvbench.engines.sim.kv_budget import KVBudget, profile_activation_bytes, vllm_kv_budget
 from kvbench.errors import KvbenchError
 from kvbench.units import format_bytes
 
@@ -120,7 +120,7 @@ def gpu_kv_budget(
     attention: AttentionImpl = "fused",
     page_tokens: int = 1,
 ) -> KVBudget:
-    """vLLM's KV budget of one rank of a GPU device (:mod:`kvbench.engines.kv_budget`): the
+    """vLLM's KV budget of one rank of a GPU device (:mod:`kvbench.engines.sim.kv_budget`): the
     device's memory x utilisation, less the rank's weights, the activation model's peak on
     vLLM's profiling batch and the device's non-torch memory. The simulated engines run
     eagerly, so no CUDA graph memory is taken. A real CUDA device starts from its free

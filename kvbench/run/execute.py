@@ -6,9 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvbench.engines.config import EngineConfig
-from kvbench.engines.costmodel import CostModel
-from kvbench.engines.device_memory import DeviceOutOfMemory
 from kvbench.engines.registry import build_engine
+from kvbench.engines.sim.costmodel import CostModel
+from kvbench.engines.sim.device_memory import DeviceOutOfMemory
 from kvbench.errors import KvbenchError
 from kvbench.fileio import write_text_atomic
 from kvbench.report.plots import write_plots

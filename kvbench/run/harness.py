@@ -20,10 +20,10 @@ from typing import Any, Literal
 import numpy as np
 
 from kvbench.engines.base import DeviceMemory, Engine, KVStats, StepReport
-from kvbench.engines.builtin import BuiltinEngine
-from kvbench.engines.device_memory import DeviceOutOfMemory
+from kvbench.engines.builtin.engine import BuiltinEngine
 from kvbench.engines.kv.modality import MODALITIES
-from kvbench.engines.replay import (
+from kvbench.engines.sim.device_memory import DeviceOutOfMemory
+from kvbench.engines.sim.replay import (
     COLUMNS,
     Arrivals,
     EventReplay,
@@ -176,7 +176,7 @@ class EngineRun:
     telemetry_wall_s: float = 0.0  # of which: step logging and probe sampling
     # The modelled device ran out of memory (the run failed there, or never started).
     out_of_memory: DeviceOutOfMemory | None = None
-    # A cluster's per-replica log (kvbench.engines.cluster.ClusterLog); None for one engine.
+    # A cluster's per-replica log (kvbench.engines.cluster.engine.ClusterLog); None for one engine.
     cluster: Any = None
     # Decode fast-forward: "on" (runs of decode-only steps taken in one go), "off" (asked
     # for step by step) or why the engine cannot; and the steps it took in bulk.
@@ -540,7 +540,7 @@ def _replay_wave(run: EngineRun, replay: EventReplay, clock: VirtualClock, arriv
 
 def _block_columns(s: StepLog) -> list[Column]:
     """The step log's columns in the order of a replayed step's values
-    (:data:`~kvbench.engines.replay.COLUMNS`)."""
+    (:data:`~kvbench.engines.sim.replay.COLUMNS`)."""
     kv = {field: column for column, field in _KV_LOG.items()}
     kv["encoder_cache_bytes"] = "kv_encoder_cache_bytes"
     out = []

@@ -38,7 +38,7 @@ _SAME_PROGRESS_S = 1.0
 
 # Imported once by the fork server, not by every engine process: the run code, torch and
 # the real-compute engine (importing torch alone takes seconds on a small machine).
-_PRELOAD = ["kvbench.run.execute", "torch", "kvbench.engines.torch_executor",
+_PRELOAD = ["kvbench.run.execute", "torch", "kvbench.engines.builtin.torch_executor",
             "kvbench.kernels.cpu_native"]
 
 

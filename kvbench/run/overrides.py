@@ -282,7 +282,7 @@ def _add_served_engine(data: dict[str, Any], flags: RunFlags) -> None:
     or beside the engines ``--engines`` names (its ``openai`` being this one)."""
     from pydantic import ValidationError
 
-    from kvbench.engines.openai.section import OpenAISection
+    from kvbench.engines.external.openai.section import OpenAISection
     from kvbench.engines.registry import NAMED_ENGINES
     from kvbench.results.paths import path_component_problem
 

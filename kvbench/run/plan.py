@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvbench.engines.builtin.scheduler import SchedulerConfig
 from kvbench.engines.config import (
     EngineConfig,
     EngineSection,
@@ -16,10 +17,9 @@ from kvbench.engines.config import (
     KVPolicy,
     engine_config,
 )
-from kvbench.engines.device_memory import MemoryOptions
-from kvbench.engines.hardware import DeviceSpec
-from kvbench.engines.presets import ModelPreset, get_preset
-from kvbench.engines.scheduler import SchedulerConfig
+from kvbench.engines.model.presets import ModelPreset, get_preset
+from kvbench.engines.sim.device_memory import MemoryOptions
+from kvbench.engines.sim.hardware import DeviceSpec
 from kvbench.errors import KvbenchError
 from kvbench.results.paths import check_path_component
 from kvbench.run.cluster import check_cluster, check_replica_memory

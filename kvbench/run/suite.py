@@ -19,16 +19,16 @@ from pydantic import (
     model_validator,
 )
 
-from kvbench.engines.activations import AttentionImpl
-from kvbench.engines.cluster import ClusterSection
-from kvbench.engines.config import EngineSection
-from kvbench.engines.device_memory import KVAllocation
-from kvbench.engines.registry import NAMED_ENGINES, AnyEngineSection
-from kvbench.engines.scheduler import (
+from kvbench.engines.builtin.scheduler import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
 )
+from kvbench.engines.cluster.engine import ClusterSection
+from kvbench.engines.config import EngineSection
+from kvbench.engines.registry import NAMED_ENGINES, AnyEngineSection
+from kvbench.engines.sim.activations import AttentionImpl
+from kvbench.engines.sim.device_memory import KVAllocation
 from kvbench.errors import InputFileError, KvbenchError
 from kvbench.fileio import read_text
 from kvbench.results.paths import name_length_problem, path_component_problem, path_length_problem
@@ -102,7 +102,7 @@ class RunSection(_Strict):
     # of shape `burstiness` (1: Poisson), as vllm bench serve's --request-rate/--burstiness.
     request_rate: float | None = Field(default=None, gt=0)
     burstiness: float = Field(default=1.0, gt=0, allow_inf_nan=False)
-    # A simulated device's memory model (kvbench.engines.device_memory): the attention
+    # A simulated device's memory model (kvbench.engines.sim.device_memory): the attention
     # kernel whose workspace it counts, how the KV cache takes device memory, and the
     # seeds' "sliding window not disabled" as extra KV per running sequence.
     attention_impl: AttentionImpl = "fused"
@@ -139,7 +139,7 @@ class Suite(_Strict):
     model: ModelSection = Field(default_factory=ModelSection)
     run: RunSection = Field(default_factory=RunSection)
     engines: dict[str, AnyEngineSection] = Field(default_factory=dict)
-    # Replicas behind a router, or disaggregated prefill/decode (kvbench.engines.cluster).
+    # Replicas behind a router, or disaggregated prefill/decode (kvbench.engines.cluster.engine).
     cluster: ClusterSection = Field(default_factory=ClusterSection)
 
     @field_validator("name")

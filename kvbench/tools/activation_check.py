@@ -1,4 +1,4 @@
-"""Checks the activation model (:mod:`kvbench.engines.activations`) against real tensor memory:
+"""Checks the activation model (:mod:`kvbench.engines.sim.activations`) against real tensor memory:
 the built-in engine's torch executor runs steps of known batch shapes, and the bytes its
 forward allocates beyond the weights and the KV pool are measured and set against the
 model's prediction for the same shapes.
@@ -30,11 +30,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvbench.engines.activations import ActivationModel, AttentionImpl, ForwardShape, forward_shape
+from kvbench.engines.builtin.scheduler import Scheduler, SchedulerConfig
+from kvbench.engines.builtin.torch_executor import TorchExecutor
 from kvbench.engines.kv.paged import PagedKVManager
-from kvbench.engines.presets import ModelPreset, get_preset
-from kvbench.engines.scheduler import Scheduler, SchedulerConfig
-from kvbench.engines.torch_executor import TorchExecutor
+from kvbench.engines.model.presets import ModelPreset, get_preset
+from kvbench.engines.sim.activations import (
+    ActivationModel,
+    AttentionImpl,
+    ForwardShape,
+    forward_shape,
+)
 from kvbench.results.provenance import Measurement
 from kvbench.workloads.model import Request, Segment
 

@@ -21,19 +21,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbench.engines.base import BatchShape, causal_pairs
-from kvbench.engines.config import EngineSettings, KVPolicy, engine_config
-from kvbench.engines.costmodel import CostModel
-from kvbench.engines.hardware import DeviceSpec, Hardware
-from kvbench.engines.kv.base import KVManager
-from kvbench.engines.kv.contiguous import RESERVATIONS, ContiguousPolicy
-from kvbench.engines.kv.paged import PagedPolicy
-from kvbench.engines.presets import ModelPreset
-from kvbench.engines.scheduler import (
+from kvbench.engines.builtin.scheduler import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     SchedulerConfig,
 )
+from kvbench.engines.config import EngineSettings, KVPolicy, engine_config
+from kvbench.engines.kv.base import KVManager
+from kvbench.engines.kv.contiguous import RESERVATIONS, ContiguousPolicy
+from kvbench.engines.kv.paged import PagedPolicy
+from kvbench.engines.model.presets import ModelPreset
+from kvbench.engines.sim.costmodel import CostModel
+from kvbench.engines.sim.hardware import DeviceSpec, Hardware
 from kvbench.errors import KvbenchError
 from kvbench.run.devices import kv_budget_bytes
 
@@ -290,8 +290,8 @@ def parse_grid_axis(text: str) -> GridAxis:
 
 
 def _grid_value(field: str, name: str, text: str) -> object:
-    from kvbench.engines.hardware import get_gpu
-    from kvbench.engines.presets import get_preset
+    from kvbench.engines.model.presets import get_preset
+    from kvbench.engines.sim.hardware import get_gpu
     from kvbench.units import parse_bytes
 
     try:

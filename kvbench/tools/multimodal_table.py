@@ -18,12 +18,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from kvbench.engines.builtin.scheduler import SchedulerConfig
 from kvbench.engines.config import EngineSettings, engine_config
-from kvbench.engines.costmodel import CostModel
 from kvbench.engines.kv.modal import ModalPolicy, memory_saving, vision_share
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
 from kvbench.engines.registry import NAMED_ENGINES, build_engine
-from kvbench.engines.scheduler import SchedulerConfig
+from kvbench.engines.sim.costmodel import CostModel
 from kvbench.errors import KvbenchError
 from kvbench.fileio import write_text_atomic
 from kvbench.report.tables import machine_load_text
@@ -148,7 +148,7 @@ def sim_section(n: int) -> list[str]:
 def cpu_section(n: int, weights: str | None) -> list[str]:
     preset = get_preset("tiny")
     if weights is not None:
-        from kvbench.engines.weights import read_checkpoint_preset
+        from kvbench.engines.model.weights import read_checkpoint_preset
 
         preset = read_checkpoint_preset(weights)
     kv_bytes = 8192 * preset.kv_bytes_per_token

@@ -56,7 +56,7 @@ from served import (
     write_timed_trace,
 )
 
-from kvbench.engines.presets import get_preset
+from kvbench.engines.model.presets import get_preset
 from kvbench.results.metrics import itl_samples, latency_samples
 from kvbench.run.execute import start_and_run
 from kvbench.run.plan import plan_run

@@ -22,8 +22,8 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbench.engines.hf_config import write_model_dir
-from kvbench.engines.presets import ModelPreset
+from kvbench.engines.model.hf_config import write_model_dir
+from kvbench.engines.model.presets import ModelPreset
 
 # The server's scheduler and pool; the in-process engine in the tests uses the same.
 BLOCK = 32

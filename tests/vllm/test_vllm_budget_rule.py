@@ -1,5 +1,5 @@
 """kvbench's simulated KV budget against vLLM's own code: the requested memory, and what its
-profiler subtracts from it (``kvbench.engines.kv_budget``; no GPU needed)."""
+profiler subtracts from it (``kvbench.engines.sim.kv_budget``; no GPU needed)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from kvbench.engines.hardware import get_gpu
-from kvbench.engines.kv_budget import vllm_kv_budget
+from kvbench.engines.sim.hardware import get_gpu
+from kvbench.engines.sim.kv_budget import vllm_kv_budget
 
 GiB = 2**30
 UTIL = 0.9

@@ -9,8 +9,8 @@ import pytest
 from vllm_helpers import BLOCK_BYTES, tiny_opts
 
 from kvbench.engines.config import EngineSettings, engine_config
+from kvbench.engines.external.vllm import VllmSection
 from kvbench.engines.registry import parse_section
-from kvbench.engines.vllm import VllmSection
 from kvbench.errors import KvbenchError
 from kvbench.run.plan import plan_run
 from kvbench.run.suite import RunSection, Suite

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from kvbench.engines.hf_config import hf_config, write_model_dir
-from kvbench.engines.presets import get_preset, preset_names
+from kvbench.engines.model.hf_config import hf_config, write_model_dir
+from kvbench.engines.model.presets import get_preset, preset_names
 from kvbench.errors import KvbenchError
 
 

@@ -11,10 +11,10 @@ from vllm_helpers import BLOCK, BLOCK_BYTES, mixed_workload, request, tiny_opts
 
 from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineSection, EngineSettings, engine_config
-from kvbench.engines.costmodel import CostModel
+from kvbench.engines.external.vllm import ABSENT_KV_FIELDS, VllmEngine, VllmSection
 from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.registry import build_engine
-from kvbench.engines.vllm import ABSENT_KV_FIELDS, VllmEngine, VllmSection
+from kvbench.engines.sim.costmodel import CostModel
 from kvbench.results.metrics import summarize
 from kvbench.run.clocks import VirtualClock
 from kvbench.run.harness import EngineRun, run_engine

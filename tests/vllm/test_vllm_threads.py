@@ -8,8 +8,8 @@ import torch
 from vllm_helpers import tiny_opts
 
 from kvbench.engines.config import engine_config
+from kvbench.engines.external.vllm import OMP_BIND_ENV, VllmSection
 from kvbench.engines.registry import build_engine
-from kvbench.engines.vllm import OMP_BIND_ENV, VllmSection
 from kvbench.errors import KvbenchError
 from kvbench.run.execute import execute_plan
 from kvbench.run.plan import plan_run

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from kvbench.engines.builtin.scheduler import SchedulerConfig
 from kvbench.engines.config import EngineSettings
-from kvbench.engines.presets import get_preset
-from kvbench.engines.scheduler import SchedulerConfig
+from kvbench.engines.model.presets import get_preset
 from kvbench.run.devices import parse_device
 from kvbench.workloads.model import Request, Segment, Workload
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbench.engines.base import BatchShape
-from kvbench.engines.costmodel import CostModel
-from kvbench.engines.hardware import CostCoefficients
+from kvbench.engines.sim.costmodel import CostModel
+from kvbench.engines.sim.hardware import CostCoefficients
 from kvbench.errors import KvbenchError
 from kvbench.tools.calibrate.profile import FitSummary, ProfilePoint
 

@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from kvbench.engines.costmodel import CostModel
-from kvbench.engines.executor import Executor, ScheduledBatch, ScheduledSeq
-from kvbench.engines.hardware import Hardware
+from kvbench.engines.builtin.executor import Executor, ScheduledBatch, ScheduledSeq
 from kvbench.engines.kv.base import KVManager
-from kvbench.engines.presets import ModelPreset
+from kvbench.engines.model.presets import ModelPreset
+from kvbench.engines.sim.costmodel import CostModel
+from kvbench.engines.sim.hardware import Hardware
 from kvbench.errors import KvbenchError
 from kvbench.tools.calibrate.fit import best_form, features, holdout_mask, summarize
 from kvbench.tools.calibrate.profile import Profile, ProfilePoint
@@ -88,7 +88,7 @@ def calibrate(
     """Profile ``preset`` on torch ``device`` ("cpu", "cuda", "cuda:N") over ``grid`` and fit."""
     import torch
 
-    from kvbench.engines.torch_executor import TorchExecutor
+    from kvbench.engines.builtin.torch_executor import TorchExecutor
     from kvbench.run.machine import machine_info
 
     points = grid.points()
@@ -155,8 +155,8 @@ def measure_cpu_peaks(dtype: str, repeats: int = 5) -> Hardware:
     fitted efficiencies are relative to."""
     import torch
 
-    from kvbench.engines.hardware import CPU_HARDWARE
-    from kvbench.engines.torch_device import TORCH_DTYPES
+    from kvbench.engines.builtin.torch_device import TORCH_DTYPES
+    from kvbench.engines.sim.hardware import CPU_HARDWARE
 
     src = torch.ones(32 * 2**20 // 4)  # 32 MiB: past the caches
     dst = torch.empty_like(src)
@@ -207,7 +207,7 @@ def _context_of(point: GridPoint, j: int) -> int:
 
 def _batch(kv: KVManager, preset: ModelPreset, point: GridPoint, index: int):
     """One step of ``point``'s shape over fresh sequences (holding no KV yet) and its shape."""
-    from kvbench.engines.builtin import batch_shape
+    from kvbench.engines.builtin.engine import batch_shape
     from kvbench.engines.sequence import Sequence
     from kvbench.workloads.model import Request, Segment
 

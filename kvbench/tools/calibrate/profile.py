@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvbench.engines.hardware import CostCoefficients, Hardware
+from kvbench.engines.sim.hardware import CostCoefficients, Hardware
 from kvbench.errors import InputFileError, KvbenchError
 from kvbench.fileio import read_text, write_text_atomic
 from kvbench.workloads.textstream import too_deep

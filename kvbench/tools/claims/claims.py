@@ -45,10 +45,10 @@ def c1_rule(paged: int, contiguous: int) -> Verdict:
 def _c1_deployment(tp: int):
     """Paged and contiguous (max_model_len 4096) capacity at 2048 tokens of every preset
     that fits one TP-``tp`` replica of A100-80GB, vLLM's defaults."""
-    from kvbench.engines.hardware import get_gpu
     from kvbench.engines.kv.contiguous import ContiguousPolicy
     from kvbench.engines.kv.paged import PagedPolicy
-    from kvbench.engines.presets import get_preset, preset_names
+    from kvbench.engines.model.presets import get_preset, preset_names
+    from kvbench.engines.sim.hardware import get_gpu
     from kvbench.errors import KvbenchError
     from kvbench.tools.capacity import Demand, Deployment, plan
 
@@ -201,7 +201,7 @@ def c4_rule(per_tensor_128: float, per_tensor_2mib: float, per_request_2mib: flo
 @study("C4")
 def c4(ctx: Context) -> Row:
     from kvbench.engines.kv.contiguous import ContiguousPolicy, reserve_len
-    from kvbench.engines.presets import get_preset
+    from kvbench.engines.model.presets import get_preset
     from kvbench.workloads.presets import generate_preset
 
     preset = get_preset("llama-3-8b")
@@ -307,9 +307,9 @@ def c5_rule(share: float) -> Verdict:
 
 @study("C5")
 def c5(ctx: Context) -> Row:
-    from kvbench.engines.costmodel import CostModel
-    from kvbench.engines.hardware import get_gpu
-    from kvbench.engines.presets import get_preset
+    from kvbench.engines.model.presets import get_preset
+    from kvbench.engines.sim.costmodel import CostModel
+    from kvbench.engines.sim.hardware import get_gpu
     from kvbench.tools.capacity import decode_step_s
 
     preset, gpu = get_preset("llama-3-8b"), get_gpu("a100-80gb")
@@ -484,7 +484,7 @@ def c8(ctx: Context) -> Row:
 
 @study("C9")
 def c9(ctx: Context) -> Row:
-    from kvbench.engines.presets import get_preset
+    from kvbench.engines.model.presets import get_preset
 
     preset = get_preset("llama-3-8b")
     hd = preset.num_heads * preset.head_dim
@@ -1004,7 +1004,7 @@ def c23_rule(resnet_fp32_bytes: float, llama_one_byte_bytes: float) -> Verdict:
 
 @study("C23")
 def c23(ctx: Context) -> Row:
-    from kvbench.engines.presets import get_preset
+    from kvbench.engines.model.presets import get_preset
 
     rn = resnet_params()
     llama = get_preset("llama-3-8b")
@@ -1047,7 +1047,7 @@ def c24(ctx: Context) -> Row:
 
 @study("C25")
 def c25(ctx: Context) -> Row:
-    from kvbench.engines.presets import get_preset
+    from kvbench.engines.model.presets import get_preset
 
     n = ctx.size(100, 400)
     r = ctx.run("prewarm", "p4-prewarm",

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbench.engines.costmodel import CostModel
+from kvbench.engines.sim.costmodel import CostModel
 from kvbench.errors import KvbenchError
 from kvbench.results.schema import RunRecord
 from kvbench.tools.calibrate.fit import features, fit_forms, holdout_mask
@@ -152,7 +152,7 @@ def fit_profiles(steps: StepSample, base: Profile
     fixed quarter held out, and its errors on the held-out steps by kind. The structure kept
     is the one whose held-out median error, averaged over the kinds of step, is least:
     decodes outnumber the prefills that make TTFT a hundredfold, so each kind counts once."""
-    from kvbench.engines.presets import get_preset
+    from kvbench.engines.model.presets import get_preset
 
     preset, hardware = get_preset(base.model), base.hardware_spec()
     keep = [i for i, s in enumerate(steps.shapes) if s.num_tokens > 0]
@@ -189,7 +189,7 @@ def _base_profile(spec: Spec, record: RunRecord, command: str) -> Profile:
 
     import torch
 
-    from kvbench.engines.presets import get_preset
+    from kvbench.engines.model.presets import get_preset
     from kvbench.run.devices import parse_device
     from kvbench.tools.calibrate.measure import measure_cpu_peaks
 
@@ -266,7 +266,7 @@ def _compare_level(spec: Spec, out: Path, workload: str, level: dict[str, Any],
                    profiles: dict[str, Profile], best: str, say: Say) -> dict[str, Any]:
     """One load's real run against its simulation with each profile (and against its second
     real run): the errors, and the kept structure's per-request points for the figure."""
-    from kvbench.engines.presets import get_preset
+    from kvbench.engines.model.presets import get_preset
     from kvbench.results.schema import load_record
 
     real = out / "real"

@@ -1,0 +1,1 @@
+"""Several built-in engines behind one router, as one engine."""
