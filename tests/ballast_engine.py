@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbench.engines.base import Engine
 from kvbench.engines.config import EngineConfig
-from kvbench.engines.kv.paged import PagedPolicy
+from kvbench.engines.kv.paged import PagedKVManager, PagedPolicy
 
 BALLAST_BYTES = 256 << 20
 # Kept for the life of the process that built the engine (the allocation under test).
@@ -16,6 +15,7 @@ HELD: list[np.ndarray] = []
 
 
 class BallastPaged(PagedPolicy):
-    def build(self, config: EngineConfig) -> Engine:
+    # The engine is built over a fresh manager: the ballast is taken as it is.
+    def manager(self, config: EngineConfig) -> PagedKVManager:
         HELD.append(np.ones(BALLAST_BYTES, dtype=np.uint8))
-        return super().build(config)
+        return super().manager(config)

@@ -11,7 +11,7 @@ import traceback
 
 import pytest
 
-from kvbench.cli import main
+from kvbench.cli.app import main
 
 
 def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:

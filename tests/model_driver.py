@@ -9,7 +9,7 @@ from kvbench.engines.builtin.torch_device import TORCH_DTYPES
 from kvbench.engines.model.llama import AttentionBatch, LlamaForCausalLM, greedy
 from kvbench.engines.model.presets import ModelPreset
 from kvbench.engines.model.weights import build_model
-from kvbench.kernels import get_backend
+from kvbench.kernels.backend import get_backend
 from kvbench.kernels.layouts import BlockTables, Extents, KVLayout
 
 SMALL = ModelPreset(

@@ -142,8 +142,13 @@ def test_rule_verdicts_either_side_of_thresholds(ident: str, figures: tuple, wan
 @pytest.mark.parametrize("ident", sorted(RULES))
 def test_each_study_takes_its_verdict_from_its_rule(ident: str) -> None:
     fn = RULES[ident]
-    assert fn.__qualname__ == fn.__name__ == f"{ident.lower()}_rule"  # module-level
+    assert fn.__qualname__ == fn.__name__ == f"{STUDIES[ident].__name__}_rule"  # module-level
     assert fn.__name__ in inspect.getsource(STUDIES[ident])
+
+
+@pytest.mark.parametrize("ident", sorted(STUDIES))
+def test_each_study_is_named_by_its_claim_id(ident: str) -> None:
+    assert STUDIES[ident].__name__.startswith(f"{ident.lower()}_")
 
 
 @pytest.mark.parametrize("ident", sorted(REASONING_ONLY))

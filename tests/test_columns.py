@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvbench.run.columns import Column, _Flat, _Runs, column_of
+from kvbench.results.columns import Column, _Flat, _Runs, column_of
 
 
 def test_values_and_none_survive_growth() -> None:

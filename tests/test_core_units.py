@@ -10,8 +10,8 @@ from kvbench.engines.sim.costmodel import CostModel
 from kvbench.engines.sim.hardware import get_gpu
 from kvbench.errors import KvbenchError
 from kvbench.results.curves import build_curves
+from kvbench.results.runlog import StepLog
 from kvbench.run.devices import kv_budget_bytes, parse_device
-from kvbench.run.harness import StepLog
 from kvbench.run.suite import load_suite
 from kvbench.units import format_bytes, parse_bytes
 

@@ -19,11 +19,12 @@ from kvbench.engines.sim.costmodel import CostModel
 from kvbench.engines.sim.device_memory import NON_TORCH_BYTES, MemoryOptions
 from kvbench.errors import KvbenchError
 from kvbench.results.metrics import summarize
+from kvbench.results.runlog import EngineRun
+from kvbench.results.stepstats import device_columns
 from kvbench.run.clocks import VirtualClock
 from kvbench.run.devices import parse_device
-from kvbench.run.harness import EngineRun, run_engine
+from kvbench.run.harness import run_engine
 from kvbench.run.plan import plan_run
-from kvbench.run.stepstats import device_columns
 from kvbench.run.suite import ModelSection, RunSection, Suite, WorkloadSection
 from kvbench.workloads.model import Request, Segment
 

@@ -18,7 +18,7 @@ from kvbench.engines.registry import KINDS, NAMED_ENGINES
 from kvbench.engines.sim.costmodel import CostModel
 from kvbench.engines.sim.hardware import CostCoefficients, get_gpu
 from kvbench.engines.sim.replay import pool as replay_pool
-from kvbench.run import stepstats
+from kvbench.results import stepstats
 from kvbench.run.execute import record_of, start_and_run
 from kvbench.run.plan import plan_run
 from kvbench.run.suite import ModelSection, RunSection, Suite, WorkloadSection
@@ -81,7 +81,7 @@ def test_every_builtin_engine_preemption_heavy(tmp_path: Path, engine: str) -> N
     fast = _check(tmp_path, MIXED, "llama-2-7b", [engine], kv_memory="3GiB")
     mode = fast[engine]["engine_config"]["fast_forward"]["mode"]
     if engine in ("paged", "paged-lfu", "paged-leaky", "contiguous", "contiguous-request",
-                  "contiguous-pow2", "contiguous-compact", "contiguous-defrag"):
+                  "contiguous-pow2", "contiguous-compact", "contiguous-defrag", "segmented"):
         assert mode == "on"
     else:
         assert mode.startswith("unsupported")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import make_workload, text_request
-from kvbench.engines.base import BatchShape, Finished, KVStats, Stamps, StepReport
+from kvbench.engines.base import BatchShape, Engine, Finished, KVStats, Stamps, StepReport
 from kvbench.results.build import build_record
 from kvbench.results.metrics import summarize
 from kvbench.results.schema import RequestRows, load_record
@@ -18,7 +18,7 @@ from kvbench.run.clocks import WallClock
 from kvbench.run.harness import run_engine
 
 
-class ScriptedEngine:
+class ScriptedEngine(Engine):
     """Finishes one token per request per step; raises ``error`` at step ``fail_at``."""
 
     name = "scripted"
@@ -120,7 +120,7 @@ def test_record_schema_mismatch_is_clear(tmp_path) -> None:
         load_record(p)
 
 
-class StampedEngine:
+class StampedEngine(Engine):
     """Reports what a served engine would: a send time, a token per step at its own time
     (one ms apart, long before the step ends), a completion at its last token, and ``idle``
     empty steps first, more than the harness allows an engine that computes."""

@@ -541,7 +541,7 @@ def test_auto_and_unknown_backends():
 @parent_only
 def test_reference_path_never_imports_triton():
     code = (
-        "import sys; from kvbench.kernels import get_backend; "
+        "import sys; from kvbench.kernels.backend import get_backend; "
         "get_backend('reference', 'cpu'); get_backend('auto', 'cpu'); "
         "sys.exit('triton' in sys.modules)"
     )

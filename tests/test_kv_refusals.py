@@ -11,9 +11,10 @@ from kvbench.engines.registry import NAMED_ENGINES, build_engine
 from kvbench.engines.sim.costmodel import CostModel
 from kvbench.results.curves import build_curves
 from kvbench.results.metrics import summarize
+from kvbench.results.runlog import EngineRun
 from kvbench.run.clocks import VirtualClock
 from kvbench.run.devices import parse_device
-from kvbench.run.harness import EngineRun, run_engine
+from kvbench.run.harness import run_engine
 
 PRESET = get_preset("llama-3-8b")
 BPT = PRESET.kv_bytes_per_token

@@ -133,3 +133,24 @@ def test_fork_copies_the_head_and_shares_the_tail():
 def test_head_must_be_whole_blocks():
     with pytest.raises(KvbenchError, match="multiple"):
         SegmentedKVManager(8, 16, BPT, 1024, head_tokens=100)
+
+
+def test_would_admit_says_what_allocate_does():
+    """The decode fast-forward trusts a refusal it is told of ahead; it must be allocate's."""
+    kv = segmented(12, head_tokens=8)
+    d = KVDriver(kv)
+    a, b = make_seq(1, 7, 9), make_seq(2, 7, 9)
+    assert d.admit(a, 8) and d.admit(b, 8)
+    for _ in range(4):
+        assert d.step(a, 1) and d.step(b, 1)
+    asked = [(make_seq(3, 5, 3), 5), (make_seq(4, 7, 9), 8), (make_seq(5, 3, 2, n=2), 3)]
+    said = {}
+    for freed in (False, True):
+        if freed:
+            d.free(a)  # 6 blocks free: a 4-block hole and two single tail blocks
+        for seq, num_new in asked:
+            said[seq.seq_id, freed] = kv.would_admit(seq, 0, num_new)
+            assert said[seq.seq_id, freed] == kv.allocate(seq, 0, num_new)
+            kv.free(seq)
+    assert said == {(3, False): False, (4, False): False, (5, False): False,
+                    (3, True): True, (4, True): True, (5, True): False}

@@ -13,13 +13,14 @@ from kvbench.engines.registry import NAMED_ENGINES, build_engine
 from kvbench.engines.sim.costmodel import CostModel
 from kvbench.errors import KvbenchError
 from kvbench.results.curves import build_curves
+from kvbench.results.gaps import GapLog
 from kvbench.results.metrics import itl_samples, latency_samples, memory_metrics, summarize
+from kvbench.results.runlog import EngineRun, ProbeSamples, RequestTiming, StepLog
 from kvbench.results.slo import SLO, parse_slo
 from kvbench.run.clocks import VirtualClock
 from kvbench.run.devices import parse_device
-from kvbench.run.gaps import GapLog
-from kvbench.run.harness import EngineRun, RequestTiming, StepLog, follows, run_engine
-from kvbench.run.telemetry import ProbeSamples, Telemetry
+from kvbench.run.harness import follows, run_engine
+from kvbench.run.telemetry import Telemetry
 
 
 def _timed_run() -> EngineRun:

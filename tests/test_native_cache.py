@@ -20,7 +20,7 @@ from cli_main import cli
 from test_kernels_reference import Case
 
 from kvbench.errors import KvbenchError
-from kvbench.kernels import backend, cpu_native
+from kvbench.kernels import cpu_native, notices
 from kvbench.kernels.backend import collected_warnings, get_backend
 
 CC = cpu_native.compiler()
@@ -47,7 +47,7 @@ def cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
     def forget() -> None:
         cpu_native._load.cache_clear()
-        backend.warn_once.cache_clear()
+        notices.warn_once.cache_clear()
 
     forget()
     yield tmp_path / "cache"

@@ -17,7 +17,7 @@ from kvbench.engines.model.llama import LlamaForCausalLM
 from kvbench.engines.model.presets import get_preset, preset_names
 from kvbench.engines.model.weights import INDEX_FILE, build_model, read_checkpoint_preset
 from kvbench.errors import KvbenchError
-from kvbench.kernels import get_backend
+from kvbench.kernels.backend import get_backend
 
 QWEN = replace(SMALL, qkv_bias=True, tie_embeddings=True, hf_architecture="Qwen2ForCausalLM")
 KERNELS = get_backend("reference")

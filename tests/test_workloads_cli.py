@@ -109,7 +109,7 @@ def test_bad_input_exits_2_without_a_traceback(tmp_path: Path) -> None:
     bad = tmp_path / "a.csv"
     bad.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-13-01 00:00:00,5,1\n")
     proc = subprocess.run(
-        [sys.executable, "-c", "from kvbench.cli import main; main()", "workload", "import",
+        [sys.executable, "-c", "from kvbench.cli.app import main; main()", "workload", "import",
          "azure", str(bad), "-o", str(tmp_path / "o.jsonl")],
         capture_output=True, text=True, env={"COLUMNS": "300", "PATH": ""},
     )

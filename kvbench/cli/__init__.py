@@ -1,5 +1,1 @@
-"""The ``kvbench`` command line."""
-
-from kvbench.cli.app import main
-
-__all__ = ["main"]
+"""The ``kvbench`` command line: the app and its entry point are in :mod:`kvbench.cli.app`."""

@@ -131,7 +131,7 @@ def machine(
 ) -> None:
     """This machine's baseline name: hardware and the versions that change timings."""
     from kvbench.report.baselines import machine_slug
-    from kvbench.run.machine import machine_info
+    from kvbench.results.machine import machine_info
 
     info = machine_info()
     if as_json:

@@ -6,13 +6,19 @@ Fields an engine cannot observe are ``None`` (absent), never zero.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
 from kvbench.workloads.model import Request
+
+if TYPE_CHECKING:
+    from kvbench.engines.sim.costmodel import CostModel
+
+# The most decode steps one jump takes (bounds its per-step arrays).
+MAX_DECODE_RUN = 4096
 
 
 def output_digest(samples: Sequence[Sequence[int]]) -> str:
@@ -224,10 +230,32 @@ class StepReport:
     elapsed_s: float | None = None
 
 
+@dataclass(slots=True)
+class FastPath:
+    """How the harness may take an engine's steps other than one call of ``step`` at a time,
+    every step still logged and timed as if it were (see :meth:`Engine.fast_path`).
+
+    ``mode`` goes into the run record: ``"on"``, or ``"unsupported: <why>"``. With
+    ``replay``, each wave is driven through it (an event replay's ``advance``); with
+    ``jump``, the harness asks before each step for the steps up to the next arrival
+    (``jump(now_s, due_s)``), which come back as one block to log, or None when the next step
+    must run alone. ``counted`` gives the steps an engine took in bulk inside its own steps
+    (a cluster's replicas)."""
+
+    mode: str
+    replay: Any = None
+    jump: Callable[[float, float], Any] | None = None
+    counted: Callable[[], int] | None = None
+
+
 class Engine(Protocol):
-    """An inference engine driven step by step by the harness."""
+    """An inference engine driven step by step by the harness. Engines subclass it to
+    inherit the defaults below."""
 
     name: str
+    # The engine's records point into the run's step log by step index (a cluster's), so the
+    # harness keeps every step rather than folding the oldest into running sums.
+    keeps_steps: ClassVar[bool] = False
 
     def add(self, request: Request) -> None: ...
 
@@ -240,3 +268,10 @@ class Engine(Protocol):
     def describe(self) -> dict[str, Any]:
         """The engine's configuration as JSON-able data (goes into the run record)."""
         ...
+
+    def fast_path(self, cost: CostModel, requests: list[Request], waves: int,
+                  arrivals_known: bool) -> FastPath:
+        """How far this engine can safely jump past single steps under a virtual clock timed
+        by ``cost``, running ``requests`` ``waves`` times; ``arrivals_known``: requests are
+        added at their own arrival times (one wave, no concurrency limit)."""
+        return FastPath("unsupported: the engine steps one at a time")

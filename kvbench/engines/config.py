@@ -25,7 +25,6 @@ from kvbench.errors import KvbenchError
 from kvbench.workloads.model import Request
 
 if TYPE_CHECKING:
-    from kvbench.engines.base import Engine
     from kvbench.engines.kv.base import KVManager
 
 
@@ -81,7 +80,8 @@ class ServerProcess:
 
 class EngineSection(BaseModel):
     """Base of every engine kind's section. ``summary`` is its one line in `kvbench list`;
-    ``realtime`` kinds drive a live system, so their runs need the wall clock."""
+    ``realtime`` kinds drive a live system, so their runs need the wall clock. The registry
+    (:func:`kvbench.engines.registry.build_engine`) builds the engine a section describes."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     kind: str
@@ -123,10 +123,6 @@ class EngineSection(BaseModel):
         return None
 
     @abstractmethod
-    def build(self, config: EngineConfig) -> Engine:
-        """The engine, started."""
-
-    @abstractmethod
     def admission(self, config: EngineConfig) -> Callable[[Request], str | None]:
         """The rule saying why a request can never run on this engine (or None)."""
 
@@ -155,11 +151,6 @@ class KVPolicy(EngineSection):
     def footprint(self, config: EngineConfig, request: Request) -> Footprint:
         """What ``request`` needs in an empty pool of ``config`` (the manager's answer,
         without building one)."""
-
-    def build(self, config: EngineConfig) -> Engine:
-        from kvbench.engines.builtin.engine import BuiltinEngine
-
-        return BuiltinEngine.from_config(config, self.manager(config))
 
     def admission(self, config: EngineConfig) -> Callable[[Request], str | None]:
         sched = config.scheduler

@@ -1,19 +1,21 @@
 """The engine kinds, by name: every KV policy of the built-in engine (its section, manager
-and attention layout) and every external engine. A new policy is one module in
-``kvbench/engines/kv/`` plus one entry here.
+and attention layout) and every external engine, and how each kind's engine is built. A new
+policy is one module in ``kvbench/engines/kv/`` plus one entry here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter, ValidationError
 
 from kvbench.engines.base import Engine
-from kvbench.engines.config import EngineConfig, EngineSection
+from kvbench.engines.builtin.engine import BuiltinEngine
+from kvbench.engines.config import EngineConfig, EngineSection, KVPolicy
 from kvbench.engines.external.openai import OpenAISection
-from kvbench.engines.external.vllm import VllmSection
+from kvbench.engines.external.vllm import VllmSection, build_vllm
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.contiguous import ContiguousKVManager, ContiguousPolicy
 from kvbench.engines.kv.modal import ModalKVManager, ModalPolicy
@@ -26,14 +28,32 @@ from kvbench.kernels.layouts import BlockTables, Extents
 from kvbench.workloads.validation import validation_message
 
 
+def build_builtin(config: EngineConfig) -> Engine:
+    """A KV policy's engine: the built-in engine over a fresh manager of the policy."""
+    section = config.section
+    assert isinstance(section, KVPolicy)
+    return BuiltinEngine.from_config(config, section.manager(config))
+
+
+def build_openai(config: EngineConfig) -> Engine:
+    """The engine of an ``openai`` section: a client of the server it names."""
+    # The HTTP client (aiohttp, an optional extra) loads only when a run needs it.
+    from kvbench.engines.external.openai.engine import OpenAIEngine
+
+    section = config.section
+    assert isinstance(section, OpenAISection)
+    return OpenAIEngine(config, section, section.discover(config))
+
+
 @dataclass(frozen=True, slots=True)
 class Kind:
-    """A registered engine kind: a KV policy has a manager class and an attention layout;
-    an external engine has neither."""
+    """A registered engine kind: a KV policy has a manager class and an attention layout and
+    runs in the built-in engine; an external engine has neither and its own ``build``."""
 
     section: type[EngineSection]
     manager: type[KVManager] | None = None
     layout: type | None = None
+    build: Callable[[EngineConfig], Engine] = build_builtin
 
     @property
     def name(self) -> str:
@@ -53,8 +73,8 @@ KINDS: dict[str, Kind] = {
         Kind(SegmentedPolicy, SegmentedKVManager, BlockTables),
         Kind(VAttentionPolicy, VAttentionKVManager, BlockTables),
         Kind(ModalPolicy, ModalKVManager, BlockTables),
-        Kind(VllmSection),
-        Kind(OpenAISection),
+        Kind(VllmSection, build=build_vllm),
+        Kind(OpenAISection, build=build_openai),
     )
 }
 
@@ -112,4 +132,4 @@ def parse_section(data: dict[str, Any], where: str) -> EngineSection:
 
 def build_engine(config: EngineConfig) -> Engine:
     """The engine ``config`` describes, started."""
-    return config.section.build(config)
+    return KINDS[config.section.kind].build(config)

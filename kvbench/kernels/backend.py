@@ -11,18 +11,16 @@ The torch reference runs anywhere; the Triton backend (:mod:`kvbench.kernels.tri
 and is imported only when asked for, so the reference path never needs triton.
 
 What a user must know about the kernels chosen (``auto`` falling back to the reference, a
-build cache that cannot be used) is said once per process by :func:`warn_once`: on stderr,
-or into a caller's list inside :func:`collected_warnings` (a run's warnings).
+build cache that cannot be used) is said once per process by
+:func:`kvbench.kernels.notices.warn_once`: on stderr, or into a caller's list inside
+:func:`collected_warnings` (a run's warnings).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, replace
-from functools import cache
 from typing import Any
 
 import torch
@@ -30,11 +28,9 @@ from torch import Tensor
 
 from kvbench.errors import KvbenchError
 from kvbench.kernels import reference
+from kvbench.kernels.notices import COLLECTOR, warn_once
 
 AUTO = "auto"
-
-# The list a caller collects the kernels' warnings into; None: they go to stderr.
-_collector: ContextVar[list[str] | None] = ContextVar("kernel_warnings", default=None)
 
 
 @contextmanager
@@ -42,21 +38,11 @@ def collected_warnings() -> Iterator[list[str]]:
     """The warnings :func:`warn_once` says inside the block, for the caller to report with
     its own (a run's warnings list) rather than printed."""
     said: list[str] = []
-    token = _collector.set(said)
+    token = COLLECTOR.set(said)
     try:
         yield said
     finally:
-        _collector.reset(token)
-
-
-@cache
-def warn_once(message: str) -> None:
-    """Say ``message`` once per process: to the collecting caller, else on stderr."""
-    said = _collector.get()
-    if said is not None:
-        said.append(message)
-    else:
-        print(f"warning: {message}", file=sys.stderr)
+        COLLECTOR.reset(token)
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,7 +46,7 @@ from torch import Tensor
 from kvbench.errors import KvbenchError
 from kvbench.fileio import write_text_atomic
 from kvbench.kernels import reference
-from kvbench.kernels.backend import warn_once
+from kvbench.kernels.notices import warn_once
 from kvbench.kernels.reference_plan import AttentionPlan
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")

@@ -1,2 +1,2 @@
-"""Results: the run-record schema, and the metrics, curves, leak analysis and repeat folding
-that build records from a run."""
+"""Results: the run-record schema, the in-memory log of a run (``runlog``), and the metrics,
+curves, leak analysis and repeat folding that build records from it."""

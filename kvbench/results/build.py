@@ -8,8 +8,10 @@ from typing import Any
 
 from kvbench import __version__
 from kvbench.results.curves import build_curves
+from kvbench.results.machine import git_commit, machine_info
 from kvbench.results.metrics import MODELLED_DEVICE_CURVE, device_series, summarize
 from kvbench.results.paths import redact_home
+from kvbench.results.runlog import EngineRun, RequestTiming
 from kvbench.results.schema import (
     QualityInfo,
     RequestRows,
@@ -19,10 +21,8 @@ from kvbench.results.schema import (
     WorkloadInfo,
 )
 from kvbench.results.slo import SLO
-from kvbench.run.harness import EngineRun, RequestTiming
-from kvbench.run.machine import git_commit, machine_info
 
-# Summary metrics of output agreement (kvbench.run.quality), None where not checked.
+# Summary metrics of output agreement (the run's quality check), None where not checked.
 QUALITY_METRICS = ("mean_output_match_rate", "identical_output_fraction",
                    "min_first_divergence", "probe_max_abs_logit_diff",
                    "probe_mean_abs_logit_diff")

@@ -43,7 +43,7 @@ import numpy as np
 
 from kvbench.engines.cluster.engine import ClusterLog
 from kvbench.results.curves import MAX_POINTS, bucket_edges
-from kvbench.run.harness import EngineRun
+from kvbench.results.runlog import EngineRun
 
 
 def cluster_summary(run: EngineRun, log: ClusterLog) -> dict[str, Any]:

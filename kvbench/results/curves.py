@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbench.run.harness import StepLog
-from kvbench.run.stepstats import bucket, curve_columns
-from kvbench.run.telemetry import Telemetry
+from kvbench.results.runlog import StepLog, TelemetryLog
+from kvbench.results.stepstats import bucket, curve_columns
 
 MAX_POINTS = 1000
 
@@ -40,7 +39,7 @@ def _sampled(steps: list[int], values: list[int], edges: np.ndarray) -> np.ndarr
 
 
 def build_curves(
-    steps: StepLog, telemetry: Telemetry | None = None, max_points: int = MAX_POINTS
+    steps: StepLog, telemetry: TelemetryLog | None = None, max_points: int = MAX_POINTS
 ) -> dict[str, list[float]]:
     n, held = len(steps), len(steps.t_s)
     if n == 0:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvbench.results.runlog import EngineRun
 from kvbench.results.schema import LeakFit, SoakResult, WaveMemory
-from kvbench.run.harness import EngineRun
 
 KV_KIND = "kv_reserved_bytes"
 # Memory kinds read after each drain: the KV snapshot plus these probe columns, if measured.

@@ -1,107 +1,15 @@
 """Summary metrics of a run: pure functions over the harness's timings, step log and
 telemetry samples. Names follow ``vllm bench serve`` where they overlap.
 
-Definitions (times in the run's clock; latencies measured from the request's arrival;
-"busy steps" are steps where some KV is reserved; time-weighted means weight each step by
-its duration):
+Times are in the run's clock and latencies count from the request's arrival; "busy steps"
+are steps where some KV is reserved; time-weighted means weight each step by its duration.
+Latencies are reported as ``mean_/median_/p90_/p99_<name>_ms``. KV metrics read the engine's
+``KVStats`` after every step; process and device metrics read the telemetry samples, or, for
+engines that model device memory (:mod:`kvbench.engines.sim.device_memory`), the modelled
+step peaks in their place.
 
-Latency, per completed request, reported as ``mean_/median_/p90_/p99_<name>_ms``:
-
-- ``ttft``: first output token time - arrival.
-- ``tpot``: (e2el - ttft) / (output_tokens - 1), for requests with more than one output token.
-- ``itl``: gaps between consecutive output-token emissions of a request, pooled over requests
-  (in a run that ended early, requests still running count too).
-- ``e2el``: finish - arrival.
-
-Throughput and goodput:
-
-- ``request_throughput`` / ``output_throughput`` / ``total_token_throughput``: completed
-  requests, output tokens, prompt + output tokens of completed requests, per second of run.
-- ``request_goodput``: completed requests meeting the SLO (``--slo ttft:MS,tpot:MS``) per
-  second of run; ``slo_attainment_pct``: those requests as a share of all requests
-  (rejected, failed and unfinished ones miss). Both None without an SLO.
-- ``failed``: requests a served engine could not complete (HTTP errors, timeouts, dropped
-  connections; each row's ``reason`` says which).
-
-Concurrency:
-
-- ``max_concurrent_requests``: most requests holding KV (running) after any step;
-  ``mean_concurrent_requests``: its time-weighted mean.
-
-KV memory (from the engine's KVStats after every step):
-
-- ``mean_kv_utilization``: time-integral of KV used / time-integral of KV reserved, over busy
-  steps. Used = slots holding written token states; reserved = slots handed to sequences.
-- ``kv_waste_pct`` = 100 x (1 - mean_kv_utilization): reserved memory holding no KV, split
-  into ``kv_reservation_waste_pct`` (slots reserved for tokens the sequences will still
-  write: the rest of a paged sequence's last block up to its final length, the unwritten
-  prompt and output room of a contiguous extent) and ``kv_internal_waste_pct`` (slots that
-  will never hold KV: a last block's slots past the final token, an extent's room beyond
-  prompt + output, reserved memory no sequence holds). Both shares are of reserved memory
-  and sum to ``kv_waste_pct``; the split needs the engine's ``reserved_ahead_bytes``.
-- ``min_frag_index`` / ``mean_frag_index``: minimum / time-weighted mean over steps of
-  largest_free / free (1.0 when all free memory serves one allocation; steps with free
-  memory only).
-- ``kv_wait_s``: time of steps in which the KV manager refused to admit the request at the
-  head of the waiting queue (requests are admitted FCFS, so everything behind it waited too).
-  ``fragmentation_wait_steps`` / ``fragmentation_wait_s``: those steps, and their time, in
-  which the free memory would have held the refused request in total (its footprint) but no
-  hole, page run or size class did: external fragmentation. Free memory is read at the
-  refusal, before the step's finished requests release theirs.
-  ``fragmentation_wait_t_s``, ``_free_bytes``, ``_largest_free_bytes``, ``_need_bytes``: the
-  worst such refusal (the most memory free; the first of equals): when its step started, the
-  free memory, the largest hole and the request's footprint. None without a refusal of this
-  kind, or where the engine does not report refusals.
-- ``page_turnover_per_s``: block (paged) or extent (contiguous) allocations plus frees per
-  second of run.
-- ``prefix_hit_rate``: prompt tokens served from the prefix cache / prompt tokens looked up;
-  ``shared_block_ratio``: time-integral of KV referenced by more than one sequence /
-  time-integral of KV reserved, over busy steps.
-- ``kv_retained_bytes``: KV still reserved after the run drained (0 unless blocks leak).
-- ``peak_page_table_entries`` / ``mean_page_table_entries``: entries of the translation
-  structures live sequences hold (block-table entries, extent descriptors, mapped pages),
-  peak and time-weighted mean; ``peak_page_table_bytes`` at 8 bytes an entry.
-- ``peak_kv_text_bytes``, ``peak_kv_image_bytes``, ``peak_kv_audio_bytes``: the peak over
-  steps of the KV bytes the tokens of each modality held (generated tokens are text): tokens
-  held x bytes per token at the dtype of the page class storing them (the codes; a quantised
-  class's scales are a fixed side table, not counted), with ``kv_<modality>_dtype_bytes``
-  that dtype's bytes per element. None where some step's used KV could not be attributed
-  to modalities (KV shared between sequences, blocks released outside a sliding window).
-- ``kv_copied_bytes``: KV bytes copied between slots over the run (copy-on-write,
-  compaction, migration); ``kv_evictions``, ``kv_merges``, ``kv_splits``,
-  ``kv_migrated_bytes``, ``kv_map_ops``, ``kv_unmap_ops``: counters of the policies that keep
-  them (None for the others).
-
-Process and device memory (telemetry; RSS and NVML readings are rate-limited, and are also
-taken when warm-up ends and when the run ends):
-
-- ``peak_rss_bytes``: the largest process RSS reading.
-- ``peak_device_bytes``: the largest reading of this process's device memory from NVML, or
-  where NVML cannot see the process, the CUDA allocator's reserved peak; None off CUDA.
-- ``memory_growth_pct``: the larger of ``rss_growth_pct`` and ``device_growth_pct``, each
-  100 x (reading at the end of the run - reading at the end of warm-up) / reading at the end
-  of warm-up. Warm-up ends with the step that finishes the first 10% of the run's requests.
-
-Modelled device memory (engines that model it, the simulator; see
-:mod:`kvbench.engines.sim.device_memory`), replacing the device metrics above:
-
-- ``peak_device_bytes``: the largest step peak of the device's used memory (reserved by the
-  caching allocator plus non-torch memory: what nvidia-smi would show), summed over
-  tensor-parallel ranks (``peak_device_bytes_per_rank``: one rank's share, all ranks being
-  alike); ``peak_device_allocated_bytes`` / ``peak_device_reserved_bytes``:
-  the largest step peaks of live tensors / of the allocator's reservation.
-- ``peak_device_<component>_bytes`` for weights, kv, activation, attention, encoder,
-  kv_cached and workspace_cached (reserved by the allocator, held by no tensor: around the
-  KV cache's tensors and around the step workspace) and non_torch: the components at the
-  step of ``peak_device_bytes``; they sum to it.
-- ``device_growth_pct`` of the used memory, as above, and ``memory_growth_pct`` equal to it:
-  the simulator's own RSS (``peak_rss_bytes``, ``rss_growth_pct``) is a host metric.
-- After an out-of-memory failure (a step, or the start-up, that does not fit a rank):
-  ``device_oom_needed_bytes`` and ``device_oom_<component>_bytes``, what it needed per rank,
-  ``device_oom_free_bytes``, what was free on the rank before it, and
-  ``device_oom_memory_bytes``, the rank's memory.
-- ``telemetry_overhead_pct``: wall time spent logging steps and reading probes, as a share
-  of the wall time of steps (idle waits for arrivals excluded).
+What each metric means: docs/metrics.md ("Metrics", "Simulated device memory"); its unit,
+direction and kind: :mod:`kvbench.results.metric_table`.
 """
 
 from __future__ import annotations
@@ -113,10 +21,10 @@ import numpy as np
 from kvbench.engines.base import DeviceMemory
 from kvbench.engines.kv.modality import MODALITIES
 from kvbench.engines.sim.device_memory import DeviceOutOfMemory
+from kvbench.results.gaps import weighted_stats
+from kvbench.results.runlog import EngineRun
 from kvbench.results.slo import SLO
-from kvbench.run.gaps import weighted_stats
-from kvbench.run.harness import EngineRun
-from kvbench.run.stepstats import StepSums, device_used_at, run_sums
+from kvbench.results.stepstats import StepSums, device_used_at, run_sums
 
 PERCENTILES = (50, 90, 99)
 # The curve modelled device metrics read.
@@ -160,7 +68,7 @@ def latency_samples(run: EngineRun) -> dict[str, list[float]]:
 def itl_samples(run: EngineRun, sums: StepSums | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The inter-token gaps of every request, pooled, in seconds, with how many times each
     counts: the length of each step, as many times as requests emitted in it following on
-    from the step before, and the other gaps once each (:class:`~kvbench.run.gaps.GapLog`).
+    from the step before, and the other gaps once each (:class:`~kvbench.results.gaps.GapLog`).
     ``sums``: the step log's reductions, if already made."""
     values, weights = (sums or run_sums(run.steps)).gaps
     other = np.asarray(run.steps.gaps.samples, dtype=np.float64)

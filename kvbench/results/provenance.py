@@ -20,7 +20,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from kvbench.run.machine import cpu_model, git_commit
+from kvbench.results.machine import cpu_model, git_commit
 
 Load = tuple[float, float, float]
 

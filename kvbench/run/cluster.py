@@ -1,60 +1,43 @@
 """Runs of many replicas (``[cluster]`` in a suite, ``--replicas`` / ``--prefill-replicas``
-+ ``--decode-replicas``): what a plan checks and how its engine is built. The cluster itself
-is :mod:`kvbench.engines.cluster.engine`."""
++ ``--decode-replicas``): what a plan checks before building one, and its step log. The
+cluster itself is :mod:`kvbench.engines.cluster.engine`; the run builds it
+(:func:`kvbench.run.execute.build_cluster`)."""
 
 from __future__ import annotations
 
 import tracemalloc
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvbench.engines.builtin.engine import BuiltinEngine
 from kvbench.engines.cluster.engine import ClusterEngine, ClusterLog, ClusterSection
 from kvbench.engines.config import EngineConfig, KVPolicy
 from kvbench.engines.registry import build_engine
-from kvbench.engines.sim.costmodel import CostModel
+from kvbench.engines.sim.hardware import DeviceSpec
 from kvbench.errors import KvbenchError
-
-if TYPE_CHECKING:
-    from kvbench.run.plan import RunPlan
+from kvbench.workloads.model import Request
 
 
-def check_cluster(plan: RunPlan) -> None:
+def check_cluster(cluster: ClusterSection, device: DeviceSpec, clock: str,
+                  engines: Sequence[tuple[str, EngineConfig]], requests: Sequence[Request]
+                  ) -> None:
     """A cluster simulates its replicas: a simulated device, the virtual clock and built-in
     engines only."""
-    cluster = plan.suite.cluster
     if not cluster.active:
         return
     shape = (f"{cluster.prefill_replicas} prefill + {cluster.decode_replicas} decode replicas"
              if cluster.disaggregated else f"{cluster.replicas} replicas")
-    if plan.device.kind != "sim" or plan.clock != "virtual":
+    if device.kind != "sim" or clock != "virtual":
         raise KvbenchError(f"{shape} run on one virtual clock: use --device sim:GPU "
-                           f"(not {plan.device.label}) and the virtual clock")
-    for name, config in plan.engines:
+                           f"(not {device.label}) and the virtual clock")
+    for name, config in engines:
         if not isinstance(config.section, KVPolicy):
             raise KvbenchError(f"engine {name!r} ({config.section.kind}) is not a built-in "
                                f"engine: {shape} replicate built-in KV policies only")
     if cluster.disaggregated:
-        many = [r.id for r in plan.workload.requests if r.n > 1]
+        many = [r.id for r in requests if r.n > 1]
         if many:
             raise KvbenchError(f"disaggregated prefill runs one sample per request; "
                                f"{len(many)} requests have n > 1 (first: {many[0]})")
-
-
-def build_cluster(plan: RunPlan, config: EngineConfig) -> ClusterEngine:
-    """The replicas of ``config`` behind the suite's router, on one virtual clock."""
-    cluster = plan.suite.cluster
-    replicas = []
-    for _ in range(cluster.num_replicas):
-        engine = build_engine(config)
-        assert isinstance(engine, BuiltinEngine)
-        replicas.append(engine)
-    cost = CostModel(plan.preset, plan.device.hardware, plan.device.tp)
-    # With a client-side concurrency limit requests are sent later than they arrive: the
-    # arrival times would only add events, so the cluster goes without them.
-    arrivals = (None if plan.max_concurrency is not None
-                else [r.arrival_s for r in plan.workload.requests])
-    return ClusterEngine(config.name, replicas, cluster, cost, arrivals)
 
 
 def cluster_log(engine: Any) -> ClusterLog | None:

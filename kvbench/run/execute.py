@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
+from kvbench.engines.builtin.engine import BuiltinEngine
+from kvbench.engines.cluster.engine import ClusterEngine
 from kvbench.engines.config import EngineConfig
 from kvbench.engines.registry import build_engine
 from kvbench.engines.sim.costmodel import CostModel
@@ -14,14 +17,15 @@ from kvbench.fileio import write_text_atomic
 from kvbench.report.plots import write_plots
 from kvbench.report.tables import summary_markdown
 from kvbench.results.build import QualityResult, build_record
+from kvbench.results.machine import machine_info
 from kvbench.results.manifest import start_manifest
 from kvbench.results.repeats import fold_repeats
+from kvbench.results.runlog import EngineRun, RequestTiming, RunStatus, StepLog
 from kvbench.results.schema import QualityInfo, RunRecord
 from kvbench.run.clocks import Clock, VirtualClock, WallClock
-from kvbench.run.cluster import build_cluster, cluster_log
-from kvbench.run.harness import EngineRun, OnProgress, RequestTiming, RunStatus, StepLog, run_engine
-from kvbench.run.isolate import Wrap, run_isolated
-from kvbench.run.machine import machine_info
+from kvbench.run.cluster import cluster_log
+from kvbench.run.harness import OnProgress, run_engine
+from kvbench.run.isolate import run_isolated
 from kvbench.run.machine_state import LoadProbe, noisy_summary
 from kvbench.run.plan import RunPlan
 from kvbench.run.quality import (
@@ -34,6 +38,9 @@ from kvbench.run.quality import (
 from kvbench.run.signals import Held, allow_interrupts, deferred_interrupts, interrupt_reason
 from kvbench.run.telemetry import Telemetry
 from kvbench.run.threads import ThreadsUsed, set_cpu_threads, torch_threads
+
+# An observer put around an engine before it runs (the engine in, the engine to drive out).
+Wrap = Callable[[Any], Any]
 
 
 def make_telemetry(plan: RunPlan, config: EngineConfig) -> Telemetry:
@@ -52,6 +59,22 @@ def make_clock(plan: RunPlan) -> Clock:
     if plan.clock == "wall":
         return WallClock()
     return VirtualClock(CostModel(plan.preset, plan.device.hardware, plan.device.tp))
+
+
+def build_cluster(plan: RunPlan, config: EngineConfig) -> ClusterEngine:
+    """The replicas of ``config`` behind the suite's router, on one virtual clock."""
+    cluster = plan.suite.cluster
+    replicas = []
+    for _ in range(cluster.num_replicas):
+        engine = build_engine(config)
+        assert isinstance(engine, BuiltinEngine)
+        replicas.append(engine)
+    cost = CostModel(plan.preset, plan.device.hardware, plan.device.tp)
+    # With a client-side concurrency limit requests are sent later than they arrive: the
+    # arrival times would only add events, so the cluster goes without them.
+    arrivals = (None if plan.max_concurrency is not None
+                else [r.arrival_s for r in plan.workload.requests])
+    return ClusterEngine(config.name, replicas, cluster, cost, arrivals)
 
 
 def _not_run(plan: RunPlan, config: EngineConfig, status: RunStatus, error: str,
@@ -171,6 +194,13 @@ def run_one(plan: RunPlan, config: EngineConfig, progress: OnProgress | None,
         return record_of(plan, run, described), exc
 
 
+def _isolated_one(plan: RunPlan, name: str, progress: OnProgress, quality: bool,
+                  wrap: Wrap | None) -> RunRecord:
+    """Engine ``name``'s record in the process :func:`run_isolated` started for it."""
+    record, _ = run_one(plan, dict(plan.engines)[name], progress, QualityCheck(quality), wrap)
+    return record
+
+
 def round_order(engines: list[tuple[str, EngineConfig]], k: int,
                 interleave: bool) -> list[tuple[str, EngineConfig]]:
     """Round ``k``'s engine order: ABC, CBA, BCA, ACB, CAB, BAC, ... when ``interleave``
@@ -218,7 +248,8 @@ def _run_engine(plan: RunPlan, name: str, config: EngineConfig,
     """One engine's record, from a fresh process when the plan isolates engines."""
     if not plan.isolated:
         return run_one(plan, config, progress, quality, wrap)
-    got = run_isolated(plan, name, progress, quality.enabled, held, wrap)
+    job = partial(_isolated_one, quality=quality.enabled, wrap=wrap)
+    got = run_isolated(plan, name, progress, held, job)
     if isinstance(got, str):
         # A process that an interrupt passed on to ended before it could say so itself.
         status: RunStatus = "failed" if held.signum is None else "interrupted"

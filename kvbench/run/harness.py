@@ -13,14 +13,14 @@ import gc
 import math
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
-from kvbench.engines.base import DeviceMemory, Engine, KVStats, StepReport
-from kvbench.engines.builtin.engine import BuiltinEngine
+from kvbench.engines.base import DeviceMemory, Engine, FastPath, KVStats, StepReport
+from kvbench.engines.builtin.engine import DecodeSteps
 from kvbench.engines.kv.modality import MODALITIES
 from kvbench.engines.sim.device_memory import DeviceOutOfMemory
 from kvbench.engines.sim.replay import (
@@ -28,18 +28,15 @@ from kvbench.engines.sim.replay import (
     Arrivals,
     EventReplay,
     StepBlock,
-    event_replay,
-    replay_blocker,
 )
+from kvbench.results.columns import Column, column_of
+from kvbench.results.gaps import GapLog
+from kvbench.results.runlog import EngineRun, RequestTiming, StepLog, WaveEnd
+from kvbench.results.stepstats import fold
 from kvbench.run.clocks import Clock, VirtualClock
-from kvbench.run.columns import Column, column_of
-from kvbench.run.gaps import GapLog
 from kvbench.run.signals import allow_interrupts, interrupt_reason
-from kvbench.run.stepstats import Folded, fold
 from kvbench.run.telemetry import OK, RssProbe, Telemetry
 from kvbench.workloads.model import Request, Workload
-
-RunStatus = Literal["ok", "interrupted", "failed"]
 
 # An engine that neither computes nor finishes anything for this many consecutive steps,
 # with nothing left to arrive, is stuck (a scheduler bug); fail rather than spin forever.
@@ -48,151 +45,6 @@ _MAX_IDLE_STEPS = 1000
 # allocator pools and lazily touched pages have settled by then, so memory growth after it
 # is what the run itself accumulates.
 WARMUP_FRACTION = 0.1
-
-
-@dataclass(slots=True)
-class RequestTiming:
-    """One request's timings: when it was first scheduled, emitted its first token and
-    finished; how many output tokens it emitted and the step and time of the last (its
-    inter-token gaps go to the step log's :class:`~kvbench.run.gaps.GapLog` as they come, so
-    a long replay holds a few numbers per request, not one per token)."""
-
-    request: Request
-    first_scheduled_s: float | None = None
-    first_token_s: float | None = None
-    finish_s: float | None = None
-    tokens: int = 0
-    last_step: int = -1
-    last_token_s: float | None = None
-    preemptions: int = 0
-    cached_tokens: int | None = 0
-    output_digest: str | None = None
-    rejected: str | None = None
-    error: str | None = None
-
-    @property
-    def status(self) -> str:
-        if self.rejected is not None:
-            return "rejected"
-        if self.error is not None:
-            return "failed"
-        return "ok" if self.finish_s is not None else "unfinished"
-
-    @property
-    def output_tokens_emitted(self) -> int:
-        return self.tokens
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Time per output token after the first: (finish - first token) / (output - 1), for
-        completed requests with more than one output token (``vllm bench serve``'s TPOT)."""
-        out = self.request.output_tokens
-        if self.finish_s is None or self.first_token_s is None or out < 2:
-            return None
-        return (self.finish_s - self.first_token_s) / (out - 1)
-
-
-def _float_column() -> Column:
-    return Column(np.float64)
-
-
-@dataclass(slots=True)
-class StepLog:
-    """Per-step columns (time is the step's end in the clock's seconds), each a
-    :class:`~kvbench.run.columns.Column`."""
-
-    t_s: Column = field(default_factory=_float_column)
-    dt_s: Column = field(default_factory=_float_column)
-    num_tokens: Column = field(default_factory=Column)
-    running: Column = field(default_factory=Column)
-    waiting: Column = field(default_factory=Column)
-    preempted: Column = field(default_factory=Column)
-    kv_capacity_bytes: Column = field(default_factory=Column)
-    kv_reserved_bytes: Column = field(default_factory=Column)
-    kv_used_bytes: Column = field(default_factory=Column)
-    kv_reserved_ahead_bytes: Column = field(default_factory=Column)
-    kv_free_bytes: Column = field(default_factory=Column)
-    kv_largest_free_bytes: Column = field(default_factory=Column)
-    kv_shared_bytes: Column = field(default_factory=Column)
-    prefix_hit_tokens: Column = field(default_factory=Column)
-    block_allocs: Column = field(default_factory=Column)
-    block_frees: Column = field(default_factory=Column)
-    kv_copied_bytes: Column = field(default_factory=Column)
-    page_table_entries: Column = field(default_factory=Column)
-    # Admission refusals by the KV manager (KVStats.refused_*): 0 in steps without one.
-    kv_refused_bytes: Column = field(default_factory=Column)
-    kv_refused_free_bytes: Column = field(default_factory=Column)
-    kv_refused_largest_free_bytes: Column = field(default_factory=Column)
-    # Encoder outputs kept for reuse (KVStats.encoder_cache_bytes), and per page class of a
-    # modality-aware pool ``<class>_<reserved|used|capacity>_bytes``.
-    kv_encoder_cache_bytes: Column = field(default_factory=Column)
-    kv_class_bytes: dict[str, Column] = field(default_factory=dict)
-    # Used KV bytes by the modality of the tokens held (``text``, ``image``, ``audio``; None
-    # in steps where the engine cannot attribute them), and the facts of where each
-    # modality is stored (KVStats.modalities without the per-step counts).
-    kv_modality_bytes: dict[str, Column] = field(default_factory=dict)
-    kv_modalities: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # The requests' inter-token gaps, by step (ITL).
-    gaps: GapLog = field(default_factory=GapLog)
-    # Modelled device memory at each step's peak (engines that model it: the simulator),
-    # one column per DeviceMemory component, summed over the tensor-parallel ranks.
-    device: dict[str, Column] = field(default_factory=dict)
-    device_ranks: int = 1
-    # The oldest steps of a long replay, folded out of the columns (kvbench.run.stepstats):
-    # the columns then hold the steps from ``len(self) - len(self.t_s)`` on.
-    folded: Folded | None = None
-
-    def __len__(self) -> int:
-        return len(self.t_s) + (self.folded.steps if self.folded is not None else 0)
-
-
-@dataclass(slots=True)
-class WaveEnd:
-    """What stayed after a wave drained: the KV snapshot and the latest probe readings."""
-
-    step: int
-    t_s: float
-    kv: KVStats | None
-    memory: dict[str, int]
-
-
-@dataclass(slots=True)
-class EngineRun:
-    engine_name: str
-    workload: Workload
-    clock: str
-    timings: dict[str, RequestTiming]
-    steps: StepLog
-    last_kv: KVStats | None = None
-    duration_s: float = 0.0
-    wall_time_s: float = 0.0
-    status: RunStatus = "ok"
-    error: str | None = None
-    telemetry: Telemetry | None = None
-    warmup_step: int | None = None  # the step at whose end warm-up was over
-    waves: int = 1
-    wave_ends: list[WaveEnd] = field(default_factory=list)
-    step_wall_s: float = 0.0  # wall time of steps incl. their logging, excl. idle waits
-    telemetry_wall_s: float = 0.0  # of which: step logging and probe sampling
-    # The modelled device ran out of memory (the run failed there, or never started).
-    out_of_memory: DeviceOutOfMemory | None = None
-    # A cluster's per-replica log (kvbench.engines.cluster.engine.ClusterLog); None for one engine.
-    cluster: Any = None
-    # Decode fast-forward: "on" (runs of decode-only steps taken in one go), "off" (asked
-    # for step by step) or why the engine cannot; and the steps it took in bulk.
-    fast_forward: str = "off"
-    fast_forward_steps: int = 0
-    # The output-agreement check of a reduced-precision KV run (kvbench.run.quality's
-    # QualityResult), set by the caller that made it; None where none was considered.
-    quality: Any = None
-    # Inter-token gaps of requests whose engine stamps token times, by request id, until it
-    # completes (then they join the step log's gaps).
-    stamped_gaps: dict[str, list[float]] = field(default_factory=dict)
-    # On the wall clock: the machine while the engine ran (a results.schema.MachineState),
-    # and the CPU seconds of this process's run loop where they are the engine's own (not
-    # a served engine's client).
-    machine_state: Any = None
-    engine_cpu_s: float | None = None
 
 
 def wave_requests(workload: Workload, wave: int, waves: int, start_s: float) -> list[Request]:
@@ -239,166 +91,206 @@ def run_engine(
     latencies count from sending, as ``vllm bench serve --max-concurrency`` measures them
     (its record's ``arrival_s`` is the send time).
 
-    With ``fast_forward``, a simulated engine under the virtual clock takes each run of
-    decode-only steps between events in one go (:func:`_fast_forward`): the same steps,
-    logged and timed exactly as one at a time."""
+    With ``fast_forward``, an engine under the virtual clock takes its steps through its
+    :meth:`~kvbench.engines.base.Engine.fast_path`, logged as one at a time."""
     if waves < 1:
         raise ValueError(f"waves must be at least 1, got {waves}")
-    progress = _with_clock(on_progress, clock)
     tel = telemetry if telemetry is not None else Telemetry([RssProbe()], {"rss": OK})
-    timings = {
-        r.id: RequestTiming(r)
-        for k in range(waves)
-        for r in wave_requests(workload, k, waves, 0.0)
-    }
-    steps = StepLog()
-    run = EngineRun(engine.name, workload, clock.name, timings, steps, telemetry=tel, waves=waves)
-    warmup_done = max(1, math.ceil(WARMUP_FRACTION * len(timings)))
-    # An engine of many engines (a cluster) fast-forwards inside its own steps.
-    inside = getattr(engine, "fast_forward_inside", None)
-    # It must know when requests come: one wave, sent as they arrive.
-    ff = (_fast_forward_mode(engine, clock, waves == 1 and max_concurrency is None)
-          if fast_forward else None)
-    run.fast_forward = "off" if not fast_forward else "on" if ff is None else ff
-    replay: EventReplay | None = None
-    if (fast_forward and inside is None and isinstance(clock, VirtualClock)
-            and replay_blocker(engine, workload.requests) is None):
-        replay = event_replay(engine, clock.cost, workload.requests,  # type: ignore[arg-type]
-                              waves)
-        run.fast_forward = "on"
-    bulk = fast_forward and ff is None and inside is None and replay is None
-    # A cluster's steps in which only replicas' decode runs go on, taken in one call.
-    quiet = getattr(engine, "quiet_steps", None) if fast_forward and ff is None else None
-    # A long simulated run's oldest steps are folded into the metrics' reductions as it
-    # goes (kvbench.run.stepstats), at the same steps whichever way it is stepped; a
-    # cluster's per-replica log keeps every step.
-    foldable = inside is None and isinstance(clock, VirtualClock)
-    done = idle = in_flight = 0
-    limit = max_concurrency or len(timings) + 1
-    # A simulated run makes many small objects, so the collector runs often, and each of its
-    # full passes would walk every object the process held before the run (the workload's,
-    # torch's): those are set aside for the run (one such pass took 0.15 s of a Mooncake
-    # replay taking 0.2 s contiguous). Objects the run makes are collected as ever.
-    frozen = isinstance(clock, VirtualClock) and gc.get_freeze_count() == 0
-    if frozen:
-        gc.freeze()
+    timings = {r.id: RequestTiming(r)
+               for k in range(waves) for r in wave_requests(workload, k, waves, 0.0)}
+    run = EngineRun(engine.name, workload, clock.name, timings, StepLog(), telemetry=tel,
+                    waves=waves)
+    path = _fast_path(engine, workload, clock, fast_forward, waves, max_concurrency)
+    run.fast_forward = path.mode
+    driver = _Driver(run, tel, engine, clock, path, max_concurrency,
+                     _with_clock(on_progress, clock))
     wall0 = time.perf_counter()
     clock.start()
     try:
         # Interrupts raise here only: outside, while a caller holds them back
         # (kvbench.run.signals), they wait for the next block that turns them into a record.
-        with allow_interrupts():
+        with allow_interrupts(), _collector_aside(isinstance(clock, VirtualClock)):
             for wave in range(waves):
-                requests = wave_requests(workload, wave, waves, clock.now() if wave else 0.0)
-                for r in requests:
-                    timings[r.id].request = r
-                n, idx = len(requests), 0
-                if replay is not None:
-                    arrivals = Arrivals(requests, limit, send_late=max_concurrency is not None)
-                    done = _replay_wave(run, replay, clock, arrivals,  # type: ignore[arg-type]
-                                        done, warmup_done, progress)
-                    idx = n
-                while idx < n or engine.has_unfinished():
-                    if foldable:
-                        fold(steps, run.warmup_step)
-                    now = clock.now()
-                    while idx < n and requests[idx].arrival_s <= now and in_flight < limit:
-                        request = requests[idx]
-                        if max_concurrency is not None and request.arrival_s < now:
-                            request = dataclasses.replace(request, arrival_s=now)
-                            timings[request.id].request = request
-                        engine.add(request)
-                        in_flight += 1
-                        idx += 1
-                    if not engine.has_unfinished():
-                        clock.wait_until(requests[idx].arrival_s)
-                        continue
-                    if bulk:
-                        # Steps until the next arrival the harness would add (none while the
-                        # concurrency limit holds it back).
-                        due = requests[idx].arrival_s if idx < n and in_flight < limit else math.inf
-                        w0 = time.perf_counter()
-                        taken = _fast_forward(run, engine, clock, due)  # type: ignore[arg-type]
-                        if taken:
-                            idle = 0
-                            _taken_in_bulk(run, tel, w0)
-                            continue
-                    if quiet is not None:
-                        due = requests[idx].arrival_s if idx < n and in_flight < limit else math.inf
-                        w0 = time.perf_counter()
-                        block = quiet(due)
-                        if block is not None:
-                            _log_quiet(run, block, clock)
-                            idle = 0
-                            _taken_in_bulk(run, tel, w0)
-                            continue
-                    w0 = time.perf_counter()
-                    t0 = clock.now()
-                    report = engine.step()
-                    clock.after_step(report)
-                    t1 = clock.now()
-                    ended = _record_requests(run, report, t0, t1, clock)
-                    in_flight -= ended
-                    w1 = time.perf_counter()
-                    _log_step(run, report, t0, t1)
-                    step = len(steps) - 1
-                    crossed = done < warmup_done <= done + ended
-                    if crossed or w1 >= tel.next_due_s:
-                        tel.sample(step, w1, force=crossed)
-                        if crossed:
-                            run.warmup_step = step
-                    done += ended
-                    w2 = time.perf_counter()
-                    run.step_wall_s += w2 - w0
-                    run.telemetry_wall_s += w2 - w1
-                    if progress is not None:
-                        progress(done)
-                    # A live server's stalls are bounded by the engine's request timeouts; its
-                    # steps only observe, so an empty one is no sign of a stuck scheduler.
-                    stalled = report.batch.num_tokens == 0 and report.stamps is None
-                    if stalled and not report.finished and idx >= n:
-                        idle += 1
-                        if idle >= _MAX_IDLE_STEPS:
-                            raise RuntimeError(
-                                f"engine {engine.name!r} made no progress for {idle} steps "
-                                f"({report.num_waiting} waiting, {report.num_running} running)"
-                            )
-                    else:
-                        idle = 0
-                if foldable:
-                    fold(steps, run.warmup_step)
-                if steps.t_s:
-                    tel.sample(len(steps) - 1, time.perf_counter(), force=True)
-                    run.wave_ends.append(
-                        WaveEnd(len(steps) - 1, steps.t_s[-1], run.last_kv, tel.latest())
-                    )
+                driver.wave(wave)
     except KeyboardInterrupt as exc:
         run.status, run.error = "interrupted", interrupt_reason(exc)
     except DeviceOutOfMemory as exc:
         # What the engine would meet on that device: the run's outcome, not a crash.
-        run.status, run.error, run.out_of_memory = "failed", f"step {len(steps)}: {exc}", exc
+        run.status, run.error = "failed", f"step {len(run.steps)}: {exc}"
+        run.out_of_memory = exc
     except Exception as exc:
         run.status = "failed"
         run.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
     finally:
-        if inside is not None:
-            run.fast_forward_steps = getattr(engine, "fast_forward_steps", 0)
+        if path.counted is not None:
+            run.fast_forward_steps = path.counted()
         run.duration_s = clock.now()
         run.wall_time_s = time.perf_counter() - wall0
-        if frozen:
-            gc.unfreeze()
-        if steps.t_s and run.status != "ok":
-            # The end-of-run reading a drained wave would have taken.
-            tel.sample(len(steps) - 1, time.perf_counter(), force=True)
-        try:
-            engine.close()
-        except Exception as exc:
-            if run.status == "ok":
-                run.status, run.error = "failed", f"close() failed: {exc}"
-        tel.close()
+        _close(run, tel, engine)
     if run.status == "ok" and (nothing := _nothing_completed(run.timings)) is not None:
         run.status, run.error = "failed", nothing
     return run
+
+
+def _fast_path(engine: Engine, workload: Workload, clock: Clock, enabled: bool, waves: int,
+               max_concurrency: int | None) -> FastPath:
+    """How the run takes ``engine``'s steps: the engine's own answer under the virtual clock."""
+    if not enabled:
+        return FastPath("off")
+    if not isinstance(clock, VirtualClock):
+        return FastPath("unsupported: the wall clock times every step")
+    # Arrivals known ahead: one wave, each request sent as it arrives.
+    known = waves == 1 and max_concurrency is None
+    return engine.fast_path(clock.cost, workload.requests, waves, known)
+
+
+@contextmanager
+def _collector_aside(simulated: bool) -> Iterator[None]:
+    """A simulated run makes many small objects; the collector's full passes would also walk
+    every object held before it (the workload's, torch's), so those are set aside."""
+    frozen = simulated and gc.get_freeze_count() == 0
+    if frozen:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if frozen:
+            gc.unfreeze()
+
+
+def _close(run: EngineRun, tel: Telemetry, engine: Engine) -> None:
+    """Close the engine and telemetry after a run; a failing close fails a run that was ok."""
+    if run.steps.t_s and run.status != "ok":
+        # The end-of-run reading a drained wave would have taken.
+        tel.sample(len(run.steps) - 1, time.perf_counter(), force=True)
+    try:
+        engine.close()
+    except Exception as exc:
+        if run.status == "ok":
+            run.status, run.error = "failed", f"close() failed: {exc}"
+    tel.close()
+
+
+class _Driver:
+    """Feeds a run's waves into its engine: each request when it arrives (and the concurrency
+    limit lets it), steps taken through the engine's fast path or one at a time."""
+
+    def __init__(self, run: EngineRun, tel: Telemetry, engine: Engine, clock: Clock,
+                 path: FastPath, max_concurrency: int | None,
+                 progress: Callable[[int], None] | None) -> None:
+        self.run, self.tel, self.engine, self.clock, self.path = run, tel, engine, clock, path
+        self.max_concurrency = max_concurrency
+        self.limit = max_concurrency or len(run.timings) + 1
+        self.progress = progress
+        self.warmup_done = max(1, math.ceil(WARMUP_FRACTION * len(run.timings)))
+        # A long simulated run's oldest steps are folded into the metrics' reductions as it
+        # goes (kvbench.results.stepstats), at the same steps whichever way it is stepped.
+        self.foldable = isinstance(clock, VirtualClock) and not engine.keeps_steps
+        self.done = self.idle = self.in_flight = 0
+
+    def wave(self, wave: int) -> None:
+        run, clock, steps = self.run, self.clock, self.run.steps
+        requests = wave_requests(run.workload, wave, run.waves, clock.now() if wave else 0.0)
+        for r in requests:
+            run.timings[r.id].request = r
+        if self.path.replay is not None:
+            arrivals = Arrivals(requests, self.limit, send_late=self.max_concurrency is not None)
+            self.done = _replay_wave(run, self.path.replay, clock,  # type: ignore[arg-type]
+                                     arrivals, self.done, self.warmup_done, self.progress)
+        else:
+            self._steps(requests)
+        if self.foldable:
+            fold(steps, run.warmup_step)
+        if steps.t_s:
+            self.tel.sample(len(steps) - 1, time.perf_counter(), force=True)
+            run.wave_ends.append(
+                WaveEnd(len(steps) - 1, steps.t_s[-1], run.last_kv, self.tel.latest()))
+
+    def _steps(self, requests: list[Request]) -> None:
+        """Step the engine until the wave's requests have arrived and ended."""
+        engine, n, idx = self.engine, len(requests), 0
+        while idx < n or engine.has_unfinished():
+            if self.foldable:
+                fold(self.run.steps, self.run.warmup_step)
+            idx = self._admit(requests, idx)
+            if not engine.has_unfinished():
+                self.clock.wait_until(requests[idx].arrival_s)
+                continue
+            # The next arrival the driver would add (none while the concurrency limit holds).
+            due = requests[idx].arrival_s if idx < n and self.in_flight < self.limit else math.inf
+            if self.path.jump is None or not self._jump(due):
+                self._step(arriving=idx < n)
+
+    def _admit(self, requests: list[Request], idx: int) -> int:
+        """Add the requests from ``idx`` that have arrived, as far as the concurrency limit
+        lets; returns the index of the next."""
+        now = self.clock.now()
+        while idx < len(requests) and requests[idx].arrival_s <= now \
+                and self.in_flight < self.limit:
+            request = requests[idx]
+            if self.max_concurrency is not None and request.arrival_s < now:
+                request = dataclasses.replace(request, arrival_s=now)
+                self.run.timings[request.id].request = request
+            self.engine.add(request)
+            self.in_flight += 1
+            idx += 1
+        return idx
+
+    def _jump(self, due_s: float) -> bool:
+        """Take the steps the engine's fast path takes in one call; False: none."""
+        assert self.path.jump is not None
+        w0 = time.perf_counter()
+        block = self.path.jump(self.clock.now(), due_s)
+        if block is None:
+            return False
+        if isinstance(block, DecodeSteps):
+            _log_decode(self.run, block, self.clock)
+        else:
+            _log_quiet(self.run, block, self.clock)
+        self.idle = 0
+        _taken_in_bulk(self.run, self.tel, w0)
+        return True
+
+    def _step(self, arriving: bool) -> None:
+        """Take and log one step; ``arriving``: requests of the wave are still to come."""
+        run, clock, tel = self.run, self.clock, self.tel
+        w0 = time.perf_counter()
+        t0 = clock.now()
+        report = self.engine.step()
+        clock.after_step(report)
+        t1 = clock.now()
+        ended = _record_requests(run, report, t0, t1, clock)
+        self.in_flight -= ended
+        w1 = time.perf_counter()
+        _log_step(run, report, t0, t1)
+        step = len(run.steps) - 1
+        crossed = self.done < self.warmup_done <= self.done + ended
+        if crossed or w1 >= tel.next_due_s:
+            tel.sample(step, w1, force=crossed)
+            if crossed:
+                run.warmup_step = step
+        self.done += ended
+        w2 = time.perf_counter()
+        run.step_wall_s += w2 - w0
+        run.telemetry_wall_s += w2 - w1
+        if self.progress is not None:
+            self.progress(self.done)
+        self._watch(report, arriving)
+
+    def _watch(self, report: StepReport, arriving: bool) -> None:
+        """Fail a run whose engine is stuck (see ``_MAX_IDLE_STEPS``)."""
+        # A live server's stalls are bounded by the engine's request timeouts; its steps only
+        # observe, so an empty one is no sign of a stuck scheduler.
+        stalled = report.batch.num_tokens == 0 and report.stamps is None
+        if not stalled or report.finished or arriving:
+            self.idle = 0
+            return
+        self.idle += 1
+        if self.idle >= _MAX_IDLE_STEPS:
+            raise RuntimeError(
+                f"engine {self.engine.name!r} made no progress for {self.idle} steps "
+                f"({report.num_waiting} waiting, {report.num_running} running)"
+            )
 
 
 def _nothing_completed(timings: dict[str, RequestTiming]) -> str | None:
@@ -421,22 +313,6 @@ def _taken_in_bulk(run: EngineRun, tel: Telemetry, w0: float) -> None:
     run.step_wall_s += time.perf_counter() - w0
 
 
-def _fast_forward_mode(engine: Engine, clock: Clock, arrivals_known: bool) -> str | None:
-    """None when ``engine`` can take decode steps in bulk under ``clock``; else why not.
-    An engine that fast-forwards inside its own steps (a cluster) is turned on here."""
-    if not isinstance(clock, VirtualClock):
-        return "unsupported: the wall clock times every step"
-    inside = getattr(engine, "fast_forward_inside", None)
-    if inside is not None:
-        reason = inside(arrivals_known)
-        return None if reason is None else f"unsupported: {reason}"
-    blocker = getattr(engine, "fast_forward_blocker", None)
-    if blocker is None:
-        return "unsupported: the engine steps one at a time"
-    reason = blocker()
-    return None if reason is None else f"unsupported: {reason}"
-
-
 # StepLog columns of the KVStats fields a step reports.
 _KV_LOG = {
     "kv_capacity_bytes": "capacity_bytes", "kv_reserved_bytes": "reserved_bytes",
@@ -450,34 +326,16 @@ _KV_LOG = {
 }
 
 
-def _fast_forward(run: EngineRun, engine: BuiltinEngine, clock: VirtualClock,
-                  due_s: float) -> int:
-    """Take the engine's next run of decode-only steps in one go, ending at the step after
-    which ``due_s`` (the next arrival) has come; returns the steps taken (0: the next step
-    runs on its own). Each step's time is the cost model's for its batch, accumulated one
-    step after another, so clock times, step logs and token times equal step-by-step
-    replay's bit for bit."""
-    plan = engine.plan_decode()
-    if plan is None:
-        return 0
-    dts = clock.cost.decode_step_times(plan.num_seqs, plan.context, plan.pairs)
-    if dts is None:
-        return 0
-    t_start = clock.now()
-    ends = np.cumsum(np.concatenate(([t_start], dts)))
-    k = plan.max_steps
-    if due_s != math.inf:
-        # The first step ending at or after the arrival is the last one before it is added.
-        k = min(k, int(np.searchsorted(ends[1:], due_s, side="left")) + 1)
-    out = engine.advance_decode(k)
-    if out is None:
-        return 0
-    k = out.steps
+def _log_decode(run: EngineRun, out: DecodeSteps, clock: Clock) -> None:
+    """Log a built-in engine's run of decode steps taken in one go
+    (:meth:`~kvbench.engines.builtin.engine.BuiltinEngine.jump`) as :func:`_log_step` and
+    :func:`_record_requests` log them one at a time."""
+    k, ends = out.steps, out.ends
     t1 = ends[1 : k + 1]
     s = run.steps
     s.t_s.extend(t1)
     s.dt_s.extend(t1 - ends[:k])
-    s.num_tokens.repeat(plan.num_seqs, k)
+    s.num_tokens.repeat(sum(out.tokens.values()), k)
     s.running.repeat(out.num_running, k)
     s.waiting.repeat(out.num_waiting, k)
     s.preempted.repeat(0, k)
@@ -506,7 +364,6 @@ def _fast_forward(run: EngineRun, engine: BuiltinEngine, clock: VirtualClock,
     gaps.add(first + 1, first + k, len(out.tokens))
     clock.advance_to(float(t1[-1]))
     run.fast_forward_steps += k
-    return k
 
 
 def _replay_wave(run: EngineRun, replay: EventReplay, clock: VirtualClock, arrivals: Arrivals,

@@ -27,8 +27,9 @@ from kvbench.run.harness import OnProgress
 from kvbench.run.plan import RunPlan
 from kvbench.run.signals import Held, deferred_interrupts, sigterm_interrupts
 
-# An observer put around an engine before it runs (the engine in, the engine to drive out).
-Wrap = Callable[[Any], Any]
+# What the child does: engine ``name``'s record under ``plan``, saying its progress as it
+# goes. It is pickled into the child, so a module-level function (or a partial of one).
+Job = Callable[[RunPlan, str, OnProgress], RunRecord]
 
 # How often the parent looks at held signals and the child's liveness while it waits.
 _POLL_S = 0.1
@@ -49,15 +50,12 @@ def _context() -> Any:
 
 
 def _child(conn: Connection, plan: RunPlan, name: str, env: dict[str, str], cwd: str,
-           quality: bool, wrap: Wrap | None) -> None:
+           job: Job) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
     from kvbench.kernels.backend import collected_warnings
-    from kvbench.run.execute import run_one
-    from kvbench.run.quality import QualityCheck
 
-    config = dict(plan.engines)[name]
     known = len(plan.warnings)
     last = [-1, time.monotonic()]
 
@@ -73,7 +71,7 @@ def _child(conn: Connection, plan: RunPlan, name: str, env: dict[str, str], cwd:
         # The kernels' warnings (a fallback, an unusable build cache) go to the parent,
         # which has said them once already, rather than to this process's stderr.
         with sigterm_interrupts(), deferred_interrupts(), collected_warnings() as said:
-            record, _ = run_one(plan, config, progress, QualityCheck(quality), wrap)
+            record = job(plan, name, progress)
             conn.send(("done", (record.to_json(), plan.warnings[known:] + said)))
     except KvbenchError as exc:
         conn.send(("error", str(exc)))
@@ -83,15 +81,15 @@ def _child(conn: Connection, plan: RunPlan, name: str, env: dict[str, str], cwd:
         conn.close()
 
 
-def run_isolated(plan: RunPlan, name: str, progress: OnProgress | None,
-                 quality: bool, held: Held, wrap: Wrap | None = None) -> RunRecord | str:
-    """Engine ``name``'s record from a fresh process, or why the process gave none (it
-    crashed or was killed); a configuration error it met is raised here."""
+def run_isolated(plan: RunPlan, name: str, progress: OnProgress | None, held: Held,
+                 job: Job) -> RunRecord | str:
+    """Engine ``name``'s record, as ``job`` makes it in a fresh process, or why the process
+    gave none (it crashed or was killed); a configuration error it met is raised here."""
     ctx = _context()
     receive, send = ctx.Pipe(duplex=False)
     sent = dataclasses.replace(plan, lock=None)  # the folder's lock stays with this process
     proc = ctx.Process(target=_child, name=f"kvbench {name}",
-                       args=(send, sent, name, dict(os.environ), os.getcwd(), quality, wrap))
+                       args=(send, sent, name, dict(os.environ), os.getcwd(), job))
     proc.start()
     send.close()
     forwarded = False

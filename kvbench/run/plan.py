@@ -99,13 +99,42 @@ def plan_run(
         preset = preset.with_dtype(suite.model.dtype)
     device = parse_device(run.device)
     preset.check_tensor_parallel(device.tp)
-    clock = run.clock
+    clock = _clock(run.clock, device)
+    notes: list[str] = []
+    settings, sections, warnings = _engine_settings(suite, preset, device, notes)
+    engines = [(name, engine_config(name, section, settings)) for name, section in sections]
+    if shard is not None:
+        engines = shard.select(engines)
+    workload, recorded = _workload(suite, base)
+    warnings += workload.warnings
+    for name, _ in engines:  # each names its record file
+        check_path_component(name, "engine")
+    if out_dir is None:
+        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        out_dir = Path("runs") / f"{check_path_component(suite.name, 'suite')}-{stamp}"
+    plan = RunPlan(
+        suite, workload, preset, device, clock, settings, engines, out_dir, command,
+        warnings=warnings, notes=notes, repeats=repeats, max_concurrency=run.max_concurrency,
+        arrivals=describe_arrivals(workload, run, recorded),
+    )
+    _settle(plan)
+    plan.isolated = clock == "wall" and not run.in_process
+    plan.lock = prepare_out_dir(out_dir, force)
+    return plan
+
+
+def _clock(clock: str, device: DeviceSpec) -> str:
+    """The run's clock: ``auto`` is the virtual one on a simulated device, else the wall."""
     if clock == "auto":
         clock = "virtual" if device.kind == "sim" else "wall"
     if device.kind == "sim" and clock == "wall":
         raise KvbenchError(
             "a simulated device has no real time: use --clock virtual with --device sim:..."
         )
+    return clock
+
+
+def _scheduler(run: RunSection, preset: ModelPreset) -> SchedulerConfig:
     max_len = run.max_model_len or preset.max_position
     if max_len > preset.max_position:
         raise KvbenchError(
@@ -118,7 +147,16 @@ def plan_run(
         chunked_prefill=run.chunked_prefill,
     )
     sched.validate()
-    notes: list[str] = []
+    return sched
+
+
+def _engine_settings(
+    suite: Suite, preset: ModelPreset, device: DeviceSpec, notes: list[str]
+) -> tuple[EngineSettings, list[tuple[str, EngineSection]], list[str]]:
+    """What every engine of the run shares, the suite's sections of the engines selected,
+    and warnings about the KV budget."""
+    run = suite.run
+    sched = _scheduler(run, preset)
     kv_memory = parse_bytes(run.kv_memory, "--kv-memory") if run.kv_memory else None
     warnings = _check_kv_memory(kv_memory, device)
     if not run.engines:
@@ -148,28 +186,28 @@ def plan_run(
         attention=run.attention,
         memory=memory,
     )
-    engines = [(name, engine_config(name, section, settings)) for name, section in sections]
-    if shard is not None:
-        engines = shard.select(engines)
+    return settings, sections, warnings
+
+
+def _workload(suite: Suite, base: Path | None) -> tuple[Workload, bool]:
+    """The suite's workload, re-timed to ``run.request_rate`` if given; and whether its
+    arrivals came from a trace's timestamps."""
     workload = load_workload(suite, base)
     if not workload.requests:
         raise KvbenchError("the workload has no requests")
-    warnings += workload.warnings
     recorded = workload.spec.get("trace") in TIMED_TRACE_KINDS
+    run = suite.run
     if run.request_rate is not None:
         from kvbench.workloads.retime import retime
 
         workload = retime(workload, run.request_rate, run.burstiness, seed=suite.workload.seed)
-    for name, _ in engines:  # each names its record file
-        check_path_component(name, "engine")
-    if out_dir is None:
-        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        out_dir = Path("runs") / f"{check_path_component(suite.name, 'suite')}-{stamp}"
-    plan = RunPlan(
-        suite, workload, preset, device, clock, settings, engines, out_dir, command,
-        warnings=warnings, notes=notes, repeats=repeats, max_concurrency=run.max_concurrency,
-        arrivals=describe_arrivals(workload, run, recorded),
-    )
+    return workload, recorded
+
+
+def _settle(plan: RunPlan) -> None:
+    """What the plan settles once its parts are known: a CPU run's threads, a calibration
+    profile fitted for another model (a warning), the cluster, and each engine."""
+    run, preset, device = plan.suite.run, plan.preset, plan.device
     if device.kind == "cpu":
         from kvbench.run.threads import torch_threads
 
@@ -183,13 +221,11 @@ def plan_run(
                 f"profile {device.profile} was fitted for {fitted}, not {preset.name}: its "
                 f"coefficients may not transfer; calibrate with --model {preset.name}"
             )
-    check_cluster(plan)
-    check_replica_memory(suite.cluster, engines, len(workload.requests))
-    for name, config in engines:
+    requests = plan.workload.requests
+    check_cluster(plan.suite.cluster, device, plan.clock, plan.engines, requests)
+    check_replica_memory(plan.suite.cluster, plan.engines, len(requests))
+    for name, config in plan.engines:
         _precheck(plan, name, config)
-    plan.isolated = clock == "wall" and not run.in_process
-    plan.lock = prepare_out_dir(out_dir, force)
-    return plan
 
 
 def describe_arrivals(workload: Workload, run: RunSection, recorded: bool) -> str:

@@ -35,9 +35,10 @@ from kvbench.engines.registry import build_engine
 from kvbench.errors import KvbenchError
 from kvbench.results.build import QualityResult
 from kvbench.results.metrics import summarize
+from kvbench.results.runlog import EngineRun
 from kvbench.results.schema import QualityInfo
 from kvbench.run.clocks import Clock, WallClock
-from kvbench.run.harness import EngineRun, run_engine
+from kvbench.run.harness import run_engine
 from kvbench.workloads.model import Workload
 
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
+
+from kvbench.results.runlog import ProbeSamples
 
 OK = "ok"
 _NEVER = float("inf")  # the next-due time of a probe that failed
@@ -281,22 +282,6 @@ def open_probes(device_kind: str, torch_device: str | None) -> tuple[list[Probe]
                if device_kind == "sim" else "CPU run")
         status["cuda"] = status["nvml"] = f"unavailable: {why}"
     return probes, status
-
-
-@dataclass(slots=True)
-class ProbeSamples:
-    """Readings of one probe: ``steps[i]`` is the step index after which ``rows[i]`` was read."""
-
-    columns: tuple[str, ...]
-    steps: list[int] = field(default_factory=list)
-    rows: list[tuple[int, ...]] = field(default_factory=list)
-
-    def column(self, name: str) -> list[int]:
-        i = self.columns.index(name)
-        return [r[i] for r in self.rows]
-
-    def last(self) -> dict[str, int]:
-        return dict(zip(self.columns, self.rows[-1], strict=True)) if self.rows else {}
 
 
 class Telemetry:

@@ -16,8 +16,9 @@ from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.registry import build_engine
 from kvbench.engines.sim.costmodel import CostModel
 from kvbench.results.metrics import summarize
+from kvbench.results.runlog import EngineRun
 from kvbench.run.clocks import VirtualClock
-from kvbench.run.harness import EngineRun, run_engine
+from kvbench.run.harness import run_engine
 from kvbench.workloads.model import Request, Segment, Workload
 
 VLLM = VllmSection()

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvbench.engines.base import (
+    MAX_DECODE_RUN,
     BatchShape,
+    Engine,
+    FastPath,
     Finished,
     KVStats,
     StepReport,
@@ -18,15 +22,17 @@ from kvbench.engines.base import (
 )
 from kvbench.engines.builtin.executor import Executor, ScheduledBatch
 from kvbench.engines.builtin.scheduler import Scheduler, SchedulerConfig
+from kvbench.engines.builtin.sim_executor import SimExecutor
 from kvbench.engines.config import EngineConfig
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.modality import MODALITIES, ModalityAccount, below_precision
 from kvbench.engines.model.presets import ModelPreset
 from kvbench.engines.sim.device_memory import DeviceMemoryModel
+from kvbench.engines.sim.replay import event_replay, replay_blocker
 from kvbench.workloads.model import Request
 
-# The most decode steps one fast-forward advances (bounds its per-step arrays).
-MAX_DECODE_RUN = 4096
+if TYPE_CHECKING:
+    from kvbench.engines.sim.costmodel import CostModel
 
 
 @dataclass(slots=True)
@@ -47,7 +53,8 @@ class DecodeSteps:
     every step emits ``tokens`` (by request) with the same queue sizes; ``kv`` and
     ``device`` hold each step's values of the KVStats fields (``modality:<m>``: the used
     bytes of modality ``m``; int64 arrays, or lists where some are None) and device-memory
-    components; ``last_kv`` is the last step's snapshot."""
+    components; ``last_kv`` is the last step's snapshot; ``ends`` the clock before the first
+    step and at each step's end."""
 
     steps: int
     tokens: dict[str, int]
@@ -57,9 +64,10 @@ class DecodeSteps:
     device: dict[str, np.ndarray]
     device_ranks: int
     last_kv: KVStats
+    ends: np.ndarray = field(default_factory=lambda: np.zeros(1))
 
 
-class BuiltinEngine:
+class BuiltinEngine(Engine):
     def __init__(
         self,
         name: str,
@@ -76,6 +84,7 @@ class BuiltinEngine:
         executor.bind(kv)
         self._rejected: list[Finished] = []
         self._decode: tuple[list, int | None, set[int] | None, int] | None = None
+        self._cost: CostModel | None = None  # the clock's, once fast_path chose jumps
         self._bytes_per_token = kv.bytes_per_token
         pool_classes = getattr(kv, "pool_classes", None)
         self._modalities = ModalityAccount(pool_classes() if pool_classes else None, kv.spec,
@@ -89,8 +98,6 @@ class BuiltinEngine:
         compute with torch."""
         executor: Executor
         if config.device.kind == "sim":
-            from kvbench.engines.builtin.sim_executor import SimExecutor
-
             executor = SimExecutor(config.preset.vocab_size, config.device.label,
                                    _device_memory_model(config))
         else:
@@ -153,18 +160,48 @@ class BuiltinEngine:
 
     # --- decode fast-forward -----------------------------------------------------------------
 
+    def fast_path(self, cost: CostModel, requests: list[Request], waves: int,
+                  arrivals_known: bool) -> FastPath:
+        """Whole waves by event replay where the engine's policy and the requests allow it;
+        else runs of decode-only steps taken in one go; else why not."""
+        if replay_blocker(self, requests) is None:
+            return FastPath("on", replay=event_replay(self, cost, requests, waves))
+        reason = self.fast_forward_blocker()
+        if reason is not None:
+            return FastPath(f"unsupported: {reason}")
+        self._cost = cost
+        return FastPath("on", jump=self.jump)
+
     def fast_forward_blocker(self) -> str | None:
         """Why this engine cannot take decode steps in bulk (None: it can)."""
-        from kvbench.engines.builtin.sim_executor import SimExecutor
-
         executor = self.executor
         if not isinstance(executor, SimExecutor):
             return "real compute runs every step"
         if executor.memory.on_demand:
             return "on-demand KV tensors grow every step"
-        if type(self.kv).background is not KVManager.background:
-            return f"the {type(self.kv).__name__} policy works between steps"
         return self.kv.fast_forward_blocker()
+
+    def jump(self, now_s: float, due_s: float) -> DecodeSteps | None:
+        """Take the next run of decode-only steps from ``now_s`` in one go, ending at the step
+        after which ``due_s`` (the next arrival) has come; None when the next step runs on
+        its own. Each step's time is the cost model's for its batch, accumulated one step
+        after another, so clock times equal step-by-step replay's bit for bit."""
+        plan = self.plan_decode()
+        if plan is None:
+            return None
+        assert self._cost is not None
+        dts = self._cost.decode_step_times(plan.num_seqs, plan.context, plan.pairs)
+        if dts is None:
+            return None
+        ends = np.cumsum(np.concatenate(([now_s], dts)))
+        k = plan.max_steps
+        if due_s != math.inf:
+            # The first step ending at or after the arrival is the last one before it is added.
+            k = min(k, int(np.searchsorted(ends[1:], due_s, side="left")) + 1)
+        out = self.advance_decode(k)
+        if out is not None:
+            out.ends = ends[: out.steps + 1]
+        return out
 
     def plan_decode(self, max_steps: int = MAX_DECODE_RUN) -> DecodeRun | None:
         """The run of decode-only steps the engine could take next (see :class:`DecodeRun`),
@@ -201,8 +238,6 @@ class BuiltinEngine:
         none could be taken."""
         seqs, need, avoid, longest = self._decode
         self._decode = None
-        from kvbench.engines.builtin.sim_executor import SimExecutor
-
         executor = self.executor
         assert isinstance(executor, SimExecutor)
         kv, memory = self.kv, executor.memory
@@ -362,6 +397,7 @@ def batch_shape(
         num_seqs=len(batch.items), prefill_tokens=prefill, decode_tokens=decode,
         context_tokens=context, attn_pairs=pairs, copied_bytes=copied, map_ops=batch.map_ops,
     )
+
 
 
 def _device_memory_model(config: EngineConfig) -> DeviceMemoryModel:

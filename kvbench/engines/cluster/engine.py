@@ -34,7 +34,7 @@ request's decode; the client sees the first token then (as vLLM's disaggregated 
 streams from the decode instance), so TTFT includes the transfer. While the decode replica
 has no room, the request waits and the prefill replica keeps holding its KV.
 
-Decode fast-forward (the harness turns it on with :meth:`ClusterEngine.fast_forward_inside`):
+Decode fast-forward (the harness turns it on with :meth:`ClusterEngine.fast_path`):
 a replica about to start a step whose run of decode-only steps the engine can take in one
 go (:meth:`BuiltinEngine.plan_decode`) takes them at once, up to the first step ending at or
 after the next event that may concern it: the next arrival the router may send it (for
@@ -63,7 +63,15 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvbench.engines.base import BatchShape, DeviceMemory, Finished, KVStats, StepReport
+from kvbench.engines.base import (
+    BatchShape,
+    DeviceMemory,
+    Engine,
+    FastPath,
+    Finished,
+    KVStats,
+    StepReport,
+)
 from kvbench.engines.builtin.engine import BuiltinEngine
 from kvbench.engines.builtin.sim_executor import synthetic_token
 from kvbench.engines.sequence import Sequence
@@ -396,10 +404,12 @@ def _add_batch(total: BatchShape, b: BatchShape) -> None:
     total.copied_bytes += b.copied_bytes
 
 
-class ClusterEngine:
+class ClusterEngine(Engine):
     """Replicas of one built-in engine behind a router on one virtual clock (see the
     module docstring). ``arrivals`` are the workload's arrival times: a step never runs
     past the next one, so a request reaches an idle replica when it arrives."""
+
+    keeps_steps = True  # its log's replica changes name steps of the run's log
 
     def __init__(
         self,
@@ -433,7 +443,7 @@ class ClusterEngine:
         self._holder_ids = 0
         self._t = 0.0
         self._added = 0  # requests added so far (the next arrival is _arrivals[_added])
-        self._bulk = False  # decode fast-forward (fast_forward_inside turns it on)
+        self._bulk = False  # decode fast-forward (fast_path turns it on)
         self.fast_forward_steps = 0  # replica steps taken as parts of runs
         self._open = 0  # requests added and not yet reported finished
         self._ready: set[int] = set()  # replicas that may have work to start
@@ -452,19 +462,22 @@ class ClusterEngine:
 
     # -- the Engine protocol ---------------------------------------------------------------
 
-    def fast_forward_inside(self, arrivals_known: bool) -> str | None:
-        """Take replicas' decode runs in one go (see the module docstring), given that
+    def fast_path(self, cost: CostModel, requests: list[Request], waves: int,
+                  arrivals_known: bool) -> FastPath:
+        """Replicas' decode runs taken in one go inside the cluster's steps, and quiet
+        stretches of cluster steps taken in one call (see the module docstring), given that
         requests are added at the arrival times the cluster was built with
-        (``arrivals_known``); returns why not instead (None: on)."""
+        (``arrivals_known``)."""
         if not arrivals_known or not self._arrivals:
-            return ("the cluster steps one at a time when it does not know the arrivals "
-                    "ahead (several waves or a concurrency limit)")
+            return FastPath("unsupported: the cluster steps one at a time when it does not "
+                            "know the arrivals ahead (several waves or a concurrency limit)")
         for rep in self._reps:
             reason = rep.engine.fast_forward_blocker()
             if reason is not None:
-                return reason
+                return FastPath(f"unsupported: {reason}")
         self._bulk = True
-        return None
+        return FastPath("on", jump=lambda _now, due: self.quiet_steps(due),
+                        counted=lambda: self.fast_forward_steps)
 
     def add(self, request: Request) -> None:
         self._added += 1

@@ -58,6 +58,7 @@ from typing import Any, Literal
 
 from kvbench.engines.base import (
     BatchShape,
+    Engine,
     Finished,
     KVStats,
     StepReport,
@@ -140,12 +141,14 @@ class VllmSection(Paging):
         check_vllm(config)
         return []
 
-    def build(self, config: EngineConfig) -> VllmEngine:
-        check_vllm(config)
-        return VllmEngine(config)
-
     def admission(self, config: EngineConfig) -> Callable[[Request], str | None]:
         return partial(vllm_rejection, config)
+
+
+def build_vllm(config: EngineConfig) -> VllmEngine:
+    """The engine of a ``vllm`` section, its configuration checked first."""
+    check_vllm(config)
+    return VllmEngine(config)
 
 
 def vllm_rejection(config: EngineConfig, request: Request) -> str | None:
@@ -189,14 +192,34 @@ def check_vllm(config: EngineConfig) -> None:
         )
 
 
-class VllmEngine:
+def _kv_budget_args(device_kind: str, kv_budget: int) -> dict[str, Any]:
+    """vLLM's KV budget of ``kv_budget`` bytes: an engine argument on CUDA; on the CPU, where
+    vLLM's worker takes its cache size (whole GiB) from ``VLLM_CPU_KVCACHE_SPACE`` and ignores
+    a size in bytes, that variable, which the block-count override then trims to exactly our
+    blocks."""
+    if device_kind == "cpu":
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_budget / _GIB)))
+        return {}
+    return {"kv_cache_memory_bytes": kv_budget}
+
+
+class VllmEngine(Engine):
     """vLLM's v1 ``LLMEngine``, in-process, stepped by the harness."""
 
     def __init__(self, config: EngineConfig) -> None:
         vllm = _import_vllm()
-        from vllm import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
+        self._init_state(config, vllm.__version__)
+        self._start(config)
+        try:
+            self._scheduler = _scheduler_of(self._engine, self.vllm_version)
+            self._check_layout()
+        except Exception:
+            self.close()
+            raise
+        _tap_schedule(self._scheduler, self._on_schedule)
 
+    def _init_state(self, config: EngineConfig, vllm_version: str) -> None:
+        """The run's settings, and no requests, outputs or step seen yet."""
         self.name = config.name
         self.config = config
         self.preset = config.preset
@@ -206,7 +229,7 @@ class VllmEngine:
         self.prefix_caching = config.prefix_caching
         self.scheduler_config = config.scheduler
         self.device = config.device.label
-        self.vllm_version = vllm.__version__
+        self.vllm_version = vllm_version
         # CPU: torch.compile warm-up costs about a minute per start on small machines and the
         # built-in executor runs eagerly too. CUDA: vLLM as deployed (compiled, CUDA graphs).
         self.enforce_eager = config.device.kind == "cpu"
@@ -224,38 +247,19 @@ class VllmEngine:
         self._engine: Any = None
         self._scheduler: Any = None
 
+    def _start(self, config: EngineConfig) -> None:
+        """Start vLLM's ``LLMEngine`` over exactly our KV blocks, its stats tapped; the time
+        it took is ``init_s``."""
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
         kv_budget = self.num_blocks * self._block_bytes
-        extra: dict[str, Any] = {}
-        if config.device.kind == "cpu":
-            # vLLM's CPU worker takes its cache size (whole GiB) from this variable, which
-            # overrides any size given in bytes; the block-count override below then trims
-            # the allocation to exactly our blocks.
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_budget / _GIB)))
-        else:
-            extra["kv_cache_memory_bytes"] = kv_budget
+        extra = _kv_budget_args(config.device.kind, kv_budget)
         sched = config.scheduler
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="kvbench-vllm-") as tmp:
             model_dir = write_model_dir(config.preset, Path(tmp) / config.preset.name)
-            args = EngineArgs(
-                model=str(model_dir),
-                skip_tokenizer_init=True,
-                load_format="dummy",
-                dtype=config.preset.dtype,
-                seed=config.seed,
-                block_size=self.block_size,
-                enable_prefix_caching=self.prefix_caching,
-                num_gpu_blocks_override=self.num_blocks,
-                max_model_len=sched.max_model_len,
-                max_num_seqs=sched.max_num_seqs,
-                max_num_batched_tokens=sched.max_num_batched_tokens,
-                enable_chunked_prefill=sched.chunked_prefill,
-                # Step-locked: each step() returns the tokens of the step it scheduled.
-                async_scheduling=False,
-                enforce_eager=self.enforce_eager,
-                disable_log_stats=False,
-                **extra,
-            )
+            args = EngineArgs(**self._engine_args(config, model_dir), **extra)
             try:
                 self._engine = LLMEngine.from_engine_args(
                     args, stat_loggers=[_stats_tap_factory(self._on_stats)]
@@ -267,13 +271,29 @@ class VllmEngine:
                     f"{sched.max_model_len}): {type(exc).__name__}: {exc}{self._budget_hint()}"
                 ) from exc
         self.init_s = time.perf_counter() - t0
-        try:
-            self._scheduler = _scheduler_of(self._engine, self.vllm_version)
-            self._check_layout()
-        except Exception:
-            self.close()
-            raise
-        _tap_schedule(self._scheduler, self._on_schedule)
+
+    def _engine_args(self, config: EngineConfig, model_dir: Path) -> dict[str, Any]:
+        """vLLM's ``EngineArgs`` for the run's model (dummy weights), blocks and scheduler
+        limits, less the KV budget (:func:`_kv_budget_args`)."""
+        sched = config.scheduler
+        return {
+            "model": str(model_dir),
+            "skip_tokenizer_init": True,
+            "load_format": "dummy",
+            "dtype": config.preset.dtype,
+            "seed": config.seed,
+            "block_size": self.block_size,
+            "enable_prefix_caching": self.prefix_caching,
+            "num_gpu_blocks_override": self.num_blocks,
+            "max_model_len": sched.max_model_len,
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "enable_chunked_prefill": sched.chunked_prefill,
+            # Step-locked: each step() returns the tokens of the step it scheduled.
+            "async_scheduling": False,
+            "enforce_eager": self.enforce_eager,
+            "disable_log_stats": False,
+        }
 
     def _budget_hint(self) -> str:
         """vLLM's own advice names its knobs; say what to change in kvbench's terms."""

@@ -11,6 +11,7 @@ backs the slots with nothing.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -116,7 +117,7 @@ class KVManager(ABC):
 
     def pool_classes(self) -> tuple[Any, ...] | None:
         """The page classes of a pool that stores modalities apart (each its own slots and
-        dtype: :class:`~kvbench.engines.kv.modal.PoolClass`), or None for one flat pool."""
+        dtype: :class:`~kvbench.engines.kv.page_classes.PoolClass`), or None for one flat pool."""
         return None
 
     def take_map_ops(self) -> int:
@@ -129,13 +130,22 @@ class KVManager(ABC):
     # Between events, every step of a batch whose sequences all decode one token is alike:
     # the engine can advance many such steps at once when the manager says how far that is
     # safe and applies them exactly as one step after another would. A policy opts in by
-    # defining these methods in its own class; a subclass that inherits them does not
-    # (its other hooks may act between steps), and runs step by step.
+    # defining decode_room and advance_decode; a subclass inherits them unless it changes
+    # one of the per-step hooks they stand in for (:data:`STEP_HOOKS`).
 
     def fast_forward_blocker(self) -> str | None:
         """Why this manager cannot advance decode steps in bulk, or None when it can."""
-        if "decode_room" not in type(self).__dict__:
-            return f"the {type(self).__name__} policy advances step by step"
+        cls = type(self)
+        name = cls.__name__
+        if cls.background is not KVManager.background:
+            return f"the {name} policy works between steps"
+        owner = defining_class(cls, "decode_room")
+        if owner is KVManager:
+            return f"the {name} policy advances step by step (it defines no decode_room)"
+        changed = overrides(cls, owner, STEP_HOOKS)
+        if changed:
+            return (f"the {name} policy advances step by step: it overrides "
+                    f"{', '.join(changed)} of {owner.__name__} but not its decode_room")
         return None
 
     def decode_room(self, seqs: list[Sequence], max_steps: int, keep_cached: bool = False) -> int:
@@ -159,10 +169,10 @@ class KVManager(ABC):
         ``num_computed_tokens`` the caller advances afterwards, exactly as that many
         grow/commit rounds would. Returns the per-step values, after each step, of the
         :class:`KVStats` fields that change, keyed by field. Only policies that define their
-        own :meth:`decode_room` fast-forward; the harness calls this for no other."""
+        :meth:`decode_room` fast-forward; the engine calls this for no other."""
         raise NotImplementedError(
             f"{type(self).__name__} does not fast-forward decode steps (it defines no "
-            "decode_room of its own): run it step by step"
+            "decode_room): run it step by step"
         )
 
     def would_admit(self, seq: Sequence, num_cached: int, num_new: int) -> bool | None:
@@ -182,3 +192,40 @@ class KVManager(ABC):
     @abstractmethod
     def describe(self) -> dict[str, Any]:
         """Configuration as JSON-able data."""
+
+
+# What a decode jump does in place of one step after another: a subclass that overrides one
+# of these would be jumped past wrongly unless it also redefines the jump.
+STEP_HOOKS = ("grow", "commit", "take_copies", "take_map_ops", "stats")
+
+
+def defining_class(cls: type, name: str) -> type:
+    """The class in ``cls``'s MRO that defines attribute ``name``."""
+    return next(c for c in cls.__mro__ if name in vars(c))
+
+
+def overrides(cls: type, base: type, names: Iterable[str]) -> list[str]:
+    """Which of ``names`` ``cls`` (a subclass of ``base``) defines anew below ``base``."""
+    return [n for n in names if defining_class(cls, n) not in base.__mro__]
+
+
+def steps_within(first: list[int], block_size: int, max_steps: int, free: int) -> int:
+    """How many decode steps, up to ``max_steps``, sequences that reach a block boundary
+    ``first[i]`` steps from now (and every ``block_size`` steps after) can take while the
+    blocks they take between them number at most ``free``."""
+    start = np.asarray(first, dtype=np.int64)
+
+    def taken(j: int) -> int:
+        """Blocks the grows of steps 0 .. j take together."""
+        return int(np.maximum(0, (j - start) // block_size + 1).sum())
+
+    if taken(max_steps - 1) <= free:
+        return max_steps
+    lo, hi = 0, max_steps - 1  # taken(hi) > free; find the first such step
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if taken(mid) > free:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

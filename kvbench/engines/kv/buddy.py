@@ -100,9 +100,6 @@ class BuddyPool:
     def free_pages(self, order: int) -> int:
         return len(self._free[order])
 
-    def is_free(self, start: int, order: int) -> bool:
-        return start in self._free[order]
-
     @property
     def largest_free_run_units(self) -> int:
         """Units in the longest run of adjacent free top-order pages."""

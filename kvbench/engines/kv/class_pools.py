@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from kvbench.engines.builtin.torch_device import TORCH_DTYPES, zeros
-from kvbench.engines.kv.modal import ClassTables, PoolClass
+from kvbench.engines.kv.page_classes import ClassTables, PoolClass
 from kvbench.engines.model.presets import ModelPreset
 from kvbench.kernels.backend import KernelBackend
 from kvbench.kernels.slot_copy import SlotCopy

@@ -1,56 +1,23 @@
 """Modality-aware KV (the field reports' P7 and P8): text and vision (image and audio) tokens
 in their own page classes, each with its own page size and storage precision.
 
-A request's prompt is a run of segments; each KV position belongs to the class of its
-segment's modality (generated tokens are text). A class stores its tokens in pages of
-``page_tokens`` slots (text: the run's block size; vision: ``vision_page_tokens``, 512 by
-default) in its ``kv_dtype``: the model's float dtype, another float dtype, or ``int8`` /
-``fp8_e4m3`` codes with one float32 scale per ``scale_group`` slots and KV head, K and V apart
-(:mod:`kvbench.kernels.quant`), held in a side table outside the pages.
+Each KV position belongs to the class of its segment's modality (generated tokens are text).
+A class stores its tokens in pages of ``page_tokens`` slots in its ``kv_dtype``; int8 / fp8
+codes keep one float32 scale per ``scale_group`` slots and KV head in a side table
+(:mod:`kvbench.kernels.quant`), held back from the budget first.
 
-Physical memory. ``pools = "shared"``: both classes take pages from one buddy pool of units
-(the smallest class page, in bytes), so a vision page is a naturally aligned run of units and
-the classes compete for one budget (and fragment it). ``pools = "split"``: each class has its
-own pool, ``vision_share`` of the budget for vision and the rest for text; a class can run
-out while the other has room. Scales are held back from the budget first, sized for every
-slot their class can address.
+``pools = "shared"``: both classes take pages from one buddy pool of units (the smallest
+class page); ``"split"``: one pool per class, ``vision_share`` of the budget for vision. Each
+class has its own slot space (:class:`~kvbench.engines.kv.page_classes.PoolClass`), laid one
+after the other (text first) in the manager's flat slots; an executor views a pool's bytes
+per class (:mod:`kvbench.engines.kv.class_pools`) and merges attention over the classes by
+log-sum-exp. Forks share pages of both classes, copy-on-write per class
+(:class:`~kvbench.kernels.slot_copy.SlotCopy` in the flat slots).
 
-Slots. Each class has its own slot space (``PoolClass``); the manager's flat slots put the
-classes one after the other (text first). An executor backs the classes of one pool with one
-byte buffer of the pool's bytes, each class viewing it in its dtype
-(:mod:`kvbench.engines.kv.class_pools`), and attends each sequence's KV class by class with
-explicit key positions, merging the parts by their log-sum-exp.
-
-Forked samples (``n > 1``) share the parent's pages of both classes that hold computed KV;
-a sample about to write into a shared, partly filled page of a class first takes a page of
-that class of its own and has the written slots copied into it (copy-on-write per class:
-a :class:`~kvbench.kernels.slot_copy.SlotCopy` in the flat slots, which an executor applies
-to that class's cache and scales).
-
-Prefix caching (``prefix_caching``, the run's ``--prefix-caching`` unless the section sets
-it). A page of a class is cacheable once full. Its key is the chained hash of every token of
-the sequence, of both classes in position order, up to and including the page's last token
-(:class:`~kvbench.engines.kv.hashing.BlockHasher` over one-token blocks): it names the whole
-prefix the page's KV depends on, so a text page after an image depends on that image's
-content key (its placeholder ids) and a vision page on the text before it, as vLLM's
-multimodal block hashes do. Each class has its own index, reference counts and hit flags; a
-cached page nobody holds waits in an LRU queue of its pool (one for a shared pool, one per
-class when split), out of the buddy pool, until a hit takes it back or a take of its pool
-finds no free page and evicts it (least recently freed first, given back to the buddy pool
-to coalesce, until the take succeeds). A hit of ``L`` leading tokens needs every page of
-both classes among positions ``[0, L)`` to be cached, so ``L`` falls where both classes are
-at a page boundary: a partly filled page ends the hit, so with vision pages larger than an
-image's tokens nothing after the image hits, and a text page holding text from both sides
-of an image ends it before the image. A router's view of the cache
-(``cached_prefix_tokens``, from token ids alone) cannot tell the classes apart and says 0.
-A cached page is reused in
-its class's dtype with its scales (both are per page), exactly as its writer left it. A
-failed take (no room even after eviction) gives back what it took, but the pages it
-evicted stay evicted.
-
-Capacity. Storing a vision share ``v`` of the KV positions in ``b_v`` bytes per element
-instead of ``b_t`` holds ``1 / (1 - v (1 - b_v / b_t))`` times the tokens in the same memory
-(:func:`capacity_gain`).
+Prefix caching keys a full page of either class by the chained hash of every token of both
+classes up to its end; each class keeps its own index and reference counts, each pool an LRU
+queue of cached free pages. The user-facing rules (where a hit ends, eviction, capacity):
+docs/policies.md, "Modality-aware KV".
 """
 
 from __future__ import annotations
@@ -68,19 +35,19 @@ from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.buddy import BuddyPool
 from kvbench.engines.kv.eviction import LRUQueue
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
+from kvbench.engines.kv.page_classes import (
+    KV_DTYPES,
+    QUANTISED,
+    SCALE_BYTES,
+    ClassTables,
+    PoolClass,
+)
 from kvbench.engines.kv.spec import Footprint, KVSpec, kv_bytes_per_token
 from kvbench.engines.sequence import Sequence
 from kvbench.errors import KvbenchError
 from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.workloads.model import Request
 
-# Storage dtypes a class may use: bytes per element.
-KV_DTYPES: dict[str, int] = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8_e4m3": 1,
-}
-QUANTISED = ("int8", "fp8_e4m3")
-SCALE_BYTES = 4  # one float32 scale
-CLASS_NAMES = ("text", "vision")
 Modality = Literal["text", "image", "audio"]
 
 
@@ -104,50 +71,6 @@ def vision_share(requests: list[Request]) -> float:
         vision += sum(s.tokens for s in r.segments if s.kind != "text")
         total += r.prompt_tokens + r.output_tokens
     return vision / total if total else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class PoolClass:
-    """One page class: its modalities, page size, storage dtype, and where its slots lie in
-    the manager's flat slot space (``base`` .. ``base + num_slots``). ``bytes_per_token`` is
-    the codes' (all layers, K and V); ``scale_group`` slots share one scale per KV head, K
-    and V apart, ``scale_units`` scales per group (layers x 2 x KV heads), 0 for floats.
-    ``pool`` is the allocator its pages come from (0 for both classes of a shared pool, the
-    class's index when split): classes of one pool address the same bytes."""
-
-    name: str
-    holds: tuple[str, ...]
-    page_tokens: int
-    dtype: str
-    bytes_per_token: int
-    base: int
-    num_slots: int
-    scale_group: int
-    scale_units: int
-    pool: int = 0
-
-    @property
-    def quantised(self) -> bool:
-        return self.dtype in QUANTISED
-
-    @property
-    def page_bytes(self) -> int:
-        return self.page_tokens * self.bytes_per_token
-
-    @property
-    def scale_bytes(self) -> int:
-        """Bytes of the class's scale table (every slot it can address)."""
-        if not self.quantised:
-            return 0
-        return self.num_slots // self.scale_group * self.scale_units * SCALE_BYTES
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name, "holds": list(self.holds), "page_tokens": self.page_tokens,
-            "dtype": self.dtype, "bytes_per_token": self.bytes_per_token,
-            "num_slots": self.num_slots, "scale_group": self.scale_group,
-            "scale_bytes": self.scale_bytes,
-        }
 
 
 class ModalPolicy(Paging, KVPolicy):
@@ -927,23 +850,3 @@ class ModalKVManager(KVManager):
             "bytes_per_token": self.bytes_per_token,
             "enable_prefix_caching": self.enable_prefix_caching, **self.geometry.to_json(),
         }
-
-
-@dataclass(frozen=True, slots=True)
-class ClassTables:
-    """A batch's KV, class by class: ``tables[k]`` ``[B, max_pages]`` int32 of class ``k``'s
-    pages (class-local page ids) and ``context_lens[k]`` ``[B]`` its positions among each
-    sequence's context."""
-
-    tables: tuple[Any, ...]
-    context_lens: tuple[Any, ...]
-    classes: tuple[PoolClass, ...]
-
-    def on(self, device: Any) -> ClassTables:
-        import torch
-
-        def to(a: Any, dtype: torch.dtype) -> Any:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device, dtype)
-
-        return ClassTables(tuple(to(t, torch.int32) for t in self.tables),
-                           tuple(to(n, torch.int32) for n in self.context_lens), self.classes)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from kvbench.engines.base import KVStats
-from kvbench.engines.kv.modal import KV_DTYPES, SCALE_BYTES, PoolClass
+from kvbench.engines.kv.page_classes import KV_DTYPES, SCALE_BYTES, PoolClass
 from kvbench.engines.kv.spec import KVSpec
 from kvbench.engines.sequence import Sequence
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, KVPolicy, Paging
-from kvbench.engines.kv.base import KVManager
+from kvbench.engines.kv.base import KVManager, steps_within
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.eviction import EVICTIONS, Eviction
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
@@ -416,22 +416,7 @@ class PagedKVManager(KVManager):
                 return 0
             firsts.append(len(table) * bs - p)
         room = self.pool.num_plain_free if keep_cached else self.pool.num_free
-        first = np.asarray(firsts, dtype=np.int64)
-
-        def taken(j: int) -> int:
-            """Blocks the grows of steps 0 .. j take together."""
-            return int(np.maximum(0, (j - first) // bs + 1).sum())
-
-        if taken(max_steps - 1) <= room:
-            return max_steps
-        lo, hi = 0, max_steps - 1  # taken(hi) > room; find the first such step
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if taken(mid) > room:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        return steps_within(firsts, bs, max_steps, room)
 
     def _decode_events(self, seqs: list[Sequence], steps: int
                        ) -> tuple[dict[int, list[int]], dict[int, list[int]], np.ndarray]:

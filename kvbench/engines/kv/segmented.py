@@ -33,7 +33,7 @@ from pydantic import Field
 from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, EngineSettings, KVPolicy
 from kvbench.engines.kv.arena import Arena
-from kvbench.engines.kv.base import KVManager, SlotCopy, newly_computed
+from kvbench.engines.kv.base import KVManager, SlotCopy, newly_computed, steps_within
 from kvbench.engines.kv.spec import Footprint, KVSpec
 from kvbench.engines.sequence import Sequence
 from kvbench.errors import KvbenchError
@@ -177,11 +177,7 @@ class SegmentedKVManager(KVManager):
             raise RuntimeError(f"sequence {seq.seq_id} is already allocated")
         if num_cached:
             raise RuntimeError("the segmented KV manager has no prefix cache")
-        bs = self.block_size
-        head_blocks = min(self.head_tokens // bs, _cdiv(seq.max_tokens, bs))
-        # Sample 0 before its prefill will fork the other samples right after it.
-        count = seq.request.n if seq.sample_index == 0 and not seq.output_ids else 1
-        tail_blocks = max(_cdiv(num_new, bs) - head_blocks, 0)
+        head_blocks, count, tail_blocks = self._needs(seq, num_new)
         if count * head_blocks + tail_blocks > self._free_blocks:
             return False
         heads = self._take_heads(head_blocks, count)
@@ -350,6 +346,62 @@ class SegmentedKVManager(KVManager):
             page_table_entries=self._entries,
         )
 
+    # --- decode fast-forward ---------------------------------------------------------------
+
+    def decode_room(self, seqs: list[Sequence], max_steps: int, keep_cached: bool = False) -> int:
+        """Steps before a grow could fail or copy: a sequence past its room takes a tail
+        block from the arena, so at most the free blocks between them; forked samples share
+        tail blocks (copy-on-write), so they step one at a time."""
+        if self._copies or self._forked:
+            return 0
+        bs, firsts = self.block_size, []
+        for seq in seqs:
+            state = self._seqs[seq.seq_id]
+            if state.num_committed != seq.num_computed_tokens:
+                return 0
+            firsts.append(state.room(bs) - seq.num_computed_tokens)
+        return steps_within(firsts, bs, max_steps, self._free_blocks)
+
+    def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
+        """Each step's grows take their tail blocks as :meth:`grow` would, in step and running
+        order; the values they change hold from that step to the next such one."""
+        bs, n = self.block_size, len(seqs)
+        states = [self._seqs[s.seq_id] for s in seqs]
+        takes: dict[int, list[_Segments]] = {}
+        for state, seq in zip(states, seqs, strict=True):
+            for j in range(state.room(bs) - seq.num_computed_tokens, steps, bs):
+                takes.setdefault(j, []).append(state)
+        at = [-1]  # the steps whose takes change the values below, after the values before
+        values: list[tuple[int, int, int, int, int]] = []
+        for j in [-1, *sorted(takes)]:
+            for state in takes.get(j, ()):
+                limit = self._limit(state)
+                self._add_tail(state, 1)
+                self._sum_limit += self._limit(state) - limit
+            if j >= 0:
+                at.append(j)
+            values.append((self._free_blocks, self.arena.largest, self._allocs, self._entries,
+                           self._sum_limit))
+        step = np.arange(steps, dtype=np.int64)
+        free, largest, allocs, entries, limits = np.asarray(values, dtype=np.int64)[
+            np.searchsorted(np.asarray(at[1:], dtype=np.int64), step, side="right")].T
+        bpt, block_bytes = self.bytes_per_token, bs * self.bytes_per_token
+        committed = self._sum_committed + n * (step + 1)
+        columns = {
+            "used_bytes": (self._used_tokens + n * (step + 1)) * bpt,
+            "reserved_bytes": (self.num_blocks - free) * block_bytes,
+            "reserved_ahead_bytes": (limits - committed) * bpt,
+            "free_bytes": free * block_bytes,
+            "largest_free_bytes": largest * block_bytes,
+            "block_allocs": allocs,
+            "page_table_entries": entries,
+        }
+        self._used_tokens += n * steps
+        self._sum_committed += n * steps
+        for state in states:
+            state.num_committed += steps
+        return columns
+
     def describe(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
@@ -359,6 +411,24 @@ class SegmentedKVManager(KVManager):
             "bytes_per_token": self.bytes_per_token,
             "max_model_len": self.max_model_len,
         }
+
+    def would_admit(self, seq: Sequence, num_cached: int, num_new: int) -> bool | None:
+        if seq.seq_id in self._seqs or num_cached:
+            return None
+        head_blocks, count, tail_blocks = self._needs(seq, num_new)
+        if count * head_blocks + tail_blocks > self._free_blocks:
+            return False
+        trial = self.arena.copy()
+        return all(trial.take(head_blocks) is not None for _ in range(count))
+
+    def _needs(self, seq: Sequence, num_new: int) -> tuple[int, int, int]:
+        """What admitting ``seq`` with ``num_new`` tokens takes: blocks per head, heads, and
+        tail blocks."""
+        bs = self.block_size
+        head_blocks = min(self.head_tokens // bs, _cdiv(seq.max_tokens, bs))
+        # Sample 0 before its prefill will fork the other samples right after it.
+        count = seq.request.n if seq.sample_index == 0 and not seq.output_ids else 1
+        return head_blocks, count, max(_cdiv(num_new, bs) - head_blocks, 0)
 
     def _take_heads(self, head_blocks: int, count: int) -> list[int] | None:
         """Starts of ``count`` heads of ``head_blocks`` blocks, all or none."""

@@ -41,10 +41,6 @@ class KVSpec:
     def page_bytes(self) -> int:
         return self.page_tokens * self.bytes_per_token
 
-    def pages_for(self, num_tokens: int) -> int:
-        """Pages ``num_tokens`` tokens occupy."""
-        return -(-num_tokens // self.page_tokens)
-
     def to_json(self) -> dict[str, object]:
         return {
             "page_tokens": self.page_tokens, "bytes_per_token": self.bytes_per_token,

@@ -46,8 +46,6 @@ from kvbench.kernels.layouts import BlockTables
 from kvbench.workloads.model import Request
 
 KiB, MiB = 1 << 10, 1 << 20
-# The page sizes vAttention supports: CUDA's 2 MiB, and its driver's smaller ones.
-PAGE_BYTES = (64 * KiB, 128 * KiB, 256 * KiB, 2 * MiB)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -63,6 +61,7 @@ class VAttentionPolicy(KVPolicy):
         "virtually contiguous KV, physical pages (2 MiB | 64 KiB) mapped on demand per layer "
         "and K/V; map/unmap calls on the clock; address translation emulated by a block table"
     )
+    # The page sizes vAttention supports: CUDA's 2 MiB, and its driver's smaller ones.
     page_bytes: Literal[65536, 131072, 262144, 2097152] = 2 * MiB
     prewarm_pages: int = Field(default=0, ge=0)
     prewarm: Prewarm = "none"

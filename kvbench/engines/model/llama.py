@@ -50,10 +50,9 @@ def _matrix(rows: int, cols: int, dtype: torch.dtype) -> Tensor:
     """An uninitialised ``[rows, cols]`` weight of ``F.linear`` (out x in features). On the
     CPU in float32 it is stored column-major, the transpose of a contiguous ``[cols, rows]``:
     where the model's products fall back to ``F.linear`` (no oneDNN, see :func:`pack`),
-    ``x @ W^T`` is then MKL's sgemm of two row-major matrices, up to 2.5 times as fast as
-    the transposed product over a row-major ``W`` for the few rows of a decode step (measured
-    on one core: the tiny model's LM head over 7 rows 213 instead of 543 us) and as fast for
-    long prefill chunks. Elsewhere (GPUs, half precision) row-major, as checkpoints store it.
+    ``x @ W^T`` is then MKL's sgemm of two row-major matrices, faster than the transposed
+    product over a row-major ``W`` for a decode step's few rows and as fast for long prefill
+    chunks. Elsewhere (GPUs, half precision) row-major, as checkpoints store it.
     Values are filled in place (``copy_``), whatever the layout."""
     if torch.get_default_device().type == "cpu" and dtype == torch.float32:
         return torch.empty(cols, rows, dtype=dtype).t()
@@ -63,11 +62,10 @@ def _matrix(rows: int, cols: int, dtype: torch.dtype) -> Tensor:
 def pack(weight: Tensor) -> Tensor | None:
     """``weight`` (out x in features) copied into oneDNN's blocked layout for :func:`linear`,
     on the CPU in float32 where torch has oneDNN; else None (``F.linear`` serves). oneDNN's
-    kernel over a weight packed once (what vLLM's CPU backend runs) took a half to a third
-    of MKL's time on one core of an AMD EPYC, from a decode step's few rows to 2048-row
-    prefill chunks (MKL picks slower code paths on CPUs other than Intel's), and each row's
-    result does not depend on how many rows the batch has. The copy costs the weight's
-    bytes again; the parameter keeps the checkpoint's values (state dicts, tied heads)."""
+    kernel over a weight packed once (what vLLM's CPU backend runs) is faster than MKL's,
+    which picks slower code paths on CPUs other than Intel's, and each row's result does not
+    depend on how many rows the batch has. The copy costs the weight's bytes again; the
+    parameter keeps the checkpoint's values (state dicts, tied heads)."""
     if not packs(weight.device, weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
@@ -133,7 +131,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # Normalise in float32, scale in the model dtype (Hugging Face's order). Written out,
         # these are F.rms_norm's own CPU ops (the same values, bit for bit), without its
-        # wrapper, which took up to ten times as long on a prefill step's thousands of rows.
+        # wrapper's overhead, which is large on a prefill step's many rows.
         if x.dtype == torch.float32:
             return _normalised(x, self.eps).mul_(self.weight)
         return self.weight * _normalised(x.float(), self.eps).to(x.dtype)

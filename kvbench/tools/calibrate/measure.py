@@ -89,7 +89,7 @@ def calibrate(
     import torch
 
     from kvbench.engines.builtin.torch_executor import TorchExecutor
-    from kvbench.run.machine import machine_info
+    from kvbench.results.machine import machine_info
 
     points = grid.points()
     if not points:

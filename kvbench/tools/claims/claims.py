@@ -25,7 +25,12 @@ from kvbench.tools.claims.core import (
     rule,
     study,
 )
-from kvbench.tools.claims.policies import _share_curve, block_runs, int8_vision, p7_rule
+from kvbench.tools.claims.policies import (
+    _share_curve,
+    block_runs,
+    int8_vision,
+    p7_int8_vision_kv_rule,
+)
 
 if TYPE_CHECKING:
     from kvbench.results.schema import RunRecord
@@ -34,7 +39,7 @@ GB = 1e9
 
 
 @rule("C1")
-def c1_rule(paged: int, contiguous: int) -> Verdict:
+def c1_paged_concurrency_rule(paged: int, contiguous: int) -> Verdict:
     """32 -> 58: both numbers on one budget, or one of them or the x1.81 ratio (5%)."""
     ratio = paged / contiguous if contiguous else math.inf
     return pick([(paged == 58 and contiguous == 32, "reproduced"),
@@ -65,14 +70,14 @@ def _c1_deployment(tp: int):
 
 
 @study("C1")
-def c1(ctx: Context) -> Row:
+def c1_paged_concurrency(ctx: Context) -> Row:
     per_gpu = _c1_deployment(1)["llama-2-7b"]
     # The report's words are for the whole 8-GPU deployment: one TP-8 replica of any model.
     whole = _c1_deployment(8)
-    verdicts = {name: c1_rule(*v) for name, v in whole.items()}
+    verdicts = {name: c1_paged_concurrency_rule(*v) for name, v in whole.items()}
     best_whole = min(verdicts, key=lambda n: (BEST_FIRST.index(verdicts[n]),
                                               abs(whole[n][0] - 58)))
-    v_gpu, v_whole = c1_rule(*per_gpu), verdicts[best_whole]
+    v_gpu, v_whole = c1_paged_concurrency_rule(*per_gpu), verdicts[best_whole]
     sim = ctx.run("field-a100-2048", "c1-field",
                   **({"num_requests": 128} if ctx.quick else {}))
     conc = {e: sim[e]["max_concurrent_requests"] for e in sim.records}
@@ -108,7 +113,7 @@ def saturated(ctx: Context):
 
 
 @rule("C2")
-def c2_rule(external_loss: float, broad_loss: float) -> Verdict:
+def c2_external_fragmentation_rule(external_loss: float, broad_loss: float) -> Verdict:
     """'Up to 30%': a loss within 15-45%, strictly to external fragmentation or, favourably,
     to all of contiguous reservation's waste."""
     def ok(x: float) -> bool:
@@ -118,12 +123,12 @@ def c2_rule(external_loss: float, broad_loss: float) -> Verdict:
 
 
 @study("C2")
-def c2(ctx: Context) -> Row:
+def c2_external_fragmentation(ctx: Context) -> Row:
     r = saturated(ctx)
     thr = {e: r[e]["output_throughput"] for e in r.records}
     external = 1 - thr["contiguous-request"] / thr["contiguous-compact"]
     broad = 1 - thr["contiguous"] / thr["paged"]
-    verdict = c2_rule(external, broad)
+    verdict = c2_external_fragmentation_rule(external, broad)
     return Row(
         "C2", "fragmentation can cost up to 30% of performance",
         "output tokens/s under an engine-bound load (all requests queued at 0 s), Llama-2-7B "
@@ -155,12 +160,12 @@ def utilisation_while_waiting(rec) -> tuple[float | None, float | None]:
 
 
 @rule("C3")
-def c3_rule(lowest: float | None) -> Verdict:
+def c3_mixed_length_utilisation_rule(lowest: float | None) -> Verdict:
     return "reproduced" if lowest is not None and lowest < 0.65 else "refuted"
 
 
 @study("C3")
-def c3(ctx: Context) -> Row:
+def c3_mixed_length_utilisation(ctx: Context) -> Row:
     r = saturated(ctx)
     util = {e: utilisation_while_waiting(r.record(e)) for e in ("contiguous-request", "paged")}
     mean_c, min_c = util["contiguous-request"]
@@ -179,7 +184,7 @@ def c3(ctx: Context) -> Row:
         f"contiguous-request: time-weighted {pct(mean_c)}, lowest {pct(min_c)}; paged "
         f"{pct(util['paged'][0])}; {worst}; waited with enough free in total "
         f"{s['fragmentation_wait_s']:.1f} s",
-        c3_rule(min_c),
+        c3_mixed_length_utilisation_rule(min_c),
         "reproduced if utilisation while requests wait falls below 65% at some moment; "
         "refuted if it never does (or nothing waits)",
         [r.command], {"utilization_mean_min": util},
@@ -187,7 +192,9 @@ def c3(ctx: Context) -> Row:
 
 
 @rule("C4")
-def c4_rule(per_tensor_128: float, per_tensor_2mib: float, per_request_2mib: float) -> Verdict:
+def c4_alignment_waste_rule(
+    per_tensor_128: float, per_tensor_2mib: float, per_request_2mib: float
+) -> Verdict:
     """Mean bytes wasted a request: ~1 MB (0.5-2 MB) at 128-byte alignment, or favourably at
     a 2 MiB granule per tensor or per request."""
     def in_range(x: float) -> bool:
@@ -199,7 +206,7 @@ def c4_rule(per_tensor_128: float, per_tensor_2mib: float, per_request_2mib: flo
 
 
 @study("C4")
-def c4(ctx: Context) -> Row:
+def c4_alignment_waste(ctx: Context) -> Row:
     from kvbench.engines.kv.contiguous import ContiguousPolicy, reserve_len
     from kvbench.engines.model.presets import get_preset
     from kvbench.workloads.presets import generate_preset
@@ -224,7 +231,7 @@ def c4(ctx: Context) -> Row:
                 engines="contiguous-request,contiguous-align128,contiguous-align2mib",
                 num_requests=n, request_rate=16)
     run_w = {e: r[e]["kv_internal_waste_pct"] for e in r.records}
-    verdict = c4_rule(waste[128], waste[2097152], whole)
+    verdict = c4_alignment_waste_rule(waste[128], waste[2097152], whole)
     return Row(
         "C4", "128-byte alignment: 1279 -> 1280 MB, ~1 MB a request, 1 GB at 1000",
         "exact-length extents rounded up to the alignment, per layer and K/V tensor "
@@ -300,13 +307,13 @@ def _host_allocator_s(wl, bpt: int, live: int, reps: int, seed: int) -> dict[str
 
 
 @rule("C5")
-def c5_rule(share: float) -> Verdict:
+def c5_allocator_time_share_rule(share: float) -> Verdict:
     """12% of inference time, within a factor of 2 either way."""
     return pick([(0.06 <= share <= 0.24, "reproduced"), (share > 0.24, "partly")], "refuted")
 
 
 @study("C5")
-def c5(ctx: Context) -> Row:
+def c5_allocator_time_share(ctx: Context) -> Row:
     from kvbench.engines.model.presets import get_preset
     from kvbench.engines.sim.costmodel import CostModel
     from kvbench.engines.sim.hardware import get_gpu
@@ -348,7 +355,7 @@ def c5(ctx: Context) -> Row:
         f"{host['compact_bytes'] / 1e6:.0f} MB; {ends_per_step:.2f} requests end per step; "
         f"GPU decode step {step * 1e3:.1f} ms; share {pct(mid, 2)} "
         f"({pct(lo, 2)}-{pct(hi, 2)} over the repeats)",
-        decided(shares, c5_rule),
+        decided(shares, c5_allocator_time_share_rule),
         "reproduced if the share is 6-24% (12% within 2x), partly if above, refuted if "
         "below; decided only where every repeat gives the same verdict",
         [r.command], {"share": shares, "copy_s": copy_s, "gpu_step_s": step,
@@ -360,7 +367,9 @@ DEFRAG_THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
 
 
 @rule("C6")
-def c6_rule(base_wait_s: float, wait_s: dict[float, float]) -> Verdict:
+def c6_fragmentation_index_threshold_rule(
+    base_wait_s: float, wait_s: dict[float, float]
+) -> Verdict:
     """Is 0.7 where health begins? Healed = fragmentation waits cut to <= 10% of first-fit's
     by compacting below that threshold."""
     healed = [t for t in sorted(wait_s) if wait_s[t] <= 0.1 * base_wait_s]
@@ -370,7 +379,7 @@ def c6_rule(base_wait_s: float, wait_s: dict[float, float]) -> Verdict:
 
 
 @study("C6")
-def c6(ctx: Context) -> Row:
+def c6_fragmentation_index_threshold(ctx: Context) -> Row:
     n = ctx.size(300, 1000)
     r = ctx.run("defrag-sweep", "c6-defrag-sweep", num_requests=n)
     base = r["contiguous-request"]
@@ -387,7 +396,7 @@ def c6(ctx: Context) -> Row:
         f"{base_wait:.2f} s, TTFT p50 {num(base['median_ttft_ms'])} ms; "
         + "; ".join(f"held >= {t}: waits {wait[t]:.2f} s, {s['kv_copied_bytes'] / 1e9:.0f} GB "
                     f"copied, TTFT p50 {num(s['median_ttft_ms'])} ms" for t, s in runs.items()),
-        c6_rule(base_wait, wait),
+        c6_fragmentation_index_threshold_rule(base_wait, wait),
         "healed = waits cut to <= 10% of first-fit's; reproduced if 0.7 is the lowest "
         "threshold that heals (health begins there); partly if a lower one heals too (0.7 is "
         "safe but not the boundary, at more copying); refuted if 0.7 does not heal or "
@@ -398,13 +407,13 @@ def c6(ctx: Context) -> Row:
 
 
 @rule("C7")
-def c7_rule(false_alarm: bool, missed: bool) -> Verdict:
+def c7_page_turnover_alert_rule(false_alarm: bool, missed: bool) -> Verdict:
     return pick([(not false_alarm and not missed, "reproduced"),
                  (false_alarm != missed, "partly")], "refuted")
 
 
 @study("C7")
-def c7(ctx: Context) -> Row:
+def c7_page_turnover_alert(ctx: Context) -> Row:
     runs = [("light", block_runs(ctx, [16])[16]), ("saturated", saturated(ctx))]
     rows = []
     false_alarm = missed = False
@@ -430,7 +439,7 @@ def c7(ctx: Context) -> Row:
         "preemption's pages, at the run's mean pages per running request, out and in), per "
         "second of run; allocations are not swaps (shown for comparison: `--alerts default` "
         "counts them); a healthy run has no preemption and no KV wait",
-        "; ".join(rows), c7_rule(false_alarm, missed),
+        "; ".join(rows), c7_page_turnover_alert_rule(false_alarm, missed),
         "reproduced if the 50/s alert fires on the troubled run and not on the healthy one; "
         "partly if one of the two is wrong; refuted if both are",
         [r.command for _, r in runs], {"swap_pages_per_s": rates, "false_alarm": false_alarm,
@@ -446,7 +455,7 @@ def c8_alarms(hit_and_ideal: dict[str, tuple[float, float]]) -> tuple[list[str],
 
 
 @rule("C8")
-def c8_rule(hit_and_ideal: dict[str, tuple[float, float]]) -> Verdict:
+def c8_prefix_hit_rate_rule(hit_and_ideal: dict[str, tuple[float, float]]) -> Verdict:
     """``hit_and_ideal``: per workload, (prefix hit rate, shareable-prefix fraction)."""
     fires, false_alarm = c8_alarms(hit_and_ideal)
     return pick([(not false_alarm, "reproduced"), (len(false_alarm) < len(fires), "partly")],
@@ -454,7 +463,7 @@ def c8_rule(hit_and_ideal: dict[str, tuple[float, float]]) -> Verdict:
 
 
 @study("C8")
-def c8(ctx: Context) -> Row:
+def c8_prefix_hit_rate(ctx: Context) -> Row:
     from kvbench.workloads.stats import shareable_prefix_fraction
 
     n = ctx.size(100, 1000)
@@ -468,7 +477,7 @@ def c8(ctx: Context) -> Row:
         lines.append(f"{wl}: hit {pct(hit)} of ideal {pct(ideal)}")
         commands.append(r.command)
     fires, false_alarm = c8_alarms(out)
-    verdict = c8_rule(out)
+    verdict = c8_prefix_hit_rate_rule(out)
     return Row(
         "C8", "shared-page hit rate should exceed 80%",
         "prefix-cache hit rate of paged (ample KV) against the workload's shareable-prefix "
@@ -483,7 +492,7 @@ def c8(ctx: Context) -> Row:
 
 
 @study("C9")
-def c9(ctx: Context) -> Row:
+def c9_block_size_from_l2(ctx: Context) -> Row:
     from kvbench.engines.model.presets import get_preset
 
     preset = get_preset("llama-3-8b")
@@ -510,7 +519,7 @@ def c9(ctx: Context) -> Row:
 
 
 @rule("C10")
-def c10_rule(p99_e2el_ms: dict[int, float], lower: int, upper: int) -> Verdict:
+def c10_max_num_seqs_range_rule(p99_e2el_ms: dict[int, float], lower: int, upper: int) -> Verdict:
     """``p99_e2el_ms``: per max_num_seqs cap; the range [lower, upper] holds the good caps if
     one inside is within 2% of the best and every one outside is worse."""
     best = min(p99_e2el_ms.values())
@@ -522,7 +531,7 @@ def c10_rule(p99_e2el_ms: dict[int, float], lower: int, upper: int) -> Verdict:
 
 
 @study("C10")
-def c10(ctx: Context) -> Row:
+def c10_max_num_seqs_range(ctx: Context) -> Row:
     n = ctx.size(200, 1000)
     free = ctx.run("quick-sim", "c10-unbounded", engines="paged", num_requests=n,
                    max_num_seqs=4096)
@@ -540,7 +549,7 @@ def c10(ctx: Context) -> Row:
         r = ctx.run("quick-sim", f"c10-seqs-{v}", engines="paged", num_requests=n,
                     max_num_seqs=v)
         thr[v] = r["paged"]["p99_e2el_ms"]
-    verdict = c10_rule(thr, lower, upper)
+    verdict = c10_max_num_seqs_range_rule(thr, lower, upper)
     return Row(
         "C10", "max_num_seqs between 1.2 x peak concurrency and capacity / per-sequence memory",
         "peak concurrency and mean per-sequence KV from a run without the cap (Llama-2-7B "
@@ -557,14 +566,14 @@ def c10(ctx: Context) -> Row:
 
 
 @rule("C11")
-def c11_rule(shares: dict[str, float]) -> Verdict:
+def c11_page_table_reserve_rule(shares: dict[str, float]) -> Verdict:
     """``shares``: peak page-table bytes over the KV pool, per run; the largest decides."""
     top = max(shares.values())
     return pick([(top >= 0.10, "reproduced"), (top >= 0.015, "partly")], "refuted")
 
 
 @study("C11")
-def c11(ctx: Context) -> Row:
+def c11_page_table_reserve(ctx: Context) -> Row:
     recs = [("headroom paged", ctx.run(
                 "headroom", "p6-headroom",
                 engines="paged,paged-reserve25,contiguous-request,contiguous-defrag",
@@ -572,7 +581,7 @@ def c11(ctx: Context) -> Row:
             ("saturated paged", saturated(ctx))]
     shares = {k: r["paged"]["peak_page_table_bytes"] / r["paged"]["kv_capacity_bytes"]
               for k, r in recs}
-    verdict = c11_rule(shares)
+    verdict = c11_page_table_reserve_rule(shares)
     return Row(
         "C11", "reserve 15% of each GPU's memory for page-table management",
         "peak block-table bytes (entries x their size) over the KV pool",
@@ -585,7 +594,7 @@ def c11(ctx: Context) -> Row:
 
 
 @study("C12")
-def c12(ctx: Context) -> Row:
+def c12_memory_bandwidth(ctx: Context) -> Row:
     return Row(
         "C12", "memory bandwidth must exceed 750 GB/s or paging becomes the bottleneck",
         "paged against contiguous decode attention on GPUs either side of 750 GB/s; a CPU's "
@@ -595,7 +604,7 @@ def c12(ctx: Context) -> Row:
 
 
 @study("C13")
-def c13(ctx: Context) -> Row:
+def c13_long_sequence_latency(ctx: Context) -> Row:
     n = ctx.size(200, 600)
     out = {}
     commands = []
@@ -621,7 +630,7 @@ def c13(ctx: Context) -> Row:
 
 
 @study("C14")
-def c14(ctx: Context) -> Row:
+def c14_throughput_plateau(ctx: Context) -> Row:
     return Row(
         "C14", "throughput plateaus as page-table lookups and shared-page identification "
         "bottleneck",
@@ -663,7 +672,7 @@ ON_THE_REPORTS_WORD = "modelled on the report's word, not reproduced by mechanis
 
 
 @rule("C15")
-def c15_rule(prealloc_peak: float, on_demand_peak: float) -> Verdict:
+def c15_device_memory_blowup_rule(prealloc_peak: float, on_demand_peak: float) -> Verdict:
     """Peaks of the report's load (its 32 prompts: the first wave) from modelled mechanics:
     within 15% of 41.3 GB with vLLM's pool, or favourably with an on-demand cache."""
     def near(x: float) -> bool:
@@ -674,7 +683,7 @@ def c15_rule(prealloc_peak: float, on_demand_peak: float) -> Verdict:
 
 
 @study("C15")
-def c15(ctx: Context) -> Row:
+def c15_device_memory_blowup(ctx: Context) -> Row:
     pre = blowup_waves(ctx, "c15-prealloc-waves", extra_kv_window_tokens=0)
     ond = blowup_waves(ctx, "c15-on-demand-waves", **MECHANICS)
     win = blowup_waves(ctx, "c15-on-demand-report-window", kv_allocation="on-demand")
@@ -695,7 +704,7 @@ def c15(ctx: Context) -> Row:
         f"at some wave, so later waves read no fixed load); with the report's extra window "
         f"({ON_THE_REPORTS_WORD}): {gb(w[0])}; weights alone {gb(weights)} > the 8.2 GB "
         "'expected'",
-        c15_rule(p[0], o[0]),
+        c15_device_memory_blowup_rule(p[0], o[0]),
         "on the first wave, from modelled mechanics: reproduced if the preallocated reading "
         "is within 15% of 41.3 GB; partly if only the on-demand one is; else refuted (a "
         f"reading that needs the report's extra window is {ON_THE_REPORTS_WORD})",
@@ -705,7 +714,7 @@ def c15(ctx: Context) -> Row:
 
 
 @rule("C16")
-def c16_rule(causes: dict[str, tuple[float, bool]]) -> Verdict:
+def c16_blowup_causes_rule(causes: dict[str, tuple[float, bool]]) -> Verdict:
     """``causes``: per named cause, (bytes its removal saves at the peak over the waves,
     whether that follows from modelled mechanics rather than the report's word); a cause
     matters if it is mechanical and saves >= 1 GB."""
@@ -722,7 +731,7 @@ def _leak(run: SuiteRun, engine: str) -> str:
 
 
 @study("C16")
-def c16(ctx: Context) -> Row:
+def c16_blowup_causes(ctx: Context) -> Row:
     base = blowup_waves(ctx, "c15-on-demand-waves", **MECHANICS)
     window = blowup_waves(ctx, "c15-on-demand-report-window", kv_allocation="on-demand")
     fused = blowup_waves(ctx, "c16-fused-waves", **MECHANICS, attention_impl="fused")
@@ -753,7 +762,7 @@ def c16(ctx: Context) -> Row:
         + f"; kvbench soak: {_leak(base, 'paged-leaky')}, {_leak(recycled, 'paged')}; Mistral "
         f"window: max conc. kept {kept['max_concurrent_requests']} vs freed "
         f"{freed['max_concurrent_requests']} ({n} requests)",
-        c16_rule(causes),
+        c16_blowup_causes_rule(causes),
         "a cause counts if it is reproduced by mechanism and its removal lowers the peak by "
         f">= 1 GB (one {ON_THE_REPORTS_WORD} never counts); reproduced if all three count, "
         "partly if some, refuted if none",
@@ -764,7 +773,7 @@ def c16(ctx: Context) -> Row:
 
 
 @rule("C17")
-def c17_rule(saved: dict[str, list[float]], claimed: dict[str, float]) -> Verdict:
+def c17_blowup_fixes_rule(saved: dict[str, list[float]], claimed: dict[str, float]) -> Verdict:
     """``saved``: per fix, the bytes it saved in each reading (on demand, preallocated); a fix
     matches if either reading is within 30% of its claimed saving."""
     hits = sum(any(abs(v / claimed[fix] - 1) <= 0.3 for v in values)
@@ -773,7 +782,7 @@ def c17_rule(saved: dict[str, list[float]], claimed: dict[str, float]) -> Verdic
 
 
 @study("C17")
-def c17(ctx: Context) -> Row:
+def c17_blowup_fixes(ctx: Context) -> Row:
     claimed = {"flash attention": 12.1e9, "chunked prefill": 8.7e9, "max_num_seqs 64": 5.3e9}
     flags = {"flash attention": {"attention_impl": "fused"},
              "chunked prefill": {"chunked_prefill": True, "max_num_batched_tokens": 2048},
@@ -788,8 +797,9 @@ def c17(ctx: Context) -> Row:
             r = blowup(ctx, f"c17-{mode}-{fix.replace(' ', '-')}", **extra, **f)
             measured[(mode, fix)] = b - r["paged-leaky"]["peak_device_bytes"]
             commands.append(r.command)
-    verdict = c17_rule({fix: [measured[(m, fix)] for m in ("on-demand", "preallocated")]
-                        for fix in claimed}, claimed)
+    saved = {fix: [measured[(m, fix)] for m in ("on-demand", "preallocated")]
+             for fix in claimed}
+    verdict = c17_blowup_fixes_rule(saved, claimed)
     return Row(
         "C17", "fixes: flash-attn -12.1 GB, chunked prefill -8.7 GB, max_num_seqs 64 -5.3 GB",
         "each fix alone on seed-blowup, on demand and preallocated (favourable: the closer); "
@@ -805,7 +815,7 @@ def c17(ctx: Context) -> Row:
 
 
 @rule("C18")
-def c18_rule(paged16_waste_pct: float, other_waste_pct: list[float]) -> Verdict:
+def c18_page_redundancy_rule(paged16_waste_pct: float, other_waste_pct: list[float]) -> Verdict:
     """12-18% redundancy: with 16-token pages, or favourably in another reading."""
     def ok(x: float) -> bool:
         return 12 <= x <= 18
@@ -815,15 +825,15 @@ def c18_rule(paged16_waste_pct: float, other_waste_pct: list[float]) -> Verdict:
 
 
 @study("C18")
-def c18(ctx: Context) -> Row:
+def c18_page_redundancy(ctx: Context) -> Row:
     runs = block_runs(ctx, [16, 2048])
     waste = {f"paged block {b}": r["paged"]["kv_waste_pct"] for b, r in runs.items()}
     n = ctx.size(300, 1000)
     cr = ctx.run("policies", "c18-contiguous-request", engines="contiguous-request",
                  num_requests=n, workload="mixed-text", request_rate=16)
     waste["contiguous-request"] = cr["contiguous-request"]["kv_waste_pct"]
-    verdict = c18_rule(waste["paged block 16"],
-                       [v for k, v in waste.items() if k != "paged block 16"])
+    verdict = c18_page_redundancy_rule(
+        waste["paged block 16"], [v for k, v in waste.items() if k != "paged block 16"])
     return Row(
         "C18", "pages of '16 x 128 FP16 tokens = 2048 tokens'; 12-18% redundancy",
         "16 x 128 is 16 tokens x 128 dims (2048 values), not 2048 tokens; both readings "
@@ -838,7 +848,9 @@ def c18(ctx: Context) -> Row:
 
 
 @rule("C19")
-def c19_rule(waits: tuple[int, int], throughput: tuple[float, float]) -> Verdict:
+def c19_shared_modality_pool_rule(
+    waits: tuple[int, int], throughput: tuple[float, float]
+) -> Verdict:
     """(shared pool, split pools): steps waiting with enough free, and requests/s."""
     if waits[0] > waits[1] and throughput[0] < throughput[1]:
         return "reproduced"
@@ -848,7 +860,7 @@ def c19_rule(waits: tuple[int, int], throughput: tuple[float, float]) -> Verdict
 
 
 @study("C19")
-def c19(ctx: Context) -> Row:
+def c19_shared_modality_pool(ctx: Context) -> Row:
     flags = {"model": "llama-3-8b", "device": "sim:a100-80gb", "workload": "mixed-multimodal",
              "num_requests": ctx.size(100, 400), "kv_memory": "2GiB", "request_rate": "inf"}
     r = ctx.run("quick-sim", "c19-pools", engines="modal-pages,modal-pages-split", **flags)
@@ -856,7 +868,7 @@ def c19(ctx: Context) -> Row:
     waits = (shared.get("fragmentation_wait_steps") or 0, split.get("fragmentation_wait_steps")
              or 0)
     tput = (shared["request_throughput"], split["request_throughput"])
-    verdict = c19_rule(waits, tput)
+    verdict = c19_shared_modality_pool_rule(waits, tput)
     return Row(
         "C19", "vision and text tokens in one KV pool break page alignment",
         "one buddy pool shared by 512-token vision pages and 16-token text pages against split "
@@ -872,21 +884,21 @@ def c19(ctx: Context) -> Row:
 
 
 @rule("C20")
-def c20_rule(at224: int, at384: int, patches_for_617: list[int]) -> Verdict:
+def c20_vit_sequence_length_rule(at224: int, at384: int, patches_for_617: list[int]) -> Verdict:
     """Each figure holds if some patch size gives it exactly."""
     hits = (at224 == 197) + (at384 == 617 or bool(patches_for_617))
     return pick([(hits == 2, "reproduced"), (hits == 1, "partly")], "refuted")
 
 
 @study("C20")
-def c20(ctx: Context) -> Row:
+def c20_vit_sequence_length(ctx: Context) -> Row:
     from kvbench.workloads.modalities import image_token_count
 
     at224 = image_token_count("vit-b16", 224, 224)
     at384 = image_token_count("vit-b16", 384, 384)
     # Favourable: any square patch size 8-32 px with one CLS token giving 617 at 384 px.
     any617 = [p for p in range(8, 33) if (384 // p) ** 2 + 1 == 617]
-    verdict = c20_rule(at224, at384, any617)
+    verdict = c20_vit_sequence_length_rule(at224, at384, any617)
     return Row(
         "C20", "ViT 224x224 -> 384x384 changes the vision sequence from 197 to 617 tokens",
         "ViT-B/16 (16-px patches, one CLS token: kvbench's vit-b16 rule); favourable: any "
@@ -901,7 +913,7 @@ def c20(ctx: Context) -> Row:
 
 
 @rule("C21")
-def c21_rule(identical: dict[str, int], requests: int, digested: bool) -> Verdict:
+def c21_rope_across_pages_rule(identical: dict[str, int], requests: int, digested: bool) -> Verdict:
     """``identical``: per engine and block size, requests whose output digest is the
     contiguous engine's; ``digested``: every contiguous request has a digest."""
     same = digested and all(v == requests for v in identical.values())
@@ -909,7 +921,7 @@ def c21_rule(identical: dict[str, int], requests: int, digested: bool) -> Verdic
 
 
 @study("C21")
-def c21(ctx: Context) -> Row:
+def c21_rope_across_pages(ctx: Context) -> Row:
     n = ctx.size(3, 8)
     sizes = [1, 16, 128] if ctx.quick else [1, 8, 16, 32, 64, 128]
     digests, commands = {}, []
@@ -925,7 +937,7 @@ def c21(ctx: Context) -> Row:
         digests[f"paged block {b}"] = {q.id: q.output_digest for q in r.record("paged").requests}
     ref = digests["contiguous"]
     same = {k: sum(d.get(i) == ref[i] for i in ref) for k, d in digests.items()}
-    verdict = c21_rule(same, len(ref), all(ref.values()))
+    verdict = c21_rope_across_pages_rule(same, len(ref), all(ref.values()))
     tokens = sum(q.prompt_tokens + q.output_tokens for q in base.workload.requests)
     return Row(
         "C21", "RoPE positions break across pages unless a per-page offset is added "
@@ -942,16 +954,18 @@ def c21(ctx: Context) -> Row:
 
 
 @rule("C22")
-def c22_rule(points: list[tuple[float, float]], int4_fp8_bound: float) -> Verdict:
+def c22_modality_quantisation_saving_rule(
+    points: list[tuple[float, float]], int4_fp8_bound: float
+) -> Verdict:
     """The INT8 half as P7's rule has it; the 4.2x half holds only if INT4 vision + FP8 text
     can reach 4.2x against FP16 at some share (``int4_fp8_bound``: the most it gives)."""
-    int8 = p7_rule(points) == "reproduced"
+    int8 = p7_int8_vision_kv_rule(points) == "reproduced"
     int4 = int4_fp8_bound >= 4.2
     return pick([(int8 and int4, "reproduced"), (int8 or int4, "partly")], "refuted")
 
 
 @study("C22")
-def c22(ctx: Context) -> Row:
+def c22_modality_quantisation_saving(ctx: Context) -> Row:
     points = int8_vision(ctx)
     # INT4 vision + FP8 text against FP16: vision at a quarter, text at half the bytes; the
     # gain 1 / (share / 4 + (1 - share) / 2) is at most 4x (all vision) at any share.
@@ -968,7 +982,7 @@ def c22(ctx: Context) -> Row:
         "is computed from bytes per element",
         f"INT8 vision + 16-bit text: {_share_curve(points)} (measured); INT4 vision + FP8 text "
         f"would give x{min(gains):.2f}-x{max(gains):.2f} at those shares and at most x4 at any",
-        c22_rule(points, bound),
+        c22_modality_quantisation_saving_rule(points, bound),
         "the INT8 half holds as P7's rule has it (the vision share / 2, so 25% at half "
         "vision tokens); the 4.2x half if INT4 vision + FP8 text reaches 4.2x against FP16 "
         "at some share (it gives at most x4, all vision); reproduced if both hold, partly if "
@@ -994,7 +1008,7 @@ def resnet_params(blocks=(3, 8, 36, 3), classes: int = 1000) -> int:
 
 
 @rule("C23")
-def c23_rule(resnet_fp32_bytes: float, llama_one_byte_bytes: float) -> Verdict:
+def c23_medical_model_memory_rule(resnet_fp32_bytes: float, llama_one_byte_bytes: float) -> Verdict:
     """The 'before' figure against ResNet-152's fp32 weights (a tenth of it at most is
     impossible), the 'after' one against Llama-3-8B's weights at 1 byte a parameter (less
     than them is impossible); the latency needs the system."""
@@ -1003,14 +1017,14 @@ def c23_rule(resnet_fp32_bytes: float, llama_one_byte_bytes: float) -> Verdict:
 
 
 @study("C23")
-def c23(ctx: Context) -> Row:
+def c23_medical_model_memory(ctx: Context) -> Row:
     from kvbench.engines.model.presets import get_preset
 
     rn = resnet_params()
     llama = get_preset("llama-3-8b")
     w16 = llama.weight_bytes
     fp8 = llama.num_params  # one byte a parameter
-    verdict = c23_rule(rn * 4, fp8)
+    verdict = c23_medical_model_memory_rule(rn * 4, fp8)
     return Row(
         "C23", "medical system: ResNet-152 14.2 -> 3.6 GB (INT4), Llama-3-8B 22.1 -> 6.8 GB "
         "(FP8 paged KV), latency -41%",
@@ -1028,7 +1042,7 @@ def c23(ctx: Context) -> Row:
 
 
 @study("C24")
-def c24(ctx: Context) -> Row:
+def c24_tlb_misses(ctx: Context) -> Row:
     p1 = ctx.run("policies", "p1-mixed", engines="paged,paged-mixed",
                  num_requests=ctx.size(300, 1000), kv_memory="8GiB", workload="mixed-text",
                  request_rate=16)
@@ -1046,7 +1060,7 @@ def c24(ctx: Context) -> Row:
 
 
 @study("C25")
-def c25(ctx: Context) -> Row:
+def c25_hardware_page_sizes(ctx: Context) -> Row:
     from kvbench.engines.model.presets import get_preset
 
     n = ctx.size(100, 400)
@@ -1072,13 +1086,13 @@ def c25(ctx: Context) -> Row:
 
 
 @rule("C26")
-def c26_rule(oom_rate: float) -> Verdict:
+def c26_modality_pool_oom_rule(oom_rate: float) -> Verdict:
     """The 37% baseline must occur for the fix to be tested; the fix is not built."""
     return pick([(oom_rate < 0.10, "refuted")], "not measurable here")
 
 
 @study("C26")
-def c26(ctx: Context) -> Row:
+def c26_modality_pool_oom(ctx: Context) -> Row:
     seeds = range(ctx.size(3, 10))
     failed, commands = 0, []
     for s in seeds:
@@ -1089,7 +1103,7 @@ def c26(ctx: Context) -> Row:
         failed += rec.status == "failed" and "memory" in (rec.error or "").lower()
         commands.append(r.command)
     rate = failed / len(seeds)
-    verdict = c26_rule(rate)
+    verdict = c26_modality_pool_oom_rule(rate)
     return Row(
         "C26", "per-modality device pools cut OOM of ViT-L + LLaMA-7B on A100 from 37% to 1.2%",
         "one shared device memory (on-demand KV through the caching allocator, encoder "

@@ -48,7 +48,9 @@ def modality_shares(ctx: Context) -> dict[str, float]:
 
 
 @rule("P1")
-def p1_rule(entries_cut: float, throughput_ratio: float, waste_delta_pts: float) -> Verdict:
+def p1_mixed_page_sizes_rule(
+    entries_cut: float, throughput_ratio: float, waste_delta_pts: float
+) -> Verdict:
     """Fewer page-table entries is the policy's gain; it must not cost throughput or waste."""
     return pick([(entries_cut >= 2 and throughput_ratio >= 0.95 and waste_delta_pts <= 5,
                   "reproduced"),
@@ -56,7 +58,7 @@ def p1_rule(entries_cut: float, throughput_ratio: float, waste_delta_pts: float)
 
 
 @study("P1")
-def p1(ctx: Context) -> Row:
+def p1_mixed_page_sizes(ctx: Context) -> Row:
     n = ctx.size(300, 1000)
     r = ctx.run("policies", "p1-mixed", engines="paged,paged-mixed", num_requests=n,
                 kv_memory="8GiB", **POLICY_LOAD)
@@ -64,7 +66,7 @@ def p1(ctx: Context) -> Row:
     cut = p["mean_page_table_entries"] / max(m["mean_page_table_entries"], 1e-9)
     thr = m["output_throughput"] / p["output_throughput"]
     dwaste = m["kv_waste_pct"] - p["kv_waste_pct"]
-    verdict = p1_rule(cut, thr, dwaste)
+    verdict = p1_mixed_page_sizes_rule(cut, thr, dwaste)
     return Row(
         "P1", "mixed page granularity by sequence length, merging 4 small pages into one",
         "page unit 16 tokens (4 KB = 16 tokens x one KV head of 128 dims, fp16), 16 KB = 64 "
@@ -83,7 +85,7 @@ def p1(ctx: Context) -> Row:
 
 
 @rule("P2")
-def p2_rule(shared: dict[str, float]) -> Verdict:
+def p2_hash_shared_pages_rule(shared: dict[str, float]) -> Verdict:
     """``shared``: per use case, the larger of its prefix hit rate and shared-block ratio; a
     use case counts from 20%."""
     wins = sum(v >= 0.2 for v in shared.values())
@@ -92,7 +94,7 @@ def p2_rule(shared: dict[str, float]) -> Verdict:
 
 
 @study("P2")
-def p2(ctx: Context) -> Row:
+def p2_hash_shared_pages(ctx: Context) -> Row:
     n = ctx.size(100, 1000)
     cases = {"shared-prefix": "template", "multi-turn": "multi-turn history",
              "parallel-sampling": "parallel samples"}
@@ -108,7 +110,7 @@ def p2(ctx: Context) -> Row:
         figures.append(f"{label}: hit rate {pct(s.get('prefix_hit_rate'))}, shared blocks "
                        f"{pct(s.get('shared_block_ratio'))}")
         commands.append(on.command)
-    verdict = p2_rule(shares)
+    verdict = p2_hash_shared_pages_rule(shares)
     return Row(
         "P2", "hash-shared pages with copy-on-write for templates, history, parallel samples",
         "paged prefix caching by chained block hashes (the fingerprint) with ref counts; fork "
@@ -121,21 +123,21 @@ def p2(ctx: Context) -> Row:
 
 
 @rule("P3")
-def p3_rule(segmented: float, best_plain: float) -> Verdict:
+def p3_segmented_utilisation_rule(segmented: float, best_plain: float) -> Verdict:
     """92% utilisation is the segmented layout's doing only if it beats the plain layouts."""
     return pick([(segmented >= 0.92 and segmented > best_plain + 0.01, "reproduced"),
                  (segmented >= 0.92, "partly")], "refuted")
 
 
 @study("P3")
-def p3(ctx: Context) -> Row:
+def p3_segmented_utilisation(ctx: Context) -> Row:
     n = ctx.size(40, 200)
     r = ctx.run("long-code", "p3-long-code", engines="paged,segmented,contiguous-request",
                 num_requests=n)
     u = {e: r[e]["mean_kv_utilization"] for e in r.records}
     seg = u["segmented"]
     others = max(u["paged"], u["contiguous-request"])
-    verdict = p3_rule(seg, others)
+    verdict = p3_segmented_utilisation_rule(seg, others)
     return Row(
         "P3", "segmented layout above 8K (first 2K contiguous, rest paged): 92% utilisation",
         "utilisation = time-weighted KV used / reserved on code completion over 8K-16K "
@@ -153,7 +155,7 @@ def p3(ctx: Context) -> Row:
 
 
 @rule("P4")
-def p4_rule(ttft_p50_ms: dict[str, dict[str, float]]) -> Verdict:
+def p4_page_prewarm_rule(ttft_p50_ms: dict[str, dict[str, float]]) -> Verdict:
     """``ttft_p50_ms``: per load, TTFT p50 by engine; a variant wins a load more than 2%
     below synchronous mapping (``vattention-64k``)."""
     def wins(engine: str) -> int:
@@ -165,7 +167,7 @@ def p4_rule(ttft_p50_ms: dict[str, dict[str, float]]) -> Verdict:
 
 
 @study("P4")
-def p4(ctx: Context) -> Row:
+def p4_page_prewarm(ctx: Context) -> Row:
     n = ctx.size(100, 400)
     engines = "vattention,vattention-64k,vattention-64k-prewarm,vattention-64k-hint"
     light = ctx.run("prewarm", "p4-prewarm", engines=engines, num_requests=n)
@@ -173,7 +175,7 @@ def p4(ctx: Context) -> Row:
                     kv_memory="4GiB", request_rate=20)
     t = {k: {e: r[e]["median_ttft_ms"] for e in r.records}
          for k, r in (("light", light), ("pressure", heavy))}
-    verdict = p4_rule(t)
+    verdict = p4_page_prewarm_rule(t)
     return Row(
         "P4", "page-pool prewarm (preheat_pages 20; hint ceil(weighted tokens / 512))",
         "mapping costs time only in vattention (10 us a map call, assumed); 64 KiB pages, "
@@ -192,21 +194,21 @@ def p4(ctx: Context) -> Row:
 
 
 @rule("P5")
-def p5_rule(lru_hit: float, lfu_hit: float) -> Verdict:
+def p5_lfu_eviction_rule(lru_hit: float, lfu_hit: float) -> Verdict:
     """LFU against LRU on multi-turn chat, 1 point either way."""
     return pick([(lfu_hit >= lru_hit + 0.01, "reproduced"), (lfu_hit > lru_hit - 0.01, "partly")],
                 "refuted")
 
 
 @study("P5")
-def p5(ctx: Context) -> Row:
+def p5_lfu_eviction(ctx: Context) -> Row:
     n = ctx.size(200, 1000)
     runs = {wl: ctx.run("eviction", f"p5-{wl}", workload=wl, num_requests=n)
             for wl in ("multi-turn", "shared-prefix")}
     h = {wl: (r["paged"]["prefix_hit_rate"], r["paged-lfu"]["prefix_hit_rate"])
          for wl, r in runs.items()}
     lru, lfu = h["multi-turn"]
-    verdict = p5_rule(lru, lfu)
+    verdict = p5_lfu_eviction_rule(lru, lfu)
     return Row(
         "P5", "LFU eviction for a customer-service chat deployment (LRU usual)",
         "prefix-cache eviction of free cached blocks, LRU vs LFU (hits per block, ties by "
@@ -227,8 +229,8 @@ HEADROOM_LOADS: tuple[tuple[str, int], ...] = (
 
 
 @rule("P6")
-def p6_rule(oom: dict[str, tuple[bool, bool]], defrag_max_conc: tuple[int, int],
-            defrag_ttft_ms: tuple[float, float]) -> Verdict:
+def p6_reserve_and_defrag_rule(oom: dict[str, tuple[bool, bool]], defrag_max_conc: tuple[int, int],
+                               defrag_ttft_ms: tuple[float, float]) -> Verdict:
     """``oom``: per load, whether the plain pool and the pool holding 25% back ran out of
     device memory; the reserve helps where only the plain pool does. Defrag helps if it
     raises max concurrency and lowers TTFT p50 (first-fit, then defrag)."""
@@ -268,7 +270,7 @@ def headroom_runs(ctx: Context) -> tuple[dict[str, tuple[bool, bool]], list[str]
 
 
 @study("P6")
-def p6(ctx: Context) -> Row:
+def p6_reserve_and_defrag(ctx: Context) -> Row:
     n = ctx.size(300, 1000)
     r = ctx.run("headroom", "p6-headroom",
                 engines="paged,paged-reserve25,contiguous-request,contiguous-defrag",
@@ -297,7 +299,7 @@ def p6(ctx: Context) -> Row:
         f"auto-defrag: max conc. {conc[0]} -> {conc[1]}, TTFT p50 {num(ttft[0])} -> "
         f"{num(ttft[1])} ms, min frag. index {num(c['min_frag_index'])} -> "
         f"{num(d['min_frag_index'])}, {d['kv_copied_bytes'] / 1e9:.0f} GB copied",
-        p6_rule(oom, conc, ttft),
+        p6_reserve_and_defrag_rule(oom, conc, ttft),
         "the reserve helps if under some load the plain pool runs out of device memory and "
         "the pool holding 25% back does not; defrag helps if it raises max concurrency and "
         "lowers TTFT p50; reproduced if both help, partly if one, refuted if none",
@@ -336,7 +338,7 @@ def int8_vision(ctx: Context) -> list[tuple[float, float]]:
 
 
 @rule("P7")
-def p7_rule(points: list[tuple[float, float]]) -> Verdict:
+def p7_int8_vision_kv_rule(points: list[tuple[float, float]]) -> Verdict:
     """The claimed 25% (a 128 KB page at 96 KB) is the saving where half the tokens are
     vision: the policy does what is claimed if its saving is the vision share / 2 (within 2
     points) at every share."""
@@ -348,7 +350,7 @@ def _share_curve(points: list[tuple[float, float]]) -> str:
 
 
 @study("P7")
-def p7(ctx: Context) -> Row:
+def p7_int8_vision_kv(ctx: Context) -> Row:
     points = int8_vision(ctx)
     return Row(
         "P7", "INT8 vision KV, FP16 text KV; page 128 KB -> 96 KB, 25% bandwidth saved",
@@ -357,7 +359,7 @@ def p7(ctx: Context) -> Row:
         "whole, as a function of the vision share of tokens (the traffic sets it; 128 -> 96 "
         "KB is the saving at a share of 50%)",
         _share_curve(points),
-        p7_rule(points),
+        p7_int8_vision_kv_rule(points),
         "reproduced if the saving is the vision share / 2 within 2 points at every share "
         "measured (so 25% at half vision tokens, as claimed); else refuted",
         ["python -m kvbench.tools.multimodal_table"], {"share_saving": points},
@@ -365,7 +367,7 @@ def p7(ctx: Context) -> Row:
 
 
 @rule("P8")
-def p8_rule(hit_paged: float, hit_modal: float) -> Verdict:
+def p8_modality_pages_reuse_rule(hit_paged: float, hit_modal: float) -> Verdict:
     """The claim: cross-modal reuse 0% -> 63.2% with modality pages. Reproduced if modality
     pages add at least half that gain (32 points) to the prefix hit rate, partly if they add
     any, refuted if they add none."""
@@ -374,7 +376,7 @@ def p8_rule(hit_paged: float, hit_modal: float) -> Verdict:
 
 
 @study("P8")
-def p8(ctx: Context) -> Row:
+def p8_modality_pages_reuse(ctx: Context) -> Row:
     n = ctx.size(200, 1000)
     r = ctx.run("quick-sim", "p8-modality-pages", engines="paged,modal-pages",
                 workload="multimodal-reuse", model="llama-3-8b", num_requests=n,
@@ -392,7 +394,7 @@ def p8(ctx: Context) -> Row:
         + "; peak page table " + ", ".join(f"{e} {num(v / 1e6)} MB" for e, v in table.items())
         + "; a modal hit ends where a class's page is not full, so a 512-token vision page "
         "stops it at any image of fewer tokens",
-        p8_rule(hit["paged"], hit["modal-pages"]),
+        p8_modality_pages_reuse_rule(hit["paged"], hit["modal-pages"]),
         "reproduced if modality pages raise the hit rate by at least half the claimed 63.2 "
         "points; partly if they raise it at all; refuted if not",
         [r.command], {"prefix_hit_rate": hit, "peak_page_table_bytes": table},
@@ -408,7 +410,7 @@ def block_runs(ctx: Context, sizes: list[int]):
 
 
 @study("P9")
-def p9(ctx: Context) -> Row:
+def p9_block_size_tradeoff(ctx: Context) -> Row:
     sizes = [16, 64] if ctx.quick else [8, 16, 32, 64, 128]
     runs = block_runs(ctx, sizes)
     mem = {b: r["paged"]["peak_kv_reserved_bytes"] for b, r in runs.items()}
@@ -430,7 +432,7 @@ def p9(ctx: Context) -> Row:
 
 
 @study("P10")
-def p10(ctx: Context) -> Row:
+def p10_vision_kv_freeze(ctx: Context) -> Row:
     shares = modality_shares(ctx)
     return Row(
         "P10", "segmented freeze of vision KV by saliency: 32% memory saved",
@@ -452,7 +454,7 @@ GATE_GROWTHS = (("+18.3%", 0.183), ("+11.8%", 0.118))
 
 
 @rule("P11")
-def p11_rule(fails_high: bool, passes_low: bool, spread: float) -> Verdict:
+def p11_memory_growth_gate_rule(fails_high: bool, passes_low: bool, spread: float) -> Verdict:
     """A 15% gate is sound where the gated figure's run-to-run spread (max / min - 1 over
     repeats) is well below it, a third or less; above 15% it fails builds by chance."""
     if not (fails_high and passes_low) or spread > 0.15:
@@ -487,7 +489,7 @@ def gate_regressions(base: RunRecord, key: str) -> dict[str, list[str]]:
 
 
 @study("P11")
-def p11(ctx: Context) -> Row:
+def p11_memory_growth_gate(ctx: Context) -> Row:
     from kvbench.results.repeats import metric_values
 
     repeats = ctx.size(3, 5)
@@ -524,7 +526,7 @@ def p11(ctx: Context) -> Row:
             f"{pct(spread[e], 2)})" for e, vals in rss.items())
         + "; gate: " + "; ".join(f"{k}: regressions {', '.join(v) or 'none'}"
                                  for k, v in outcome.items()),
-        p11_rule(fails, passes, worst),
+        p11_memory_growth_gate_rule(fails, passes, worst),
         "reproduced if the gate fails +18.3% and passes +11.8% on every measured record and "
         "the largest spread (max / min - 1) is <= 5% (a third of the gate); partly if the "
         "gate behaves and the spread is 5-15%; refuted if the spread exceeds 15% (the gate "

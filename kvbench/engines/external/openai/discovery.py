@@ -11,15 +11,12 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvbench.engines.external.openai.reply import BadReply, is_count
 from kvbench.engines.external.openai.scrub import scrub
 from kvbench.engines.external.openai.server_metrics import MetricsError, ServerKV, ServerSample
 from kvbench.errors import KvbenchError
-
-if TYPE_CHECKING:
-    from kvbench.engines.external.openai.section import OpenAISection
 
 DISCOVERY_TIMEOUT_S = 5.0
 SERVE_HINT = "pip install 'kvbench[serve]' (aiohttp and prometheus-client)"
@@ -35,6 +32,25 @@ SHOWN_CHARS = 100
 SHOWN_MODELS = 10
 
 
+class ServerSettings(Protocol):
+    """What discovery reads of an ``openai`` section. The section
+    (:mod:`kvbench.engines.external.openai.section`) calls discovery, so it is described here
+    rather than imported."""
+
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def served_model(self) -> str | None: ...
+    @property
+    def api_key_env(self) -> str | None: ...
+    @property
+    def allow_redirects_to_other_hosts(self) -> bool: ...
+    @property
+    def origin(self) -> str: ...
+    @property
+    def metrics_endpoint(self) -> str: ...
+
+
 @dataclass(slots=True)
 class ServerInfo:
     model: str
@@ -47,7 +63,7 @@ class ServerInfo:
     redirects: dict[str, str] = field(default_factory=dict)  # followed: first URL -> last
 
 
-def api_key(section: OpenAISection) -> str | None:
+def api_key(section: ServerSettings) -> str | None:
     """The API key from the environment variable the section names. The key itself is
     never stored, logged or written to a record."""
     if section.api_key_env is None:
@@ -65,7 +81,7 @@ def bearer(key: str | None) -> dict[str, str]:
     return {} if key is None else {"Authorization": f"Bearer {key}"}
 
 
-def discover(section: OpenAISection, bytes_per_token: int) -> ServerInfo:
+def discover(section: ServerSettings, bytes_per_token: int) -> ServerInfo:
     """Ask the server at ``section.endpoint`` what it serves and publishes."""
     try:
         from kvbench.engines.external.openai.client import fetch_text, run_sync
@@ -113,7 +129,7 @@ def discover(section: OpenAISection, bytes_per_token: int) -> ServerInfo:
     return info
 
 
-def _pick_model(section: OpenAISection, endpoint: str, text: str) -> tuple[str, int | None]:
+def _pick_model(section: ServerSettings, endpoint: str, text: str) -> tuple[str, int | None]:
     try:
         models = {m["id"]: m for m in json.loads(text)["data"]}
         if not all(isinstance(name, str) and isinstance(m, dict) for name, m in models.items()):
@@ -163,7 +179,7 @@ def _unreadable(info: ServerInfo, url: str, reason: str) -> None:
 
 
 def _read_metrics(
-    info: ServerInfo, section: OpenAISection, get: Get, bytes_per_token: int
+    info: ServerInfo, section: ServerSettings, get: Get, bytes_per_token: int
 ) -> None:
     from kvbench.engines.external.openai.server_metrics import parse_metrics
 

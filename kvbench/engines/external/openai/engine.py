@@ -36,7 +36,14 @@ from typing import Any
 
 import numpy as np
 
-from kvbench.engines.base import Finished, KVStats, Stamps, StepReport, output_digest
+from kvbench.engines.base import (
+    Engine,
+    Finished,
+    KVStats,
+    Stamps,
+    StepReport,
+    output_digest,
+)
 from kvbench.engines.config import EngineConfig
 from kvbench.engines.external.openai.client import (
     Chunk,
@@ -124,7 +131,7 @@ def _lag_ms(lags_s: list[float]) -> dict[str, float] | None:
             "max": float(ms.max())}
 
 
-class OpenAIEngine:
+class OpenAIEngine(Engine):
     """Drives a live server; see the module docstring."""
 
     def __init__(self, config: EngineConfig, section: OpenAISection, info: ServerInfo) -> None:

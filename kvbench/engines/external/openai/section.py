@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
@@ -12,9 +12,6 @@ from pydantic import Field, field_validator
 from kvbench.engines.config import EngineConfig, EngineSection, ServerProcess
 from kvbench.engines.external.openai.discovery import ServerInfo, discover
 from kvbench.workloads.model import Request
-
-if TYPE_CHECKING:
-    from kvbench.engines.external.openai.engine import OpenAIEngine
 
 
 class OpenAISection(EngineSection):
@@ -86,12 +83,6 @@ class OpenAISection(EngineSection):
 
     def check(self, config: EngineConfig) -> list[str]:
         return self.discover(config).warnings
-
-    def build(self, config: EngineConfig) -> OpenAIEngine:
-        # The HTTP client (aiohttp, an optional extra) loads only when a run needs it.
-        from kvbench.engines.external.openai.engine import OpenAIEngine
-
-        return OpenAIEngine(config, self, self.discover(config))
 
     def admission(self, config: EngineConfig) -> Callable[[Request], str | None]:
         return partial(served_rejection, self.discover(config).max_model_len)

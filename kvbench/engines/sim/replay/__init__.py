@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from kvbench.engines.builtin.engine import BuiltinEngine
 from kvbench.engines.builtin.sim_executor import SimExecutor
+from kvbench.engines.kv.base import KVManager, overrides
 from kvbench.engines.kv.contiguous import ContiguousKVManager
 from kvbench.engines.kv.paged import PagedKVManager
 from kvbench.engines.sim.costmodel import CostModel
@@ -15,29 +16,23 @@ from kvbench.engines.sim.replay.engine import EventReplay
 from kvbench.engines.sim.replay.paged import PagedBook
 from kvbench.workloads.model import Request
 
+if TYPE_CHECKING:
+    from kvbench.engines.builtin.engine import BuiltinEngine
+
 __all__ = ["COLUMNS", "KV_FIELDS", "Arrivals", "EventReplay", "StepBlock", "event_replay",
            "replay_blocker"]
 
 
-def replay_blocker(engine: object, requests: Iterable[Request]) -> str | None:
+def replay_blocker(engine: BuiltinEngine, requests: Iterable[Request]) -> str | None:
     """Why ``engine`` cannot be replayed by events over ``requests`` (None: it can)."""
-    if not isinstance(engine, BuiltinEngine):
-        return "not a built-in engine"
     executor = engine.executor
     if not isinstance(executor, SimExecutor):
         return "real compute runs every step"
     if executor.memory.on_demand:
         return "on-demand KV tensors grow every step"
-    kv = engine.kv
-    if type(kv) is PagedKVManager:
-        if kv.sliding_window is not None:
-            return "blocks outside the sliding window are released as sequences advance"
-        if kv.leak_finished:
-            return "finished sequences' blocks leak"
-        if kv.eviction != "lru":
-            return f"{kv.eviction} eviction of cached blocks"
-    elif type(kv) is not ContiguousKVManager:
-        return f"the {type(kv).__name__} policy"
+    reason = _book_blocker(engine.kv)
+    if reason is not None:
+        return reason
     config = engine.scheduler.config
     if config.max_num_batched_tokens <= config.max_num_seqs:
         return "the token budget may not cover every running sequence's decode"
@@ -47,6 +42,34 @@ def replay_blocker(engine: object, requests: Iterable[Request]) -> str | None:
         if any(s.kind != "text" for s in r.segments):
             return "image or audio segments"
     return None
+
+
+def _book_blocker(kv: KVManager) -> str | None:
+    """Why the replay's books cannot keep ``kv``'s bookkeeping: they mirror every method of
+    :class:`PagedKVManager` and :class:`ContiguousKVManager`, so a subclass that overrides one
+    (its constructor and description aside) runs step by step."""
+    cls = type(kv)
+    base = next((b for b in _MIRRORED if isinstance(kv, b)), None)
+    if base is None:
+        return f"the {cls.__name__} policy"
+    changed = overrides(cls, base, (n for n in dir(base) if not n.startswith("__")
+                                    and callable(getattr(base, n)) and n not in _OWN))
+    if changed:
+        return f"the {cls.__name__} policy overrides {', '.join(changed)} of {base.__name__}"
+    if isinstance(kv, PagedKVManager):
+        if kv.sliding_window is not None:
+            return "blocks outside the sliding window are released as sequences advance"
+        if kv.leak_finished:
+            return "finished sequences' blocks leak"
+        if kv.eviction != "lru":
+            return f"{kv.eviction} eviction of cached blocks"
+    return None
+
+
+# The managers whose bookkeeping the replay's books keep, and the methods a subclass of one
+# may override and still be replayed (they decide nothing a step does).
+_MIRRORED = (PagedKVManager, ContiguousKVManager)
+_OWN = ("describe",)
 
 
 def event_replay(engine: BuiltinEngine, cost: CostModel, requests: list[Request],

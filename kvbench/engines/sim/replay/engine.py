@@ -30,11 +30,12 @@ import math
 import time
 from collections import deque
 from itertools import accumulate
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from kvbench.engines.base import (
+    MAX_DECODE_RUN,
     BatchShape,
     DeviceMemory,
     Finished,
@@ -42,7 +43,6 @@ from kvbench.engines.base import (
     causal_pairs,
     keys_read,
 )
-from kvbench.engines.builtin.engine import MAX_DECODE_RUN, BuiltinEngine
 from kvbench.engines.kv.modality import ModalityAccount
 from kvbench.engines.sim.activations import ForwardShape
 from kvbench.engines.sim.costmodel import CostModel
@@ -50,6 +50,9 @@ from kvbench.engines.sim.replay.block import INDEX, Arrivals, StepBlock
 from kvbench.engines.sim.replay.seq import Seq
 from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.workloads.model import Request
+
+if TYPE_CHECKING:
+    from kvbench.engines.builtin.engine import BuiltinEngine
 
 # A step that computes nothing and ends nothing, this many times in a row, is a stuck
 # scheduler (the harness's rule for engines it steps one at a time).
@@ -242,101 +245,19 @@ class EventReplay:
     # --- one step with events ------------------------------------------------------------
 
     def _event_step(self, block: StepBlock, t0: float) -> tuple[float, int]:
+        """One step with events, as the engine's step takes it; returns its end time and
+        the requests it ended."""
         s = self.step
-        book, running = self.book, self.running
-        budget = self.token_budget - self.n_dec
         items: list[tuple[Seq, int, int, bool]] = []
         preempted: list[Seq] = []
         runs: list[tuple[str, int, int]] = []
-        partial = running[-1] if running and not running[-1].decoding else None
-        grows = book.grows_at(s)
-        num_new = 0
-        if partial is not None:
-            start = partial.computed
-            num_new = partial.num_tokens - start
-            if num_new > budget:
-                num_new = budget if self.chunked else 0
-        need = len(grows) + (book.fresh(partial, partial.computed, num_new) if num_new else 0)
-        if need and not book.fits(need):
-            budget = self._schedule_running(s, items, preempted, runs)
-        else:
-            if grows:
-                book.grow_decoders(grows)
-            if num_new:
-                assert partial is not None
-                book.grow(partial, start, num_new)
-                items.append((partial, start, num_new, start + num_new == partial.num_tokens))
-                budget -= num_new
         scheduled: list[str] = []
-        refusal = _NO_REFUSAL
-        if not preempted:
-            refusal = self._admit(s, budget, items, scheduled)
-        copies = book.take_copies()
-
-        # The batch: every decoder, then the prefill chunks.
-        n_dec = self.n_dec
-        decode, prefill, num_tokens, sampled = n_dec, 0, n_dec, n_dec
-        window = self.window
-        if window is None:
-            context = n_dec * (s + 1) + self.sum_c
-            pairs = context
-        else:
-            context = pairs = sum(min(s + q.c + 1, window) for q in running if q.decoding)
-        chunks = []
-        longest = 0
-        for seq, start, n, sample in items:
-            end = start + n
-            num_tokens += n
-            sampled += sample
-            if n == 1 and seq.out:
-                decode += 1
-                longest = max(longest, end)
-            else:
-                prefill += n
-                chunks.append((n, end))
-            context += keys_read(start, n, window)
-            pairs += causal_pairs(start, n, window)
-        copied = sum(c.num_slots for c in copies) * self.bpt if copies else 0
-        num_seqs = n_dec + len(items)
-        dt = self.cost.step_time_s(BatchShape(
-            num_seqs=num_seqs, prefill_tokens=prefill, decode_tokens=decode,
-            context_tokens=context, attn_pairs=pairs, copied_bytes=copied))
-        if num_seqs or copies:
-            if n_dec and self.acts.attention != "fused":
-                longest = max(longest, s + 1 + max(q.c for q in running if q.decoding))
-            device = self.memory.step_shape(ForwardShape(num_tokens, sampled, tuple(chunks), decode,
-                                                   longest))
-        else:
-            device = self.memory.idle()
+        refusal = self._schedule(s, items, preempted, runs, scheduled)
+        copies = self.book.take_copies()
+        dt, device, num_tokens = self._batch(s, items, copies)
         t1 = t0 + dt
-
-        # What the step computed: decoders' tokens, prefill chunks, samples.
-        book.advance(n_dec)
-        book.fill_decoders(s)
-        finishing = self._finishing(s)
-        first_tokens = []
-        for seq, start, n, sample in items:
-            end = start + n
-            seq.computed = end
-            book.commit(seq, start, end)
-            self.sum_partial += n
-            if sample:
-                seq.out += 1
-                if seq.out == 1:
-                    first_tokens.append((seq.rid, t1))
-                if seq.run_start is None:
-                    seq.run_start = s
-                if seq.out >= seq.target:
-                    finishing.append(seq)
-                else:
-                    self._join(seq, s + 1)
-        finished = [(f, t1) for f in self.rejected]
-        self.rejected = []
-        if finishing:
-            self._retire(finishing, s + 1, t1, runs, finished)
-
-        # The step's report.
-        values = book.values()
+        first_tokens, finished = self._computed(s, items, t1, runs)
+        values = self.book.values()
         n_run = len(self.running)
         text = self._text_bytes(s + 1, values[2])
         encoder = device.encoder_bytes
@@ -364,6 +285,103 @@ class EventReplay:
         else:
             self.idle = 0
         return t1, len(finished)
+
+    def _schedule(self, s: int, items: list[tuple[Seq, int, int, bool]], preempted: list[Seq],
+                  runs: list[tuple[str, int, int]], scheduled: list[str]) -> tuple[Any, ...]:
+        """Step ``s``'s schedule: decoders' blocks, the partial prefill's next chunk (or
+        preemptions where they do not fit), then admissions; returns the refusal values."""
+        book, running = self.book, self.running
+        budget = self.token_budget - self.n_dec
+        partial = running[-1] if running and not running[-1].decoding else None
+        grows = book.grows_at(s)
+        num_new = 0
+        if partial is not None:
+            start = partial.computed
+            num_new = partial.num_tokens - start
+            if num_new > budget:
+                num_new = budget if self.chunked else 0
+        need = len(grows) + (book.fresh(partial, partial.computed, num_new) if num_new else 0)
+        if need and not book.fits(need):
+            budget = self._schedule_running(s, items, preempted, runs)
+        else:
+            if grows:
+                book.grow_decoders(grows)
+            if num_new:
+                assert partial is not None
+                book.grow(partial, start, num_new)
+                items.append((partial, start, num_new, start + num_new == partial.num_tokens))
+                budget -= num_new
+        if preempted:
+            return _NO_REFUSAL
+        return self._admit(s, budget, items, scheduled)
+
+    def _batch(self, s: int, items: list[tuple[Seq, int, int, bool]], copies: list[SlotCopy]
+               ) -> tuple[float, Any, int]:
+        """Step ``s``'s batch (every decoder, then the prefill chunks): its time, the device
+        memory it takes, and its tokens."""
+        running, n_dec, window = self.running, self.n_dec, self.window
+        decode, prefill, num_tokens, sampled = n_dec, 0, n_dec, n_dec
+        if window is None:
+            context = n_dec * (s + 1) + self.sum_c
+            pairs = context
+        else:
+            context = pairs = sum(min(s + q.c + 1, window) for q in running if q.decoding)
+        chunks = []
+        longest = 0
+        for seq, start, n, sample in items:
+            end = start + n
+            num_tokens += n
+            sampled += sample
+            if n == 1 and seq.out:
+                decode += 1
+                longest = max(longest, end)
+            else:
+                prefill += n
+                chunks.append((n, end))
+            context += keys_read(start, n, window)
+            pairs += causal_pairs(start, n, window)
+        copied = sum(c.num_slots for c in copies) * self.bpt if copies else 0
+        num_seqs = n_dec + len(items)
+        dt = self.cost.step_time_s(BatchShape(
+            num_seqs=num_seqs, prefill_tokens=prefill, decode_tokens=decode,
+            context_tokens=context, attn_pairs=pairs, copied_bytes=copied))
+        if not (num_seqs or copies):
+            return dt, self.memory.idle(), num_tokens
+        if n_dec and self.acts.attention != "fused":
+            longest = max(longest, s + 1 + max(q.c for q in running if q.decoding))
+        shape = ForwardShape(num_tokens, sampled, tuple(chunks), decode, longest)
+        return dt, self.memory.step_shape(shape), num_tokens
+
+    def _computed(self, s: int, items: list[tuple[Seq, int, int, bool]], t1: float,
+                  runs: list[tuple[str, int, int]]
+                  ) -> tuple[list[tuple[str, float]], list[tuple[Any, float]]]:
+        """What step ``s`` (ending at ``t1``) computed: decoders' tokens, prefill chunks,
+        samples; returns its first tokens and the requests it ended."""
+        book = self.book
+        book.advance(self.n_dec)
+        book.fill_decoders(s)
+        finishing = self._finishing(s)
+        first_tokens = []
+        for seq, start, n, sample in items:
+            end = start + n
+            seq.computed = end
+            book.commit(seq, start, end)
+            self.sum_partial += n
+            if sample:
+                seq.out += 1
+                if seq.out == 1:
+                    first_tokens.append((seq.rid, t1))
+                if seq.run_start is None:
+                    seq.run_start = s
+                if seq.out >= seq.target:
+                    finishing.append(seq)
+                else:
+                    self._join(seq, s + 1)
+        finished = [(f, t1) for f in self.rejected]
+        self.rejected = []
+        if finishing:
+            self._retire(finishing, s + 1, t1, runs, finished)
+        return first_tokens, finished
 
     def _runs_of(self, block: StepBlock) -> None:
         """The block's runs of token-emitting steps: those that ended in it and those going

@@ -338,18 +338,6 @@ class PagedBook:
         first = int(short.argmax())
         return first if short[first] else max_steps
 
-    def _fills(self, step: int, steps: int) -> list[Seq]:
-        """The decoders filling a block in each of ``steps`` steps from ``step``, in step
-        and running order."""
-        fills: list[Seq] = []
-        if self.caching:
-            bs, groups = self.bs, self.groups
-            for j in range(steps):
-                g = groups[(-(step + j) - 1) % bs]
-                if g:
-                    fills += g
-        return fills
-
     def fill_stop(self, step: int, steps: int, avoid: set[int]) -> int:
         """The first of ``steps`` steps that would make findable a block whose key is in
         ``avoid`` (only a block whose content's key is known can be), or ``steps``."""

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvbench.engines.base import DeviceMemory
-from kvbench.run.columns import Column
+from kvbench.results.columns import Column
 
 # A replay's step log folds this many of its oldest steps at a time, once it holds twice as
 # many; its curves keep the folded steps in buckets of FINE_STEPS.
@@ -116,7 +116,7 @@ def _floats(column: Column, n: int) -> np.ndarray:
 
 def reduce_steps(s: Any, n: int, weights: np.ndarray) -> StepSums:
     """The reductions of the first ``n`` steps held by step log ``s``; ``weights``: how many
-    requests' tokens followed on at each of them (:class:`~kvbench.run.gaps.GapLog`)."""
+    requests' tokens followed on at each of them (:class:`~kvbench.results.gaps.GapLog`)."""
     out = StepSums(steps=n)
     if not n:
         return out
@@ -128,6 +128,17 @@ def reduce_steps(s: Any, n: int, weights: np.ndarray) -> StepSums:
     out.sum["preempted"] = float(s.preempted.head(n)[0].sum())
     cols = {name: _full(getattr(s, name), n) for name in _KV_COLUMNS}
     out.missing = {k for k, v in cols.items() if v is None}
+    _reduce_kv(out, cols, dt)
+    _reduce_fragmentation(out, cols, dt, s)
+    _reduce_modalities(out, s, n)
+    _reduce_device(out, s, n)
+    keep = weights[:n] > 0
+    out.gaps = (dt[keep], weights[:n][keep])
+    return out
+
+
+def _reduce_kv(out: StepSums, cols: dict[str, np.ndarray | None], dt: np.ndarray) -> None:
+    """The KV pool's peaks, and its time-weighted sums over the steps it held memory."""
     reserved, used = cols["kv_reserved_bytes"], cols["kv_used_bytes"]
     if reserved is not None:
         out.max["reserved"] = float(reserved.max())
@@ -144,6 +155,12 @@ def reduce_steps(s: Any, n: int, weights: np.ndarray) -> StepSums:
     if entries is not None:
         out.max["entries"] = float(entries.max())
         out.sum["entries_dt"] = float((entries * dt).sum())
+
+
+def _reduce_fragmentation(out: StepSums, cols: dict[str, np.ndarray | None], dt: np.ndarray,
+                          s: Any) -> None:
+    """The fragmentation index over steps with memory free, and the admissions refused
+    although enough was free in total (the worst of them kept)."""
     free, largest = cols["kv_free_bytes"], cols["kv_largest_free_bytes"]
     if free is not None and largest is not None:
         mask = free > 0
@@ -164,6 +181,11 @@ def reduce_steps(s: Any, n: int, weights: np.ndarray) -> StepSums:
             i = int(np.argmax(np.where(waits, refused_free, -1.0)))
             out.worst = (float(refused_free[i]), s.t_s[i] - s.dt_s[i],
                          int(refused_largest[i]), int(need[i]))
+
+
+def _reduce_modalities(out: StepSums, s: Any, n: int) -> None:
+    """KV bytes per modality held, the encoder cache, and each page class of a
+    modality-aware pool."""
     for m, col in s.kv_modality_bytes.items():
         values = _full(col, n)
         if values is None:
@@ -186,6 +208,10 @@ def reduce_steps(s: Any, n: int, weights: np.ndarray) -> StepSums:
         out.count[f"class:{name}"] = len(reserved)
         out.sum[f"class:{name}:reserved"] = float(reserved.sum())
         out.sum[f"class:{name}:used"] = float(used.sum())
+
+
+def _reduce_device(out: StepSums, s: Any, n: int) -> None:
+    """The modelled device's peak: its used bytes and the components there."""
     device = device_columns(s, n)
     if device:
         used_dev = device["device_used_bytes"]
@@ -194,9 +220,6 @@ def reduce_steps(s: Any, n: int, weights: np.ndarray) -> StepSums:
             float(device[f"device_{c}_bytes"][at]) for c in DeviceMemory.COMPONENTS))
         out.max["device_allocated"] = float(device["device_allocated_bytes"].max())
         out.max["device_reserved"] = float(device["device_reserved_bytes"].max())
-    keep = weights[:n] > 0
-    out.gaps = (dt[keep], weights[:n][keep])
-    return out
 
 
 def device_columns(s: Any, n: int | None = None) -> dict[str, np.ndarray]:
