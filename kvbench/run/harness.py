@@ -195,8 +195,9 @@ class _Driver:
             run.timings[r.id].request = r
         if self.path.replay is not None:
             arrivals = Arrivals(requests, self.limit, send_late=self.max_concurrency is not None)
-            self.done = _replay_wave(run, self.path.replay, clock,  # type: ignore[arg-type]
-                                     arrivals, self.done, self.warmup_done, self.progress)
+            self.done = _replay_wave(run, self.tel, self.path.replay,
+                                     clock, arrivals,  # type: ignore[arg-type]
+                                     self.done, self.warmup_done, self.progress)
         else:
             self._steps(requests)
         if self.foldable:
@@ -366,12 +367,11 @@ def _log_decode(run: EngineRun, out: DecodeSteps, clock: Clock) -> None:
     run.fast_forward_steps += k
 
 
-def _replay_wave(run: EngineRun, replay: EventReplay, clock: VirtualClock, arrivals: Arrivals,
-                 done: int, warmup_done: int, on_progress: Callable[[int], None] | None) -> int:
+def _replay_wave(run: EngineRun, tel: Telemetry, replay: EventReplay, clock: VirtualClock,
+                 arrivals: Arrivals, done: int, warmup_done: int,
+                 on_progress: Callable[[int], None] | None) -> int:
     """Drive one wave through an event replay, block by block, logging each as the harness
     logs steps taken one at a time; returns the requests ended so far."""
-    tel = run.telemetry
-    assert tel is not None
     while arrivals.idx < len(arrivals.requests) or replay.has_unfinished():
         w0 = time.perf_counter()
         block = replay.advance(clock.now(), arrivals)

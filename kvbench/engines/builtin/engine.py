@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -84,7 +85,6 @@ class BuiltinEngine(Engine):
         executor.bind(kv)
         self._rejected: list[Finished] = []
         self._decode: tuple[list, int | None, set[int] | None, int] | None = None
-        self._cost: CostModel | None = None  # the clock's, once fast_path chose jumps
         self._bytes_per_token = kv.bytes_per_token
         pool_classes = getattr(kv, "pool_classes", None)
         self._modalities = ModalityAccount(pool_classes() if pool_classes else None, kv.spec,
@@ -164,13 +164,13 @@ class BuiltinEngine(Engine):
                   arrivals_known: bool) -> FastPath:
         """Whole waves by event replay where the engine's policy and the requests allow it;
         else runs of decode-only steps taken in one go; else why not."""
-        if replay_blocker(self, requests) is None:
-            return FastPath("on", replay=event_replay(self, cost, requests, waves))
+        # Whatever the replay takes can also jump, so this reason covers both.
         reason = self.fast_forward_blocker()
         if reason is not None:
             return FastPath(f"unsupported: {reason}")
-        self._cost = cost
-        return FastPath("on", jump=self.jump)
+        if replay_blocker(self, requests) is None:
+            return FastPath("on", replay=event_replay(self, cost, requests, waves))
+        return FastPath("on", jump=partial(self.jump, cost))
 
     def fast_forward_blocker(self) -> str | None:
         """Why this engine cannot take decode steps in bulk (None: it can)."""
@@ -181,16 +181,15 @@ class BuiltinEngine(Engine):
             return "on-demand KV tensors grow every step"
         return self.kv.fast_forward_blocker()
 
-    def jump(self, now_s: float, due_s: float) -> DecodeSteps | None:
+    def jump(self, cost: CostModel, now_s: float, due_s: float) -> DecodeSteps | None:
         """Take the next run of decode-only steps from ``now_s`` in one go, ending at the step
         after which ``due_s`` (the next arrival) has come; None when the next step runs on
-        its own. Each step's time is the cost model's for its batch, accumulated one step
-        after another, so clock times equal step-by-step replay's bit for bit."""
+        its own. Each step's time is ``cost``'s for its batch, accumulated one step after
+        another, so clock times equal step-by-step replay's bit for bit."""
         plan = self.plan_decode()
         if plan is None:
             return None
-        assert self._cost is not None
-        dts = self._cost.decode_step_times(plan.num_seqs, plan.context, plan.pairs)
+        dts = cost.decode_step_times(plan.num_seqs, plan.context, plan.pairs)
         if dts is None:
             return None
         ends = np.cumsum(np.concatenate(([now_s], dts)))

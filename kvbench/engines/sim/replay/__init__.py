@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from kvbench.engines.builtin.sim_executor import SimExecutor
 from kvbench.engines.kv.base import KVManager, overrides
 from kvbench.engines.kv.contiguous import ContiguousKVManager
 from kvbench.engines.kv.paged import PagedKVManager
@@ -24,12 +23,9 @@ __all__ = ["COLUMNS", "KV_FIELDS", "Arrivals", "EventReplay", "StepBlock", "even
 
 
 def replay_blocker(engine: BuiltinEngine, requests: Iterable[Request]) -> str | None:
-    """Why ``engine`` cannot be replayed by events over ``requests`` (None: it can)."""
-    executor = engine.executor
-    if not isinstance(executor, SimExecutor):
-        return "real compute runs every step"
-    if executor.memory.on_demand:
-        return "on-demand KV tensors grow every step"
+    """Why ``engine``, whose decode steps can jump (its ``fast_forward_blocker`` is None: a
+    simulated device, KV preallocated), cannot be replayed by events over ``requests``
+    (None: it can)."""
     reason = _book_blocker(engine.kv)
     if reason is not None:
         return reason
