@@ -81,7 +81,8 @@ def test_every_builtin_engine_preemption_heavy(tmp_path: Path, engine: str) -> N
     fast = _check(tmp_path, MIXED, "llama-2-7b", [engine], kv_memory="3GiB")
     mode = fast[engine]["engine_config"]["fast_forward"]["mode"]
     if engine in ("paged", "paged-lfu", "paged-leaky", "contiguous", "contiguous-request",
-                  "contiguous-pow2", "contiguous-compact", "contiguous-defrag", "segmented"):
+                  "contiguous-pow2", "contiguous-compact", "contiguous-defrag", "segmented",
+                  "vattention", "vattention-64k", "paged-mixed", "paged-mixed-migrate"):
         assert mode == "on"
     else:
         assert mode.startswith("unsupported")

@@ -171,3 +171,31 @@ def test_resolution_refuses_a_page_that_holds_no_whole_tokens():
     assert engine_config("v", VAttentionPolicy(page_bytes=64 << 10), settings).kv.page_tokens == 256
     with pytest.raises(KvbenchError, match="holds no"):  # 2 MiB x 8 tensors > 1 MiB
         engine_config("v", VAttentionPolicy(), replace(settings, kv_bytes=1 << 20))
+
+
+
+def test_would_admit_says_what_allocate_does():
+    """The decode fast-forward trusts a refusal it is told of ahead; it must be allocate's."""
+    kv = vattn(num_groups=6, prewarm_pages=2)
+    d = KVDriver(kv)
+    a, b = make_seq(1, 7, 9), make_seq(2, 7, 9)
+    assert d.admit(a, 7) and d.admit(b, 7)
+    d.free(b)  # its 2 groups stay mapped in an idle range; 2 groups are free
+    asked = [(make_seq(3, 5, 3), 5), (make_seq(4, 23, 1), 23), (make_seq(5, 3, 2, n=3), 3)]
+    said = {}
+    for seq, num_new in asked:
+        said[seq.seq_id] = kv.would_admit(seq, 0, num_new)
+        assert said[seq.seq_id] == kv.allocate(seq, 0, num_new)
+        kv.free(seq)
+    assert said == {3: True, 4: False, 5: True}
+
+
+def test_decode_room_ends_where_a_group_must_be_mapped():
+    kv = vattn()
+    d = KVDriver(kv)
+    a, b = make_seq(1, 6, 20), make_seq(2, 3, 20)  # 2 groups and 1 group mapped
+    assert d.admit(a, 6) and d.admit(b, 3)
+    assert kv.decode_room([a, b], 100) == 0  # the step still owes the admissions' map calls
+    kv.take_map_ops()
+    assert kv.decode_room([a, b], 100) == 1  # b's next token but one needs a second group
+    assert kv.decode_room([a], 100) == 2

@@ -111,6 +111,10 @@ class KVManager(ABC):
         """``seq``, the first sample of a request, has just arrived (a policy that reserves
         memory ahead of admission does it here)."""
 
+    def works_between_steps(self) -> bool:
+        """Whether :meth:`background` may change anything: a jump would skip it."""
+        return type(self).background is not KVManager.background
+
     def background(self) -> None:  # noqa: B027 (an optional hook)
         """Work that overlaps the step whose batch was just chosen (pre-mapping pages,
         pre-splitting them): it costs the step no time."""
@@ -137,7 +141,7 @@ class KVManager(ABC):
         """Why this manager cannot advance decode steps in bulk, or None when it can."""
         cls = type(self)
         name = cls.__name__
-        if cls.background is not KVManager.background:
+        if self.works_between_steps():
             return f"the {name} policy works between steps"
         owner = defining_class(cls, "decode_room")
         if owner is KVManager:
@@ -196,7 +200,7 @@ class KVManager(ABC):
 
 # What a decode jump does in place of one step after another: a subclass that overrides one
 # of these would be jumped past wrongly unless it also redefines the jump.
-STEP_HOOKS = ("grow", "commit", "take_copies", "take_map_ops", "stats")
+STEP_HOOKS = ("grow", "commit", "take_copies", "take_map_ops", "stats", "background")
 
 
 def defining_class(cls: type, name: str) -> type:

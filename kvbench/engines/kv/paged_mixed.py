@@ -280,6 +280,37 @@ class PagedMixedKVManager(KVManager):
         while pool.free_pages(0) < self.prewarm_pages and pool.split_one(0):
             pass
 
+    # -- decode fast-forward ----------------------------------------------------------------
+
+    def works_between_steps(self) -> bool:
+        return self.prewarm_pages > 0
+
+    def decode_room(self, seqs: list[Sequence], max_steps: int, keep_cached: bool = False) -> int:
+        """Steps before a sequence writes past its pages: a new page may split, merge or
+        migrate; pages shared by forks are copied on write, so forks step one at a time."""
+        if self._copies or self._forked:
+            return 0
+        room = max_steps
+        for seq in seqs:
+            state = self._seqs[seq.seq_id]
+            if state.num_committed != seq.num_computed_tokens:
+                return 0
+            room = min(room, state.room - seq.num_computed_tokens)
+        return max(room, 0)
+
+    def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
+        """Each step writes one slot per sequence into its pages: only the written slots
+        change."""
+        n, bpt = len(seqs), self.bytes_per_token
+        for seq in seqs:
+            self._seqs[seq.seq_id].num_committed += steps
+        step = n * np.arange(1, steps + 1, dtype=np.int64)
+        used, committed = self._used_tokens + step, self._sum_committed + step
+        self._used_tokens += n * steps
+        self._sum_committed += n * steps
+        return {"used_bytes": used * bpt,
+                "reserved_ahead_bytes": (self._sum_limit - committed) * bpt}
+
     def stats(self) -> KVStats:
         """Bytes count whole pages except ``used_bytes`` (written slots of pages some live
         sequence holds, each page once) and ``reserved_ahead_bytes`` (slots live sequences

@@ -206,23 +206,13 @@ class VAttentionKVManager(KVManager):
             raise RuntimeError(f"sequence {seq.seq_id} is already allocated")
         if num_cached:
             raise RuntimeError("the vattention KV manager has no prefix cache")
-        t = self.page_tokens
-        hinted = self._hinted.get(seq.seq_id)
-        wanted = [(hinted or self._best_idle(_cdiv(num_new, t), []), _cdiv(num_new, t))]
-        # Sample 0 before its prefill will fork the other samples right after it.
-        if seq.sample_index == 0 and not seq.output_ids:
-            prompt = _cdiv(seq.num_prompt_tokens, t)
-            for _ in range(seq.request.n - 1):
-                wanted.append((self._best_idle(prompt, [r for r, _ in wanted]), prompt))
-        missing = sum(max(n - len(r.groups), 0) for r, n in wanted)
-        chosen_idle = sum(len(r.groups) for r, _ in wanted if r.idle_key is not None)
-        own_hint = len(hinted.groups) if hinted is not None else 0
-        if missing > (len(self._free) + self._idle_groups - chosen_idle
-                      + self._hint_groups - own_hint + self._ahead):
+        wanted = self._wanted(seq, num_new)
+        if wanted is None:
             return False
+        hinted = self._hinted.get(seq.seq_id)
         if hinted is not None:
             del self._hinted[seq.seq_id]
-            self._hint_groups -= own_hint
+            self._hint_groups -= len(hinted.groups)
         final = seq.max_tokens - 1
         for i, (rng, n) in enumerate(wanted):
             self._sum_limit -= self._limit(rng)  # a hinted range was counted
@@ -237,6 +227,31 @@ class VAttentionKVManager(KVManager):
             self._spare[seq.seq_id] = [r for r, _ in wanted[1:]]
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         return True
+
+    def would_admit(self, seq: Sequence, num_cached: int, num_new: int) -> bool | None:
+        if seq.seq_id in self._ranges or num_cached:
+            return None
+        return self._wanted(seq, num_new) is not None
+
+    def _wanted(self, seq: Sequence, num_new: int) -> list[tuple[_Range, int]] | None:
+        """The ranges admitting ``seq`` with ``num_new`` tokens would take, each with the
+        groups it needs mapped (its own, then one per sample to fork), or None when the
+        groups free, idle, hinted and mapped ahead fall short."""
+        t = self.page_tokens
+        hinted = self._hinted.get(seq.seq_id)
+        wanted = [(hinted or self._best_idle(_cdiv(num_new, t), []), _cdiv(num_new, t))]
+        # Sample 0 before its prefill will fork the other samples right after it.
+        if seq.sample_index == 0 and not seq.output_ids:
+            prompt = _cdiv(seq.num_prompt_tokens, t)
+            for _ in range(seq.request.n - 1):
+                wanted.append((self._best_idle(prompt, [r for r, _ in wanted]), prompt))
+        missing = sum(max(n - len(r.groups), 0) for r, n in wanted)
+        chosen_idle = sum(len(r.groups) for r, _ in wanted if r.idle_key is not None)
+        own_hint = len(hinted.groups) if hinted is not None else 0
+        if missing > (len(self._free) + self._idle_groups - chosen_idle
+                      + self._hint_groups - own_hint + self._ahead):
+            return None
+        return wanted
 
     def grow(self, seq: Sequence, num_new: int) -> bool:
         rng = self._ranges[seq.seq_id]
@@ -376,6 +391,39 @@ class VAttentionKVManager(KVManager):
             map_ops=self._map_ops,
             unmap_ops=self._unmap_ops,
         )
+
+    # -- decode fast-forward ----------------------------------------------------------------
+
+    def works_between_steps(self) -> bool:
+        return self.prewarm_pages > 0
+
+    def decode_room(self, seqs: list[Sequence], max_steps: int, keep_cached: bool = False) -> int:
+        """Steps before a sequence writes past the groups mapped into its range: mapping
+        one is a call the step waits for, as are calls still to be waited for."""
+        if self._copies or self._sync_ops:
+            return 0
+        t, room = self.page_tokens, max_steps
+        for seq in seqs:
+            rng = self._ranges[seq.seq_id]
+            if rng.num_committed != seq.num_computed_tokens:
+                return 0
+            room = min(room, len(rng.groups) * t - seq.num_computed_tokens)
+        return max(room, 0)
+
+    def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
+        """Each step writes one slot per sequence into groups already mapped: only the
+        written slots change, and a group mapped ahead becomes needed when reached."""
+        t, n, bpt = self.page_tokens, len(seqs), self.bytes_per_token
+        for seq in seqs:
+            rng = self._ranges[seq.seq_id]
+            need = max(rng.need, _cdiv(seq.num_computed_tokens + steps, t))
+            self._ahead -= need - rng.need
+            rng.need = need
+            rng.num_committed += steps
+        committed = self._sum_committed + n * np.arange(1, steps + 1, dtype=np.int64)
+        self._sum_committed += n * steps
+        return {"used_bytes": committed * bpt,
+                "reserved_ahead_bytes": (self._sum_limit - committed) * bpt}
 
     def describe(self) -> dict[str, Any]:
         t = self.page_tokens
