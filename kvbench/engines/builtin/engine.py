@@ -85,6 +85,8 @@ class BuiltinEngine(Engine):
         executor.bind(kv)
         self._rejected: list[Finished] = []
         self._decode: tuple[list, int | None, set[int] | None, int] | None = None
+        self._short_rooms = 0  # decode runs in a row the KV policy cut below two steps
+        self._skip_plans = 0  # plans to answer None without looking
         self._bytes_per_token = kv.bytes_per_token
         pool_classes = getattr(kv, "pool_classes", None)
         self._modalities = ModalityAccount(pool_classes() if pool_classes else None, kv.spec,
@@ -209,13 +211,23 @@ class BuiltinEngine(Engine):
         :meth:`fast_forward_blocker` is None."""
         if self._rejected:
             return None
+        if self._skip_plans:
+            self._skip_plans -= 1
+            return None
         found = self.scheduler.decode_only()
         if found is None:
             return None
         seqs, need, avoid = found
         # The step that samples a sequence's last token finishes it: an event.
-        left = min(s.request.output_tokens - len(s.output_ids) for s in seqs) - 1
-        k = self.kv.decode_room(seqs, min(max_steps, left), keep_cached=need is not None)
+        cap = min(max_steps, min(s.request.output_tokens - len(s.output_ids) for s in seqs) - 1)
+        k = self.kv.decode_room(seqs, cap, keep_cached=need is not None)
+        if k < 2 <= cap:
+            # Small pages in a large batch end a run within a step: looking at every step
+            # would cost more than it saves, so look less often while that lasts.
+            self._short_rooms += 1
+            self._skip_plans = min(self._short_rooms, _MAX_SKIPPED_PLANS)
+            return None
+        self._short_rooms = 0
         if k < 1:
             return None
         n = len(seqs)
@@ -359,6 +371,10 @@ class BuiltinEngine(Engine):
             "executor": self.executor.describe(),
         }
 
+
+# The most steps the engine runs one at a time before looking for a decode run again, after
+# the KV policy cut runs short again and again.
+_MAX_SKIPPED_PLANS = 16
 
 # The KVStats fields a step log keeps, refusals aside.
 _KV_COLUMNS = (
