@@ -80,12 +80,11 @@ def test_every_builtin_engine_preemption_heavy(tmp_path: Path, engine: str) -> N
     """A KV budget small enough that paged preempts and contiguous waits for extents."""
     fast = _check(tmp_path, MIXED, "llama-2-7b", [engine], kv_memory="3GiB")
     mode = fast[engine]["engine_config"]["fast_forward"]["mode"]
-    if engine in ("paged", "paged-lfu", "paged-leaky", "contiguous", "contiguous-request",
-                  "contiguous-pow2", "contiguous-compact", "contiguous-defrag", "segmented",
-                  "vattention", "vattention-64k", "paged-mixed", "paged-mixed-migrate"):
-        assert mode == "on"
-    else:
+    # vattention-prewarm maps pages between steps; modal defines no decode_room.
+    if engine == "vattention-prewarm" or engine.startswith("modal"):
         assert mode.startswith("unsupported")
+    else:
+        assert mode == "on"
 
 
 @pytest.mark.parametrize("engine", BUILTIN)
