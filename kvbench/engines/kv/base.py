@@ -11,7 +11,7 @@ backs the slots with nothing.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -211,6 +211,20 @@ def defining_class(cls: type, name: str) -> type:
 def overrides(cls: type, base: type, names: Iterable[str]) -> list[str]:
     """Which of ``names`` ``cls`` (a subclass of ``base``) defines anew below ``base``."""
     return [n for n in names if defining_class(cls, n) not in base.__mro__]
+
+
+def steps_to_end(seqs: list[Sequence], max_steps: int,
+                 held: Callable[[Sequence], tuple[int, int]]) -> int:
+    """Decode steps, up to ``max_steps``, before one of ``seqs`` writes past the slots it
+    holds, where ``held(seq)`` is (tokens committed, slots held); 0 when one has computed
+    tokens it has not committed."""
+    room = max_steps
+    for seq in seqs:
+        committed, slots = held(seq)
+        if committed != seq.num_computed_tokens:
+            return 0
+        room = min(room, slots - committed)
+    return max(room, 0)
 
 
 def steps_within(first: list[int], block_size: int, max_steps: int, free: int) -> int:

@@ -31,7 +31,7 @@ from pydantic import Field
 from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, KVPolicy
 from kvbench.engines.kv.arena import FITS, Arena, Fit
-from kvbench.engines.kv.base import KVManager
+from kvbench.engines.kv.base import KVManager, steps_to_end
 from kvbench.engines.kv.spec import Footprint, KVSpec
 from kvbench.engines.sequence import Sequence
 from kvbench.errors import KvbenchError
@@ -324,13 +324,12 @@ class ContiguousKVManager(KVManager):
         steps up to the end of the shortest room left."""
         if self._copies:
             return 0
-        room = max_steps
-        for seq in seqs:
+
+        def held(seq: Sequence) -> tuple[int, int]:
             ext = self._extents[seq.seq_id]
-            if ext.num_committed != seq.num_computed_tokens:
-                return 0
-            room = min(room, ext.length - ext.num_committed)
-        return max(room, 0)
+            return ext.num_committed, ext.length
+
+        return steps_to_end(seqs, max_steps, held)
 
     def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
         n, bpt = len(seqs), self.bytes_per_token

@@ -38,7 +38,7 @@ from pydantic import Field, field_validator
 
 from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, KVPolicy
-from kvbench.engines.kv.base import KVManager, SlotCopy, newly_computed
+from kvbench.engines.kv.base import KVManager, SlotCopy, newly_computed, steps_to_end
 from kvbench.engines.kv.buddy import BuddyPool
 from kvbench.engines.kv.paged import paged_footprint
 from kvbench.engines.kv.spec import Footprint, KVSpec
@@ -290,13 +290,12 @@ class PagedMixedKVManager(KVManager):
         migrate; pages shared by forks are copied on write, so forks step one at a time."""
         if self._copies or self._forked:
             return 0
-        room = max_steps
-        for seq in seqs:
+
+        def held(seq: Sequence) -> tuple[int, int]:
             state = self._seqs[seq.seq_id]
-            if state.num_committed != seq.num_computed_tokens:
-                return 0
-            room = min(room, state.room - seq.num_computed_tokens)
-        return max(room, 0)
+            return state.num_committed, state.room
+
+        return steps_to_end(seqs, max_steps, held)
 
     def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
         """Each step writes one slot per sequence into its pages: only the written slots

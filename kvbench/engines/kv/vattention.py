@@ -37,7 +37,7 @@ from pydantic import Field, PrivateAttr
 
 from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, EngineSettings, KVPolicy
-from kvbench.engines.kv.base import KVManager, SlotCopy, newly_computed
+from kvbench.engines.kv.base import KVManager, SlotCopy, newly_computed, steps_to_end
 from kvbench.engines.kv.prewarm import Prewarm, hint_tokens
 from kvbench.engines.kv.spec import Footprint, KVSpec
 from kvbench.engines.sequence import Sequence
@@ -402,13 +402,12 @@ class VAttentionKVManager(KVManager):
         one is a call the step waits for, as are calls still to be waited for."""
         if self._copies or self._sync_ops:
             return 0
-        t, room = self.page_tokens, max_steps
-        for seq in seqs:
+
+        def held(seq: Sequence) -> tuple[int, int]:
             rng = self._ranges[seq.seq_id]
-            if rng.num_committed != seq.num_computed_tokens:
-                return 0
-            room = min(room, len(rng.groups) * t - seq.num_computed_tokens)
-        return max(room, 0)
+            return rng.num_committed, len(rng.groups) * self.page_tokens
+
+        return steps_to_end(seqs, max_steps, held)
 
     def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
         """Each step writes one slot per sequence into groups already mapped: only the
