@@ -173,7 +173,6 @@ def test_resolution_refuses_a_page_that_holds_no_whole_tokens():
         engine_config("v", VAttentionPolicy(), replace(settings, kv_bytes=1 << 20))
 
 
-
 def test_would_admit_says_what_allocate_does():
     """The decode fast-forward trusts a refusal it is told of ahead; it must be allocate's."""
     kv = vattn(num_groups=6, prewarm_pages=2)

@@ -213,6 +213,16 @@ def overrides(cls: type, base: type, names: Iterable[str]) -> list[str]:
     return [n for n in names if defining_class(cls, n) not in base.__mro__]
 
 
+def written_columns(num_seqs: int, steps: int, bytes_per_token: int, used: int,
+                    committed: int, limit: int) -> dict[str, np.ndarray]:
+    """The used and reserved-ahead bytes after each of ``steps`` decode steps in which
+    ``num_seqs`` sequences each write one slot of their own, from ``used`` slots written and
+    ``committed`` of the ``limit`` slots their holders will have written."""
+    step = num_seqs * np.arange(1, steps + 1, dtype=np.int64)
+    return {"used_bytes": (used + step) * bytes_per_token,
+            "reserved_ahead_bytes": (limit - (committed + step)) * bytes_per_token}
+
+
 def steps_to_end(seqs: list[Sequence], max_steps: int,
                  held: Callable[[Sequence], tuple[int, int]]) -> int:
     """Decode steps, up to ``max_steps``, before one of ``seqs`` writes past the slots it

@@ -31,7 +31,7 @@ from pydantic import Field
 from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, KVPolicy
 from kvbench.engines.kv.arena import FITS, Arena, Fit
-from kvbench.engines.kv.base import KVManager, steps_to_end
+from kvbench.engines.kv.base import KVManager, steps_to_end, written_columns
 from kvbench.engines.kv.spec import Footprint, KVSpec
 from kvbench.engines.sequence import Sequence
 from kvbench.errors import KvbenchError
@@ -332,12 +332,8 @@ class ContiguousKVManager(KVManager):
         return steps_to_end(seqs, max_steps, held)
 
     def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
-        n, bpt = len(seqs), self.bytes_per_token
-        used = self._used_tokens + n * np.arange(1, steps + 1, dtype=np.int64)
-        columns = {
-            "used_bytes": used * bpt,
-            "reserved_ahead_bytes": (self._limit_tokens - used) * bpt,
-        }
+        n, used = len(seqs), self._used_tokens
+        columns = written_columns(n, steps, self.bytes_per_token, used, used, self._limit_tokens)
         extents = self._extents
         for seq in seqs:
             extents[seq.seq_id].num_committed += steps

@@ -38,7 +38,13 @@ from pydantic import Field, field_validator
 
 from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, KVPolicy
-from kvbench.engines.kv.base import KVManager, SlotCopy, newly_computed, steps_to_end
+from kvbench.engines.kv.base import (
+    KVManager,
+    SlotCopy,
+    newly_computed,
+    steps_to_end,
+    written_columns,
+)
 from kvbench.engines.kv.buddy import BuddyPool
 from kvbench.engines.kv.paged import paged_footprint
 from kvbench.engines.kv.spec import Footprint, KVSpec
@@ -300,15 +306,14 @@ class PagedMixedKVManager(KVManager):
     def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
         """Each step writes one slot per sequence into its pages: only the written slots
         change."""
-        n, bpt = len(seqs), self.bytes_per_token
+        n = len(seqs)
         for seq in seqs:
             self._seqs[seq.seq_id].num_committed += steps
-        step = n * np.arange(1, steps + 1, dtype=np.int64)
-        used, committed = self._used_tokens + step, self._sum_committed + step
+        columns = written_columns(n, steps, self.bytes_per_token, self._used_tokens,
+                                  self._sum_committed, self._sum_limit)
         self._used_tokens += n * steps
         self._sum_committed += n * steps
-        return {"used_bytes": used * bpt,
-                "reserved_ahead_bytes": (self._sum_limit - committed) * bpt}
+        return columns
 
     def stats(self) -> KVStats:
         """Bytes count whole pages except ``used_bytes`` (written slots of pages some live

@@ -37,7 +37,13 @@ from pydantic import Field, PrivateAttr
 
 from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, EngineSettings, KVPolicy
-from kvbench.engines.kv.base import KVManager, SlotCopy, newly_computed, steps_to_end
+from kvbench.engines.kv.base import (
+    KVManager,
+    SlotCopy,
+    newly_computed,
+    steps_to_end,
+    written_columns,
+)
 from kvbench.engines.kv.prewarm import Prewarm, hint_tokens
 from kvbench.engines.kv.spec import Footprint, KVSpec
 from kvbench.engines.sequence import Sequence
@@ -412,17 +418,16 @@ class VAttentionKVManager(KVManager):
     def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
         """Each step writes one slot per sequence into groups already mapped: only the
         written slots change, and a group mapped ahead becomes needed when reached."""
-        t, n, bpt = self.page_tokens, len(seqs), self.bytes_per_token
+        t, n, committed = self.page_tokens, len(seqs), self._sum_committed
         for seq in seqs:
             rng = self._ranges[seq.seq_id]
             need = max(rng.need, _cdiv(seq.num_computed_tokens + steps, t))
             self._ahead -= need - rng.need
             rng.need = need
             rng.num_committed += steps
-        committed = self._sum_committed + n * np.arange(1, steps + 1, dtype=np.int64)
         self._sum_committed += n * steps
-        return {"used_bytes": committed * bpt,
-                "reserved_ahead_bytes": (self._sum_limit - committed) * bpt}
+        return written_columns(n, steps, self.bytes_per_token, committed, committed,
+                               self._sum_limit)
 
     def describe(self) -> dict[str, Any]:
         t = self.page_tokens
