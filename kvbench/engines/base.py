@@ -15,6 +15,7 @@ import numpy as np
 from kvbench.workloads.model import Request
 
 if TYPE_CHECKING:
+    from kvbench.engines.kv.oracle import PrefixOracle
     from kvbench.engines.sim.costmodel import CostModel
 
 # The most decode steps one jump takes (bounds its per-step arrays).
@@ -275,3 +276,9 @@ class Engine(Protocol):
         by ``cost``, running ``requests`` ``waves`` times; ``arrivals_known``: requests are
         added at their own arrival times (one wave, no concurrency limit)."""
         return FastPath("unsupported: the engine steps one at a time")
+
+    def prefix_oracle(self) -> PrefixOracle | None:
+        """After a run: the best hit rate a prefix cache of this engine's size could have had
+        on the run's block accesses (:mod:`kvbench.engines.kv.oracle`), or None where the
+        engine keeps no prefix cache or no record of its accesses."""
+        return None

@@ -136,6 +136,18 @@ def build(source: Path, cc: str, timeout_s: float = BUILD_TIMEOUT_S) -> ctypes.C
     raise BuildError("; ".join(errors))
 
 
+def optional_library(source: Path) -> ctypes.CDLL | None:
+    """``source`` built and loaded as :func:`build` does, or None where there is no compiler
+    or the build fails (for C that only speeds up what Python also does)."""
+    cc = compiler()
+    if cc is None:
+        return None
+    try:
+        return build(source, cc)
+    except BuildError:
+        return None
+
+
 def _build(cc: str, flags: tuple[str, ...], name: str, source: Path,
            timeout_s: float = BUILD_TIMEOUT_S) -> Path:
     """The path of a verified build ``name`` of ``source``, compiled now if need be: in the

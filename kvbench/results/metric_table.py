@@ -228,6 +228,13 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("page_turnover_per_s", "1/s", "none", "clock", "page allocs + frees per s", ".1f"),
     _m("prefix_hit_rate", "fraction", "higher", "clock", "prefix cache hit rate", "fraction",
        report=True),
+    # The best any cache of the same size could do on the run's accesses (engines.kv.oracle).
+    _m("oracle_hit_rate", "fraction", "none", "clock", "optimal (MIN) prefix hit rate",
+       "fraction", needs=("policy",)),
+    _m("hit_rate_vs_oracle", "fraction", "higher", "clock", "prefix hit rate / optimal",
+       "fraction", needs=("policy",)),
+    _m("unbounded_hit_rate", "fraction", "none", "clock", "prefix hit rate, unbounded cache",
+       "fraction", needs=("policy",)),
     _m("shared_block_ratio", "fraction", "none", "clock", "KV shared by several sequences",
        "fraction"),
     _m("kv_retained_bytes", "bytes", "lower", "clock", "KV retained after the run", "bytes"),

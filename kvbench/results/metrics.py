@@ -135,6 +135,7 @@ def summarize(run: EngineRun, slo: SLO | None = None) -> dict[str, Any]:
         summary.update(_dist(name, values))
     summary.update(_dist("itl", *itl_samples(run, sums)))
     summary.update(kv_metrics(run, sums))
+    summary.update(oracle_metrics(run))
     summary.update(fragmentation_metrics(sums))
     summary.update(memory_metrics(run, sums))
     summary.update(modal_metrics(run, sums))
@@ -255,6 +256,23 @@ def kv_metrics(run: EngineRun, sums: StepSums) -> dict[str, Any]:
             out["prefix_hit_rate"] = (kv.prefix_hit_tokens or 0) / kv.prefix_query_tokens
         if run.status == "ok":
             out["kv_retained_bytes"] = kv.reserved_bytes
+    return out
+
+
+def oracle_metrics(run: EngineRun) -> dict[str, float | None]:
+    """The run's prefix hit rate beside the best a cache of its size could have had
+    (Belady's MIN over the same block accesses) and that of a cache that never evicts; the
+    same denominator, the prompt tokens looked up."""
+    out: dict[str, float | None] = dict.fromkeys(
+        ("oracle_hit_rate", "hit_rate_vs_oracle", "unbounded_hit_rate"))
+    oracle, kv = run.prefix_oracle, run.last_kv
+    if oracle is None or kv is None or not kv.prefix_query_tokens:
+        return out
+    queried = kv.prefix_query_tokens
+    out["oracle_hit_rate"] = oracle.hit_tokens / queried
+    out["unbounded_hit_rate"] = oracle.unbounded_hit_tokens / queried
+    if oracle.hit_tokens:
+        out["hit_rate_vs_oracle"] = (kv.prefix_hit_tokens or 0) / oracle.hit_tokens
     return out
 
 

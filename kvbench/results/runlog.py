@@ -191,3 +191,5 @@ class EngineRun:
     # a served engine's client).
     machine_state: Any = None
     engine_cpu_s: float | None = None
+    # MIN's hits on the run's prefix-cache accesses (a kvbench.engines.kv.oracle.PrefixOracle).
+    prefix_oracle: Any = None

@@ -126,6 +126,8 @@ def run_engine(
             run.fast_forward_steps = path.counted()
         run.duration_s = clock.now()
         run.wall_time_s = time.perf_counter() - wall0
+        if run.status == "ok":
+            run.prefix_oracle = _prefix_oracle(engine)
         _close(run, tel, engine)
     if run.status == "ok" and (nothing := _nothing_completed(run.timings)) is not None:
         run.status, run.error = "failed", nothing
@@ -156,6 +158,14 @@ def _collector_aside(simulated: bool) -> Iterator[None]:
     finally:
         if frozen:
             gc.unfreeze()
+
+
+def _prefix_oracle(engine: Engine) -> Any:
+    """The engine's prefix oracle, or None where it cannot be had: the run stands without it."""
+    try:
+        return engine.prefix_oracle()
+    except (MemoryError, ValueError):
+        return None
 
 
 def _close(run: EngineRun, tel: Telemetry, engine: Engine) -> None:

@@ -27,6 +27,7 @@ from kvbench.engines.builtin.sim_executor import SimExecutor
 from kvbench.engines.config import EngineConfig
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.modality import MODALITIES, ModalityAccount, below_precision
+from kvbench.engines.kv.oracle import PrefixOracle
 from kvbench.engines.model.presets import ModelPreset
 from kvbench.engines.sim.device_memory import DeviceMemoryModel
 from kvbench.engines.sim.replay import event_replay, replay_blocker
@@ -362,6 +363,9 @@ class BuiltinEngine(Engine):
 
     def close(self) -> None:
         self.executor.close()
+
+    def prefix_oracle(self) -> PrefixOracle | None:
+        return self.kv.prefix_oracle()
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvbench.engines.base import KVStats
+from kvbench.engines.kv.oracle import PrefixOracle
 from kvbench.engines.kv.spec import Footprint, KVSpec, never_runs
 from kvbench.engines.sequence import Sequence
 from kvbench.kernels.layouts import KVLayout
@@ -118,6 +119,11 @@ class KVManager(ABC):
     def background(self) -> None:  # noqa: B027 (an optional hook)
         """Work that overlaps the step whose batch was just chosen (pre-mapping pages,
         pre-splitting them): it costs the step no time."""
+
+    def prefix_oracle(self) -> PrefixOracle | None:
+        """MIN's hits on this manager's prefix-cache accesses so far
+        (:mod:`~kvbench.engines.kv.oracle`); None for a policy that records none."""
+        return None
 
     def pool_classes(self) -> tuple[Any, ...] | None:
         """The page classes of a pool that stores modalities apart (each its own slots and

@@ -29,6 +29,7 @@ from kvbench.engines.kv.base import KVManager, steps_within
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.eviction import EVICTIONS, Eviction
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
+from kvbench.engines.kv.oracle import BlockTrace, PrefixOracle
 from kvbench.engines.kv.spec import Footprint, KVSpec
 from kvbench.engines.sequence import Sequence
 from kvbench.errors import KvbenchError
@@ -142,6 +143,8 @@ class PagedKVManager(KVManager):
         self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, block_size, eviction)
         self._hasher = BlockHasher(block_size)
+        # What the prefix cache looked up and made findable, for prefix_oracle.
+        self.trace = BlockTrace()
         self._seqs: dict[int, _SeqBlocks] = {}
         # Kept across preemption (the tokens do not change), dropped when a sequence finishes.
         self._hashes: dict[int, list[int]] = {}
@@ -207,6 +210,8 @@ class PagedKVManager(KVManager):
         if self.enable_prefix_caching:
             self._hit_tokens += num_cached
             self._query_tokens += seq.num_tokens
+            limit = (seq.num_tokens - 1) // bs
+            self.trace.lookup(self._hashes_upto(seq, limit)[:limit])
         seq.num_computed_tokens = seq.num_cached_tokens = num_cached
         return True
 
@@ -252,11 +257,7 @@ class PagedKVManager(KVManager):
         self._sum_committed += n - committed
         state.num_committed = n
         if self.enable_prefix_caching:
-            full = n // self.block_size
-            if full > state.num_indexed:
-                hashes = self._hashes_upto(seq, full)
-                self.pool.cache(state.table, hashes, state.num_indexed, full)
-                state.num_indexed = full
+            self._index(seq, state, n // self.block_size)
         if self.sliding_window is not None:
             self._release_outside_window(state, n)
 
@@ -268,6 +269,9 @@ class PagedKVManager(KVManager):
         state = self._seqs.pop(seq.seq_id, None)
         if state is None:
             return
+        if not finished and state.num_indexed:
+            # Preempted: its blocks stay findable for its return (the oracle's view of it).
+            self.trace.write(self._hashes[seq.seq_id][: state.num_indexed])
         self._sum_limit -= self._limit(state)
         self._sum_committed -= state.num_committed
         self._forked.discard(seq.seq_id)
@@ -362,6 +366,11 @@ class PagedKVManager(KVManager):
             page_table_entries=self._table_entries,
             evictions=pool.num_evictions if caching else None,
         )
+
+    def prefix_oracle(self) -> PrefixOracle | None:
+        if not self.enable_prefix_caching:
+            return None
+        return self.trace.oracle(self.num_blocks, self.block_size)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -477,11 +486,7 @@ class PagedKVManager(KVManager):
             idx = fills.get(j)
             if idx:
                 for i in idx:
-                    state, full = states[i], (starts[i] + j + 1) // bs
-                    if full > state.num_indexed:
-                        hashes = self._hashes_upto(seqs[i], full)
-                        pool.cache(state.table, hashes, state.num_indexed, full)
-                        state.num_indexed = full
+                    self._index(seqs[i], states[i], (starts[i] + j + 1) // bs)
         count = np.zeros(steps, dtype=np.int64)
         for j, idx in takes.items():
             count[j] = len(idx)
@@ -546,6 +551,14 @@ class PagedKVManager(KVManager):
             if start % bs and ref[state.table[start // bs]] > 1:
                 total -= min(bs - start % bs, self._limit(state) - start)
         return total
+
+    def _index(self, seq: Sequence, state: _SeqBlocks, full: int) -> None:
+        """Make ``seq``'s first ``full`` blocks findable in the prefix cache."""
+        if full > state.num_indexed:
+            hashes = self._hashes_upto(seq, full)
+            self.pool.cache(state.table, hashes, state.num_indexed, full)
+            self.trace.write(hashes[state.num_indexed : full])
+            state.num_indexed = full
 
     def _hashes_upto(self, seq: Sequence, num_blocks: int) -> list[int]:
         """``seq``'s chained block hashes, computed (once) at least for its first

@@ -55,6 +55,7 @@ class PagedBook:
         self.footprint = manager.footprint
         self.pool = new_pool(manager.num_blocks, bs)
         self.hasher = BlockHasher(bs)
+        self.trace = manager.trace
         self.used = self.sum_limit = self.sum_committed = self.entries = 0
         self.hit_tokens = self.query_tokens = 0
         self.groups: list[dict[Seq, None]] = [{} for _ in range(bs)]
@@ -112,6 +113,7 @@ class PagedBook:
         if known:
             # A block its own earlier run filled before a preemption: its key is known.
             self.pool.cache([b for b, _ in known], [k for _, k in known], 0, len(known))
+            self.trace.write([k for _, k in known])
         if blocks:
             self.pool.cache_placeholders(blocks)
 
@@ -169,6 +171,9 @@ class PagedBook:
         if self.caching:
             self.hit_tokens += cached
             self.query_tokens += seq.num_tokens
+            if not (seq.private and seq.hashes is None):  # as lookup() has it
+                limit = (seq.num_tokens - 1) // bs
+                self.trace.lookup(self._hashes_upto(seq, limit)[:limit])
         return True
 
     def commit(self, seq: Seq, before: int, after: int) -> None:
@@ -186,10 +191,12 @@ class PagedBook:
                     if known > indexed:
                         self.pool.cache(seq.table, seq.hashes, indexed,  # type: ignore[arg-type]
                                         known)
+                        self.trace.write(seq.hashes[indexed:known])  # type: ignore[index]
                     self.pool.cache_placeholders(seq.table[max(known, indexed) : full])  # type: ignore[index]
                 else:
                     hashes = self._hashes_upto(seq, full)
                     self.pool.cache(seq.table, hashes, indexed, full)  # type: ignore[arg-type]
+                    self.trace.write(hashes[indexed:full])
                 seq.indexed = full
 
     def free(self, seq: Seq, finished: bool, committed: int, step: int) -> None:
@@ -203,6 +210,8 @@ class PagedBook:
             if seq.indexed > known:
                 hashes = self._hashes_upto(seq, seq.indexed)
                 self.pool.rekey(table[known : seq.indexed], hashes[known:])
+            if seq.indexed:
+                self.trace.write(seq.hashes[: seq.indexed])  # type: ignore[index]
         self.sum_limit -= min(len(table) * self.bs, seq.final_len)
         self.sum_committed -= committed
         self.entries -= len(table)

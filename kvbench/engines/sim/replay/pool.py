@@ -402,12 +402,8 @@ def _library() -> ctypes.CDLL | None:
     global _LIB
     from kvbench.kernels import cpu_native
 
-    cc = cpu_native.compiler()
-    if cc is None:
-        return None
-    try:
-        lib = cpu_native.build(Path(__file__).with_name("native.c"), cc)
-    except cpu_native.BuildError:
+    lib = cpu_native.optional_library(Path(__file__).with_name("native.c"))
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.kvp_new.restype = ptr
