@@ -250,6 +250,41 @@ class SimTraces:
     track_realtime_factor.unit = "x real time (higher is better)"  # type: ignore[attr-defined]
 
 
+class PrefixOracleCost:
+    """What the prefix-cache oracle (Belady's MIN over the run's block accesses) costs after a
+    replay of the Mooncake trace with paged KV: its time as a share of the replay's wall
+    time, median of three (the goal is at most 20%)."""
+
+    timeout = 900
+    REPEATS = 3
+
+    def setup_cache(self) -> float | None:
+        file = TRACES / TRACE_CASES["mooncake"][1]
+        if not file.is_file():
+            return None
+        suite, base = load_suite("mooncake-sim")
+        suite.workload.trace, suite.workload.path = "mooncake", str(file)  # type: ignore[assignment]
+        plan = plan_run(suite, base, None, "asv prefix oracle")
+        shares = []
+        for _ in range(self.REPEATS):
+            eng = _engine(plan, "paged")
+            run = run_engine(eng, plan.workload, VirtualClock(
+                CostModel(plan.preset, plan.device.hardware, plan.device.tp)))
+            t0 = time.perf_counter()
+            eng.prefix_oracle()
+            shares.append(100 * (time.perf_counter() - t0) / run.wall_time_s)
+        return statistics.median(shares)
+
+    def setup(self, cache) -> None:
+        if cache is None:
+            raise NotImplementedError(f"{TRACES / TRACE_CASES['mooncake'][1]} is not there")
+
+    def track_oracle_share_pct(self, cache):
+        return cache
+
+    track_oracle_share_pct.unit = "% of the replay's wall time (lower is better)"  # type: ignore[attr-defined]
+
+
 class SimMemory:
     params = (ENGINES,)
     param_names = ("engine",)
