@@ -15,7 +15,8 @@ verbatim, ``{auth}`` and ``{key}`` standing for the header and its key, a frame
 ``[text, times]`` repeated), ``factor_on`` (that many times the tokens asked for),
 ``crlf`` (events separated by CRLF), ``redirect`` (307 to ``host`` or the same host, on
 ``paths``), ``metrics_page`` (served verbatim), ``metrics_series`` (a page of that many
-series) and ``nan_while_busy`` (NaN and +Inf gauges while requests are in flight).
+series), ``nan_while_busy`` (NaN and +Inf gauges while requests are in flight) and
+``offload`` (an offloading connector's and LMCache's families on the vLLM page).
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class Fake:
                 f'vllm:cache_config_info{{block_size="{BLOCK}",engine="0",'
                 f'num_gpu_blocks="{NUM_BLOCKS}",num_gpu_blocks_override="None"}} 1.0\n'
             )
+            if self.cfg.get("offload"):
+                text += self._offload_families(lab)
         elif kind == "sglang":
             lab = f'{{model_name="{self.model}"}}'
             cap = NUM_BLOCKS * BLOCK
@@ -109,6 +112,23 @@ class Fake:
         else:  # metrics of something else entirely
             text = "# TYPE http_requests_total counter\nhttp_requests_total 3.0\n"
         return web.Response(text=text, content_type="text/plain")
+
+    def _offload_families(self, lab: str) -> str:
+        """An offloading connector's counters and LMCache's CPU bytes, as vLLM publishes
+        them: half the prompt tokens served from CPU memory, 1 KiB loaded per token queried
+        at 1 GB/s, and 4 KiB held per request received."""
+        q = self.prefix_queries
+        return (
+            "# TYPE vllm:external_prefix_cache_hits counter\n"
+            f"vllm:external_prefix_cache_hits_total{lab} {q // 2}.0\n"
+            "# TYPE vllm:kv_offload_load_bytes counter\n"
+            f"vllm:kv_offload_load_bytes_total{lab} {q * 1024}.0\n"
+            "# TYPE vllm:kv_offload_load_time counter\n"
+            f"vllm:kv_offload_load_time_total{lab} {q * 1024 / 1e9}\n"
+            "# TYPE lmcache:local_cache_usage gauge\n"
+            f'lmcache:local_cache_usage{{model_name="{self.model}",worker_id="0"}} '
+            f"{4096 * self.next_id}\n"
+        )
 
     async def get_log(self, request: web.Request) -> web.Response:
         return web.json_response(self.log)

@@ -88,6 +88,10 @@ def test_every_table_entry_is_produced_or_says_what_it_needs(records) -> None:
             # Counters some KV policies keep, facts of a fragmentation wait: recorded by every
             # run, None where there are none.
             assert spec.name in keys, spec.name
+        elif spec.needs == ("offload",):
+            # Recorded by every run, None unless a server publishes its offload tiers
+            # (tests/test_openai_metrics.py reads them).
+            assert spec.name in keys and spec.name not in run, spec.name
         elif spec.needs in (("cluster",), ("disaggregated",)):
             # A cluster run's (tests/test_cluster.py checks they are produced there).
             assert spec.name not in keys, spec.name

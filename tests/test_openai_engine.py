@@ -173,6 +173,22 @@ def test_sglang_metrics_give_token_granular_kv(tmp_path) -> None:
     assert rec.engine_config["server_counters"]["cache_hit_rate"] == 0.25
 
 
+def test_offload_tiers_of_a_served_engine(tmp_path) -> None:
+    with fake_server(offload=True) as s:
+        rec, _ = run_served(make_workload(_workload()), tmp_path, {"endpoint": s.endpoint})
+    assert rec.status == "ok"
+    summary = rec.summary
+    queried = sum(40 + 11 * i for i in range(6))
+    # The fake serves half of what is looked up from CPU memory, at 1 GB/s.
+    assert summary["offload_hit_tokens"] == queried // 2
+    assert summary["offload_hit_rate"] == pytest.approx(0.5, abs=1 / queried)
+    assert summary["offload_loaded_bytes"] == queried * 1024
+    assert summary["offload_load_gbps"] == pytest.approx(1.0)
+    assert summary["offload_used_bytes"] == 6 * 4096
+    # Not published: absent, not zero.
+    assert summary["offload_stored_bytes"] is None and summary["offload_store_gbps"] is None
+
+
 def test_http_errors_and_timeouts_fail_only_their_requests(tmp_path) -> None:
     reqs = _workload((4, 5, 7, 3, 8, 9))
     with fake_server(status_on={"5": 503, "3": 400}, hang_on=["7"]) as s:

@@ -91,3 +91,67 @@ def test_unknown_metrics_and_unknown_capacity() -> None:
     kv = ServerKV.of(s, BPT)
     assert kv.capacity_bytes is None
     assert kv.stats(s, s) is None  # a fraction of an unknown pool is no byte count
+
+
+# Pages holding the offload families, rendered from the servers' own metric definitions
+# (names, types, labels): vLLM 0.32's offloading connector with LMCache 0.5.6 beside a
+# recorded vLLM page, and SGLang 0.5.23 with HiCache.
+OFFLOAD_PAGE = (Path(__file__).parent / "fixtures" / "vllm_offload_metrics.txt").read_text()
+HICACHE_PAGE = (Path(__file__).parent / "fixtures" / "sglang_hicache_metrics.txt").read_text()
+
+
+def _grown(page: str, **values: str) -> str:
+    """``page`` with each sample line whose name starts with a key set to its value."""
+    out = []
+    for line in page.splitlines():
+        for name, value in values.items():
+            if line.startswith(name):
+                line = f"{line.rsplit(' ', 1)[0]} {value}"
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def test_vllm_offloading_connector_and_lmcache() -> None:
+    s = parse_metrics(OFFLOAD_PAGE)
+    assert s.flavor == "vllm"  # LMCache's families do not make it another server
+    assert (s.offload_loaded_bytes, s.offload_stored_bytes) == (3 << 30, 8 << 30)
+    assert (s.offload_load_s, s.offload_store_s) == (0.25, 0.5)
+    assert s.offload_hits == s.lmcache_hits == 12288.0
+    assert (s.lmcache_cpu_bytes, s.lmcache_disk_bytes) == (5 << 30, 20 << 30)
+    start = parse_metrics(_grown(OFFLOAD_PAGE, **{
+        "vllm:external_prefix_cache_hits_total": "2288.0",
+        "vllm:kv_offload_load_bytes_total": "1073741824",
+        "vllm:kv_offload_load_time_total": "0.05",
+    }))
+    stats = ServerKV.of(s, BPT).stats(s, start)
+    # Counters count from the run's start; the connector's hits, not LMCache's again.
+    assert stats.offload_hit_tokens == 10000
+    assert stats.offload_loaded_bytes == 2 << 30
+    assert stats.offload_load_s == pytest.approx(0.2)
+    assert stats.offload_stored_bytes == 0
+    assert stats.offload_used_bytes == 25 << 30
+
+
+def test_sglang_hicache() -> None:
+    s = parse_metrics(HICACHE_PAGE)
+    assert s.flavor == "sglang"
+    # Cached tokens from host memory and storage, not from the device nor the total.
+    assert s.offload_hits == 24000.0
+    assert (s.offload_loaded_bytes, s.offload_stored_bytes) == (2 << 30, 6 << 30)
+    assert (s.offload_load_s, s.offload_store_s) == (0.1, 0.3)
+    stats = ServerKV.of(s, BPT).stats(s, parse_metrics(_grown(
+        HICACHE_PAGE, **{'sglang:cached_tokens_total{cache_source="host"': "0.0"})))
+    assert stats.offload_hit_tokens == 20000
+    assert stats.offload_used_bytes == 300000 * BPT
+
+
+def test_offload_absent_is_none_not_zero() -> None:
+    s = parse_metrics(VLLM_PAGE)
+    stats = ServerKV.of(s, BPT).stats(s, s)
+    # The recorded page's connector counters read 0: a connector was asked, none found.
+    assert stats.offload_hit_tokens == 0
+    for name in ("offload_loaded_bytes", "offload_stored_bytes", "offload_load_s",
+                 "offload_used_bytes"):
+        assert getattr(stats, name) is None, name
+    bad = parse_metrics(_grown(HICACHE_PAGE, **{"sglang:load_back_bytes_total": "-5"}))
+    assert bad.offload_loaded_bytes is None and "offload_loaded_bytes" in bad.dropped

@@ -79,6 +79,15 @@ class KVStats:
     # element and per token, tokens held and used bytes (kvbench.engines.kv.modality); None
     # where the engine cannot attribute its used KV to modalities.
     modalities: dict[str, dict[str, Any]] | None = None
+    # KV kept below device memory (host memory, disk or a store: an offloading connector,
+    # LMCache, SGLang's HiCache). Counters: prompt tokens served from there, bytes moved to
+    # and from it and the seconds those moves took; a gauge: the bytes it holds.
+    offload_hit_tokens: int | None = None
+    offload_stored_bytes: int | None = None
+    offload_loaded_bytes: int | None = None
+    offload_store_s: float | None = None
+    offload_load_s: float | None = None
+    offload_used_bytes: int | None = None
 
 
 @dataclass(slots=True)

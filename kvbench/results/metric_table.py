@@ -51,9 +51,10 @@ Kind = Literal["deterministic", "clock", "timing", "device"]
 # free in total, a cluster of replicas, disaggregated prefill/decode replicas.
 # ``modal``: a modality-aware KV pool (its page classes' figures). ``quality``: a real-compute
 # run of an engine storing KV below the model's dtype, checked against full precision.
-# ``wall``: a wall-clock run of an engine in this process (not a served one).
+# ``wall``: a wall-clock run of an engine in this process (not a served one). ``offload``: a
+# served engine that publishes metrics of KV kept below device memory.
 Need = Literal["slo", "soak", "cuda", "policy", "device", "oom", "fragmentation", "cluster",
-               "disaggregated", "modal", "quality", "wall"]
+               "disaggregated", "modal", "quality", "wall", "offload"]
 # The page classes of a modality-aware pool (kvbench.engines.kv.modal).
 MODAL_CLASSES = ("text", "vision")
 # The modalities of the tokens KV holds (kvbench.engines.kv.modality).
@@ -235,6 +236,21 @@ METRICS: tuple[MetricSpec, ...] = (
        "fraction", needs=("policy",)),
     _m("unbounded_hit_rate", "fraction", "none", "clock", "prefix hit rate, unbounded cache",
        "fraction", needs=("policy",)),
+    # KV below device memory (a served engine's offloading connector, LMCache or HiCache).
+    _m("offload_hit_rate", "fraction", "higher", "clock",
+       "prompt tokens served from below device memory", "fraction", needs=("offload",)),
+    _m("offload_hit_tokens", "tokens", "none", "clock", "tokens hit below device memory",
+       "d", needs=("offload",)),
+    _m("offload_loaded_bytes", "bytes", "none", "clock", "KV loaded from below device memory",
+       "bytes", needs=("offload",)),
+    _m("offload_stored_bytes", "bytes", "none", "clock", "KV stored below device memory",
+       "bytes", needs=("offload",)),
+    _m("offload_used_bytes", "bytes", "none", "clock", "KV held below device memory at the end",
+       "bytes", needs=("offload",)),
+    _m("offload_load_gbps", "GB/s", "higher", "timing", "offload load rate (GB/s)", ".2f",
+       needs=("offload",)),
+    _m("offload_store_gbps", "GB/s", "higher", "timing", "offload store rate (GB/s)", ".2f",
+       needs=("offload",)),
     _m("shared_block_ratio", "fraction", "none", "clock", "KV shared by several sequences",
        "fraction"),
     _m("kv_retained_bytes", "bytes", "lower", "clock", "KV retained after the run", "bytes"),

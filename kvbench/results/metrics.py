@@ -136,6 +136,7 @@ def summarize(run: EngineRun, slo: SLO | None = None) -> dict[str, Any]:
     summary.update(_dist("itl", *itl_samples(run, sums)))
     summary.update(kv_metrics(run, sums))
     summary.update(oracle_metrics(run))
+    summary.update(offload_metrics(run))
     summary.update(fragmentation_metrics(sums))
     summary.update(memory_metrics(run, sums))
     summary.update(modal_metrics(run, sums))
@@ -273,6 +274,30 @@ def oracle_metrics(run: EngineRun) -> dict[str, float | None]:
     out["unbounded_hit_rate"] = oracle.unbounded_hit_tokens / queried
     if oracle.hit_tokens:
         out["hit_rate_vs_oracle"] = (kv.prefix_hit_tokens or 0) / oracle.hit_tokens
+    return out
+
+
+OFFLOAD_TOTALS = ("offload_hit_tokens", "offload_loaded_bytes", "offload_stored_bytes",
+                  "offload_used_bytes")
+
+
+def offload_metrics(run: EngineRun) -> dict[str, Any]:
+    """KV below device memory over the run, from the last snapshot's counters: prompt tokens
+    served from there (and their share of those looked up), bytes moved each way and the
+    rate each direction achieved while it moved, and the bytes held at the end."""
+    kv = run.last_kv
+    out: dict[str, Any] = dict.fromkeys(
+        ("offload_hit_rate", *OFFLOAD_TOTALS, "offload_load_gbps", "offload_store_gbps"))
+    if kv is None:
+        return out
+    for name in OFFLOAD_TOTALS:
+        out[name] = getattr(kv, name)
+    if kv.offload_hit_tokens is not None and kv.prefix_query_tokens:
+        out["offload_hit_rate"] = kv.offload_hit_tokens / kv.prefix_query_tokens
+    for way, moved, took in (("load", kv.offload_loaded_bytes, kv.offload_load_s),
+                             ("store", kv.offload_stored_bytes, kv.offload_store_s)):
+        if moved is not None and took:
+            out[f"offload_{way}_gbps"] = moved / took / 1e9
     return out
 
 

@@ -9,6 +9,16 @@ multimodal-cache queries and hits, and ``vllm:cache_config_info`` whose labels c
 ``sglang:num_queue_reqs`` and a ``sglang:cache_hit_rate`` gauge. A metric a server does not
 publish stays None (never 0). Series of several engines (data parallelism) are summed.
 
+KV kept below device memory is read where a server publishes it: vLLM's offloading
+connector (``vllm:kv_offload_load_bytes`` / ``_store_bytes`` / ``_load_time`` /
+``_store_time`` counters, and the connector's ``vllm:external_prefix_cache_hits``),
+LMCache inside vLLM (``lmcache:num_hit_tokens``, and the bytes its local CPU and disk
+backends hold, ``lmcache:local_cache_usage`` / ``local_storage_usage``), and SGLang's
+HiCache (``sglang:load_back_bytes`` and ``hicache_backup_bytes`` with their duration
+histograms, ``sglang:hicache_host_used_tokens``, and ``sglang:cached_tokens_total`` by
+``cache_source``, of which ``host`` and ``storage`` lie below device memory). The
+connector's own hit count is preferred to LMCache's, which counts the same tokens.
+
 Only the lines of these families are handed to the parser: a vLLM page holds thousands of
 histogram lines, and parsing them all would cost the client milliseconds while it stamps
 streamed tokens. The page is untrusted input: its size and series are capped
@@ -21,7 +31,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal
 
 from kvbench.engines.base import KVStats
 
@@ -40,6 +50,24 @@ _VLLM = {
     "vllm:mm_cache_hits_total": "mm_cache_hits",
 }
 _VLLM_CACHE_INFO = "vllm:cache_config_info"
+_OFFLOAD = {
+    "vllm:external_prefix_cache_hits_total": "offload_hits",
+    "vllm:kv_offload_load_bytes_total": "offload_loaded_bytes",
+    "vllm:kv_offload_store_bytes_total": "offload_stored_bytes",
+    "vllm:kv_offload_load_time_total": "offload_load_s",
+    "vllm:kv_offload_store_time_total": "offload_store_s",
+    "lmcache:num_hit_tokens_total": "lmcache_hits",
+    "lmcache:local_cache_usage": "lmcache_cpu_bytes",
+    "lmcache:local_storage_usage": "lmcache_disk_bytes",
+    "sglang:load_back_bytes_total": "offload_loaded_bytes",
+    "sglang:hicache_backup_bytes_total": "offload_stored_bytes",
+    "sglang:load_back_duration_seconds_sum": "offload_load_s",
+    "sglang:hicache_backup_duration_seconds_sum": "offload_store_s",
+    "sglang:hicache_host_used_tokens": "offload_used_tokens",
+}
+# Cached prompt tokens by label ``cache_source``; these sources are below device memory.
+_SGLANG_CACHED = "sglang:cached_tokens_total"
+_BELOW_DEVICE = frozenset({"host", "storage"})
 _SGLANG = {
     "sglang:token_usage": "usage",
     "sglang:num_used_tokens": "used_tokens",
@@ -48,7 +76,7 @@ _SGLANG = {
     "sglang:num_queue_reqs": "waiting",
     "sglang:cache_hit_rate": "cache_hit_rate",
 }
-_PREFIXES = (*_VLLM, _VLLM_CACHE_INFO, *_SGLANG)
+_PREFIXES = (*_VLLM, _VLLM_CACHE_INFO, *_SGLANG, *_OFFLOAD, _SGLANG_CACHED)
 
 # A /metrics page is read up to this size, and at most this many series of the families
 # above are parsed: a data-parallel vLLM page holds a few hundred.
@@ -92,6 +120,16 @@ class ServerSample:
     # vLLM's configured KV budget, where it (not a block-count override) sized the pool.
     kv_cache_memory_bytes: int | None = None
     cache_hit_rate: float | None = None
+    # Below device memory (see the module's docstring); counters but the last three.
+    offload_hits: float | None = None
+    offload_loaded_bytes: float | None = None
+    offload_stored_bytes: float | None = None
+    offload_load_s: float | None = None
+    offload_store_s: float | None = None
+    lmcache_hits: float | None = None
+    lmcache_cpu_bytes: float | None = None
+    lmcache_disk_bytes: float | None = None
+    offload_used_tokens: float | None = None
     # Fields whose published values were non-finite or absurd, and so are absent here.
     dropped: tuple[str, ...] = ()
 
@@ -136,11 +174,14 @@ def parse_metrics(text: str) -> ServerSample:
     dropped: set[str] = set()
     usage_series = 0
     for s in samples:
-        sample.flavor = "vllm" if s.name.startswith("vllm:") else "sglang"
+        if not s.name.startswith("lmcache:"):  # LMCache runs inside vLLM
+            sample.flavor = "vllm" if s.name.startswith("vllm:") else "sglang"
         if s.name == _VLLM_CACHE_INFO:
             _cache_info(sample, s.labels, dropped)
             continue
-        field = _VLLM.get(s.name) or _SGLANG.get(s.name)
+        field = _VLLM.get(s.name) or _SGLANG.get(s.name) or _OFFLOAD.get(s.name)
+        if s.name == _SGLANG_CACHED:
+            field = "offload_hits" if s.labels.get("cache_source") in _BELOW_DEVICE else None
         if field is None:
             continue
         if not _plausible(field, s.value):
@@ -227,6 +268,7 @@ class ServerKV:
         hits = _delta(sample.prefix_hits, base.prefix_hits)
         queries = _delta(sample.prefix_queries, base.prefix_queries)
         return KVStats(
+            **self._offload(sample, base),
             capacity_bytes=self.capacity_bytes,
             reserved_bytes=reserved,
             free_bytes=free,
@@ -235,6 +277,28 @@ class ServerKV:
             prefix_hit_tokens=None if hits is None else int(hits),
             prefix_query_tokens=None if queries is None else int(queries),
         )
+
+    def _offload(self, sample: ServerSample, base: ServerSample) -> dict[str, Any]:
+        """The KVStats of tiers below device memory; counters count from ``base``."""
+        def hits(s: ServerSample) -> float | None:
+            return s.offload_hits if s.offload_hits is not None else s.lmcache_hits
+
+        def whole(value: float | None) -> int | None:
+            return None if value is None else int(value)
+
+        held = [b for b in (sample.lmcache_cpu_bytes, sample.lmcache_disk_bytes) if b is not None]
+        if sample.offload_used_tokens is not None:
+            held.append(sample.offload_used_tokens * self.bytes_per_token)
+        return {
+            "offload_hit_tokens": whole(_delta(hits(sample), hits(base))),
+            "offload_loaded_bytes": whole(_delta(sample.offload_loaded_bytes,
+                                                 base.offload_loaded_bytes)),
+            "offload_stored_bytes": whole(_delta(sample.offload_stored_bytes,
+                                                 base.offload_stored_bytes)),
+            "offload_load_s": _delta(sample.offload_load_s, base.offload_load_s),
+            "offload_store_s": _delta(sample.offload_store_s, base.offload_store_s),
+            "offload_used_bytes": whole(sum(held)) if held else None,
+        }
 
     def _reserved(self, sample: ServerSample) -> int | None:
         if sample.used_tokens is not None:
