@@ -286,6 +286,10 @@ class Engine(Protocol):
         added at their own arrival times (one wave, no concurrency limit)."""
         return FastPath("unsupported: the engine steps one at a time")
 
+    def trace_prefix_accesses(self, on: bool) -> None:
+        """Before a run: whether to record the prefix cache's block accesses for
+        :meth:`prefix_oracle` (they cost memory that grows with the run)."""
+
     def prefix_oracle(self) -> PrefixOracle | None:
         """After a run: the best hit rate a prefix cache of this engine's size could have had
         on the run's block accesses (:mod:`kvbench.engines.kv.oracle`), or None where the

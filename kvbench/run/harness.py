@@ -102,6 +102,8 @@ def run_engine(
                     waves=waves)
     path = _fast_path(engine, workload, clock, fast_forward, waves, max_concurrency)
     run.fast_forward = path.mode
+    # A soak's trace would grow with every wave and read as a leak of this process.
+    engine.trace_prefix_accesses(waves == 1)
     driver = _Driver(run, tel, engine, clock, path, max_concurrency,
                      _with_clock(on_progress, clock))
     wall0 = time.perf_counter()

@@ -364,6 +364,9 @@ class BuiltinEngine(Engine):
     def close(self) -> None:
         self.executor.close()
 
+    def trace_prefix_accesses(self, on: bool) -> None:
+        self.kv.trace_prefix_accesses(on)
+
     def prefix_oracle(self) -> PrefixOracle | None:
         return self.kv.prefix_oracle()
 

@@ -564,6 +564,11 @@ class ClusterEngine(Engine):
         for rep in self._reps:
             rep.engine.close()
 
+    def trace_prefix_accesses(self, on: bool) -> None:
+        # A cluster's caches are its replicas': it records no oracle of its own.
+        for rep in self._reps:
+            rep.engine.trace_prefix_accesses(False)
+
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "cluster": {**self.section.model_dump(), "roles": self.log.roles},

@@ -120,6 +120,9 @@ class KVManager(ABC):
         """Work that overlaps the step whose batch was just chosen (pre-mapping pages,
         pre-splitting them): it costs the step no time."""
 
+    def trace_prefix_accesses(self, on: bool) -> None:  # noqa: B027 (an optional hook)
+        """Whether to record prefix-cache accesses for :meth:`prefix_oracle` (from now on)."""
+
     def prefix_oracle(self) -> PrefixOracle | None:
         """MIN's hits on this manager's prefix-cache accesses so far
         (:mod:`~kvbench.engines.kv.oracle`); None for a policy that records none."""

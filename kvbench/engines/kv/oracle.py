@@ -19,7 +19,8 @@ was written before.
 
 The search runs in C (``oracle.c``) where a compiler is found, else in Python (the same
 answer, many times slower). A trace stops recording past :data:`MAX_REFERENCES` (about
-300 MB), and its run then reports no oracle.
+300 MB), or when told to (a soak: its trace would grow with every wave and read as a leak
+of the process), and its run then reports no oracle.
 """
 
 from __future__ import annotations
@@ -54,12 +55,12 @@ class PrefixOracle:
 class BlockTrace:
     """A prefix cache's block references, in order (names are its block keys)."""
 
-    __slots__ = ("kinds", "names", "overflowed")
+    __slots__ = ("kinds", "names", "stopped")
 
     def __init__(self) -> None:
         self.names = array("Q")
         self.kinds = array("b")
-        self.overflowed = False
+        self.stopped = False
 
     def __len__(self) -> int:
         return len(self.names)
@@ -76,11 +77,14 @@ class BlockTrace:
             self._add(keys)
             self.kinds.frombytes(bytes(len(keys)))
 
+    def stop(self) -> None:
+        """Drop what was recorded and record nothing more."""
+        self.names, self.kinds, self.stopped = array("Q"), array("b"), True
+
     def _room(self, n: int) -> bool:
-        if len(self.names) + n <= MAX_REFERENCES:
-            return True
-        self.names, self.kinds, self.overflowed = array("Q"), array("b"), True
-        return False
+        if not self.stopped and len(self.names) + n > MAX_REFERENCES:
+            self.stop()
+        return not self.stopped
 
     def _add(self, keys: Sequence[int] | np.ndarray) -> None:
         if isinstance(keys, np.ndarray):
@@ -89,8 +93,8 @@ class BlockTrace:
             self.names.extend(keys)
 
     def oracle(self, capacity_blocks: int, block_tokens: int) -> PrefixOracle | None:
-        """MIN and unbounded hits of this trace (None when it overflowed)."""
-        if self.overflowed:
+        """MIN and unbounded hits of this trace (None when it stopped)."""
+        if self.stopped:
             return None
         names = np.frombuffer(self.names, dtype=np.uint64)
         kinds = np.frombuffer(self.kinds, dtype=np.int8)

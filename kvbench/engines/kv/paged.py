@@ -367,6 +367,10 @@ class PagedKVManager(KVManager):
             evictions=pool.num_evictions if caching else None,
         )
 
+    def trace_prefix_accesses(self, on: bool) -> None:
+        if not on:
+            self.trace.stop()
+
     def prefix_oracle(self) -> PrefixOracle | None:
         if not self.enable_prefix_caching:
             return None
