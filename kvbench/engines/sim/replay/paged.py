@@ -144,7 +144,7 @@ class PagedBook:
     def lookup(self, seq: Seq) -> tuple[int, list[int]]:
         """Cached leading tokens of ``seq`` and the blocks holding them (none for a private
         prompt that never ran: no block can hold it)."""
-        if not self.caching or (seq.private and seq.hashes is None):
+        if not self._findable(seq):
             return 0, []
         n = seq.num_tokens
         hashes = self._hashes_upto(seq, n // self.bs)
@@ -171,7 +171,7 @@ class PagedBook:
         if self.caching:
             self.hit_tokens += cached
             self.query_tokens += seq.num_tokens
-            if not (seq.private and seq.hashes is None):  # as lookup() has it
+            if self._findable(seq):
                 limit = (seq.num_tokens - 1) // bs
                 self.trace.lookup(self._hashes_upto(seq, limit)[:limit])
         return True
@@ -309,7 +309,7 @@ class PagedBook:
             kept.clear()
 
     def waiting_hashes(self, seq: Seq) -> set[int] | None:
-        if not self.caching or (seq.private and seq.hashes is None):
+        if not self._findable(seq):
             return None
         return set(self._hashes_upto(seq, seq.num_tokens // self.bs).tolist())
 
@@ -418,6 +418,11 @@ class PagedBook:
             delta[j] += bs if f >= (m + 1) * bs else max(f - m * bs, 0)
 
     # --- hashes --------------------------------------------------------------------------
+
+    def _findable(self, seq: Seq) -> bool:
+        """Whether a lookup could find any of ``seq``'s blocks: not for a private prompt
+        that never ran (no block can hold it), nor without a prefix cache."""
+        return self.caching and not (seq.private and seq.hashes is None)
 
     def _hashes_upto(self, seq: Seq, num_blocks: int) -> np.ndarray:
         """``seq``'s block keys (uint64), computed (once) for at least its first
