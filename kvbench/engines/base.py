@@ -88,6 +88,9 @@ class KVStats:
     offload_store_s: float | None = None
     offload_load_s: float | None = None
     offload_used_bytes: int | None = None
+    # Per tier of the built-in engine's offload (kvbench.engines.kv.offload): capacity and
+    # used bytes, blocks hit and dropped, bytes moved each way and the seconds they took.
+    offload_tiers: dict[str, dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -170,7 +173,8 @@ class BatchShape:
     ``context_tokens`` sums, over scheduled sequences, the KV positions attention reads
     (cached context plus the new tokens); ``attn_pairs`` sums query x key pairs;
     ``copied_bytes`` and ``map_ops`` are the KV copies and virtual-memory map/unmap calls
-    (all tensor-parallel ranks together) the step waits for.
+    (all tensor-parallel ranks together) the step waits for; ``load_s`` its loads of KV
+    from offload tiers.
     """
 
     num_seqs: int = 0
@@ -180,6 +184,10 @@ class BatchShape:
     attn_pairs: int = 0
     copied_bytes: int = 0
     map_ops: int = 0
+    # Seconds of KV loads from offload tiers the step needs before its prefill, and
+    # whether they overlap compute layer by layer (else the step waits for them first).
+    load_s: float = 0.0
+    load_layerwise: bool = False
 
     @property
     def num_tokens(self) -> int:

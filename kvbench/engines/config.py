@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, ClassVar, Self
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvbench.engines.builtin.scheduler import SchedulerConfig
+from kvbench.engines.kv.offload import OffloadSpec
 from kvbench.engines.kv.spec import Footprint, KVSpec, kv_bytes_per_token, never_runs
 from kvbench.engines.model.presets import ModelPreset
 from kvbench.engines.sim.device_memory import MemoryOptions
@@ -43,6 +44,8 @@ class EngineSettings:
     attention: str = "auto"
     # How a simulated device's memory is modelled (real devices are measured instead).
     memory: MemoryOptions = field(default_factory=MemoryOptions)
+    # Offload tiers for the paged engines that set none (kvbench.engines.kv.offload).
+    offload: OffloadSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,6 +95,10 @@ class MetricSpec:
         return format(value, self.fmt)
 
 
+# The built-in engine's offload tier kinds (kvbench.engines.kv.offload.TIER_KINDS, which
+# this reader may not import; a test keeps the two equal).
+OFFLOAD_TIER_KINDS = ("cpu", "cxl", "disk")
+
 def _m(name: str, unit: str, direction: Direction, kind: Kind, label: str, fmt: str = ".4g",
        *, report: bool = False, needs: tuple[Need, ...] = ()) -> MetricSpec:
     return MetricSpec(name, unit, direction, kind, label, fmt, report, needs)
@@ -251,6 +255,17 @@ METRICS: tuple[MetricSpec, ...] = (
        needs=("offload",)),
     _m("offload_store_gbps", "GB/s", "higher", "timing", "offload store rate (GB/s)", ".2f",
        needs=("offload",)),
+    _m("offload_load_s", "s", "lower", "clock", "time moving KV up from offload tiers", ".4g",
+       needs=("offload",)),
+    # Per tier of the built-in engine's offload, and MIN with that tier and those above it.
+    *(_m(f"offload_{kind}_hit_rate", "fraction", "higher", "clock",
+         f"prompt tokens served from the {kind} tier", "fraction", needs=("offload",))
+      for kind in OFFLOAD_TIER_KINDS),
+    *(_m(f"oracle_hit_rate_{kind}", "fraction", "none", "clock",
+         f"optimal (MIN) hit rate, device + tiers to {kind}", "fraction", needs=("offload",))
+      for kind in OFFLOAD_TIER_KINDS),
+    _m("hit_rate_vs_oracle_offload", "fraction", "higher", "clock",
+       "prefix hit rate / optimal with every tier", "fraction", needs=("offload",)),
     _m("shared_block_ratio", "fraction", "none", "clock", "KV shared by several sequences",
        "fraction"),
     _m("kv_retained_bytes", "bytes", "lower", "clock", "KV retained after the run", "bytes"),

@@ -20,6 +20,7 @@ import numpy as np
 
 from kvbench.engines.base import DeviceMemory
 from kvbench.engines.kv.modality import MODALITIES
+from kvbench.engines.kv.offload import TIER_KINDS
 from kvbench.engines.sim.device_memory import DeviceOutOfMemory
 from kvbench.results.gaps import weighted_stats
 from kvbench.results.runlog import EngineRun
@@ -266,6 +267,8 @@ def oracle_metrics(run: EngineRun) -> dict[str, float | None]:
     same denominator, the prompt tokens looked up."""
     out: dict[str, float | None] = dict.fromkeys(
         ("oracle_hit_rate", "hit_rate_vs_oracle", "unbounded_hit_rate"))
+    out.update(dict.fromkeys((*(f"oracle_hit_rate_{k}" for k in TIER_KINDS),
+                              "hit_rate_vs_oracle_offload")))
     oracle, kv = run.prefix_oracle, run.last_kv
     if oracle is None or kv is None or not kv.prefix_query_tokens:
         return out
@@ -274,6 +277,10 @@ def oracle_metrics(run: EngineRun) -> dict[str, float | None]:
     out["unbounded_hit_rate"] = oracle.unbounded_hit_tokens / queried
     if oracle.hit_tokens:
         out["hit_rate_vs_oracle"] = (kv.prefix_hit_tokens or 0) / oracle.hit_tokens
+    for kind, hit_tokens in oracle.tiers:
+        out[f"oracle_hit_rate_{kind}"] = hit_tokens / queried
+    if oracle.tiers and oracle.tiers[-1][1]:
+        out["hit_rate_vs_oracle_offload"] = (kv.prefix_hit_tokens or 0) / oracle.tiers[-1][1]
     return out
 
 
@@ -287,13 +294,19 @@ def offload_metrics(run: EngineRun) -> dict[str, Any]:
     rate each direction achieved while it moved, and the bytes held at the end."""
     kv = run.last_kv
     out: dict[str, Any] = dict.fromkeys(
-        ("offload_hit_rate", *OFFLOAD_TOTALS, "offload_load_gbps", "offload_store_gbps"))
+        ("offload_hit_rate", *OFFLOAD_TOTALS, "offload_load_gbps", "offload_store_gbps",
+         "offload_load_s", *(f"offload_{k}_hit_rate" for k in TIER_KINDS)))
     if kv is None:
         return out
     for name in OFFLOAD_TOTALS:
         out[name] = getattr(kv, name)
-    if kv.offload_hit_tokens is not None and kv.prefix_query_tokens:
-        out["offload_hit_rate"] = kv.offload_hit_tokens / kv.prefix_query_tokens
+    out["offload_load_s"] = kv.offload_load_s
+    queried = kv.prefix_query_tokens
+    if kv.offload_hit_tokens is not None and queried:
+        out["offload_hit_rate"] = kv.offload_hit_tokens / queried
+    for kind, tier in (kv.offload_tiers or {}).items():
+        if queried:
+            out[f"offload_{kind}_hit_rate"] = tier["hit_tokens"] / queried
     for way, moved, took in (("load", kv.offload_loaded_bytes, kv.offload_load_s),
                              ("store", kv.offload_stored_bytes, kv.offload_store_s)):
         if moved is not None and took:

@@ -17,6 +17,7 @@ from kvbench.engines.config import (
     KVPolicy,
     engine_config,
 )
+from kvbench.engines.kv.offload import OffloadSpec
 from kvbench.engines.model.presets import ModelPreset, get_preset
 from kvbench.engines.sim.device_memory import MemoryOptions
 from kvbench.engines.sim.hardware import DeviceSpec
@@ -185,8 +186,25 @@ def _engine_settings(
         seed=suite.workload.seed,
         attention=run.attention,
         memory=memory,
+        offload=_offload(run.kv_offload, sections, warnings),
     )
     return settings, sections, warnings
+
+
+def _offload(text: str | None, sections: list[tuple[str, EngineSection]],
+             warnings: list[str]) -> OffloadSpec | None:
+    """The run's offload tiers (``--kv-offload``), with a warning for each engine they
+    leave out: only the paged policy keeps blocks below device memory."""
+    if text is None:
+        return None
+    spec = OffloadSpec.model_validate(text)
+    from kvbench.engines.kv.paged import PagedPolicy
+
+    for name, section in sections:
+        if not isinstance(section, PagedPolicy):
+            warnings.append(f"--kv-offload: engine {name} ({section.kind}) has no offload "
+                            "tiers; it runs without them")
+    return spec
 
 
 def _workload(suite: Suite, base: Path | None) -> tuple[Workload, bool]:

@@ -88,6 +88,9 @@ class RunSection(_Strict):
     max_model_len: int | None = Field(default=None, ge=2)
     chunked_prefill: bool = True
     prefix_caching: bool = True
+    # Tiers below device memory for the paged engines, as `cpu:64GiB,disk:1TiB`
+    # (kvbench.engines.kv.offload); an engine's own `offload` table wins.
+    kv_offload: str | None = None
     engines: list[str] = Field(default_factory=lambda: ["paged", "contiguous"])
     slo: SLO | None = None
     # Intra-op threads of real compute on a CPU (None: torch's default). Small models gain

@@ -418,6 +418,7 @@ def batch_shape(
     return BatchShape(
         num_seqs=len(batch.items), prefill_tokens=prefill, decode_tokens=decode,
         context_tokens=context, attn_pairs=pairs, copied_bytes=copied, map_ops=batch.map_ops,
+        load_s=batch.load_s, load_layerwise=batch.load_layerwise,
     )
 
 

@@ -31,6 +31,8 @@ class ScheduledBatch:
     items: list[ScheduledSeq] = field(default_factory=list)
     copies: list[SlotCopy] = field(default_factory=list)
     map_ops: int = 0
+    load_s: float = 0.0
+    load_layerwise: bool = False
 
 
 class Executor(ABC):

@@ -207,7 +207,9 @@ class Scheduler:
                 budget -= num_new
 
         kv.background()
-        return ScheduledBatch(items, kv.take_copies(), kv.take_map_ops()), preempted, first
+        batch = ScheduledBatch(items, kv.take_copies(), kv.take_map_ops(), kv.take_load_s(),
+                               kv.load_layerwise)
+        return batch, preempted, first
 
     def decode_only(self) -> tuple[list[Sequence], int | None, set[int] | None] | None:
         """Whether the next steps are all alike until some event: every running sequence

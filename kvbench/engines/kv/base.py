@@ -133,6 +133,14 @@ class KVManager(ABC):
         dtype: :class:`~kvbench.engines.kv.page_classes.PoolClass`), or None for one flat pool."""
         return None
 
+    # Whether loads from offload tiers overlap compute layer by layer (else a step waits).
+    load_layerwise = False
+
+    def take_load_s(self) -> float:
+        """Seconds of KV loads from offload tiers since the last call, which the next step
+        waits for; 0 for policies without tiers."""
+        return 0.0
+
     def take_map_ops(self) -> int:
         """Virtual-memory map and unmap operations done on the critical path since the last
         call (the step waits for them); 0 for policies that map nothing."""
@@ -209,7 +217,8 @@ class KVManager(ABC):
 
 # What a decode jump does in place of one step after another: a subclass that overrides one
 # of these would be jumped past wrongly unless it also redefines the jump.
-STEP_HOOKS = ("grow", "commit", "take_copies", "take_map_ops", "stats", "background")
+STEP_HOOKS = ("grow", "commit", "take_copies", "take_map_ops", "take_load_s", "stats",
+              "background")
 
 
 def defining_class(cls: type, name: str) -> type:

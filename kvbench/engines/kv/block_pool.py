@@ -12,7 +12,7 @@ blocks) run as C-level ``map`` loops rather than Python ones.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from itertools import compress, repeat, takewhile
 from operator import is_, is_not
@@ -61,6 +61,7 @@ class BlockPool:
         "num_evictions",
         "num_frees",
         "num_shared",
+        "on_evict",
         "ref",
     )
 
@@ -76,6 +77,8 @@ class BlockPool:
         self._free_plain = list(range(num_blocks - 1, -1, -1))
         self._free_cached = eviction_queue(eviction, self.hits)
         self._leaked: set[int] = set()
+        # Told the keys and hit counts of evicted cached blocks (offload tiers take them).
+        self.on_evict: Callable[[list[int], list[int]], None] | None = None
         self.num_shared = 0
         self.num_allocs = 0
         self.num_evictions = 0
@@ -99,6 +102,9 @@ class BlockPool:
         if k < n:
             hashes, by_hash = self._hash, self._by_hash
             evicted = self._free_cached.evict(n - k)
+            if self.on_evict is not None:
+                self.on_evict(list(map(hashes.__getitem__, evicted)),
+                              list(map(self.hits.__getitem__, evicted)))
             if len(evicted) < 8:
                 for b in evicted:
                     del by_hash[hashes[b]]

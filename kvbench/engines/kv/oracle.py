@@ -43,13 +43,16 @@ MAX_REFERENCES = 1 << 25
 @dataclass(frozen=True, slots=True)
 class PrefixOracle:
     """Hit tokens of a run's prefix-cache lookups under MIN at ``capacity_blocks`` blocks
-    and with unbounded capacity (blocks of ``block_tokens`` tokens each)."""
+    and with unbounded capacity (blocks of ``block_tokens`` tokens each); ``tiers`` holds,
+    per offload tier below device memory, its kind and MIN's hit tokens with the blocks of
+    that tier and of every tier above it added to the capacity."""
 
     capacity_blocks: int
     block_tokens: int
     references: int
     hit_tokens: int
     unbounded_hit_tokens: int
+    tiers: tuple[tuple[str, int], ...] = ()
 
 
 class BlockTrace:
@@ -92,15 +95,21 @@ class BlockTrace:
         else:
             self.names.extend(keys)
 
-    def oracle(self, capacity_blocks: int, block_tokens: int) -> PrefixOracle | None:
-        """MIN and unbounded hits of this trace (None when it stopped)."""
+    def oracle(self, capacity_blocks: int, block_tokens: int,
+               tiers: Sequence[tuple[str, int]] = ()) -> PrefixOracle | None:
+        """MIN and unbounded hits of this trace (None when it stopped), and MIN's hits with
+        each of ``tiers`` (kind, blocks) added in turn."""
         if self.stopped:
             return None
         names = np.frombuffer(self.names, dtype=np.uint64)
         kinds = np.frombuffer(self.kinds, dtype=np.int8)
         hits, unbounded = belady(names, kinds, capacity_blocks)
+        more, capacity = [], capacity_blocks
+        for kind, blocks in tiers:
+            capacity += blocks
+            more.append((kind, belady(names, kinds, capacity)[0] * block_tokens))
         return PrefixOracle(capacity_blocks, block_tokens, len(names), hits * block_tokens,
-                            unbounded * block_tokens)
+                            unbounded * block_tokens, tuple(more))
 
 
 def belady(names: np.ndarray, kinds: np.ndarray, capacity: int) -> tuple[int, int]:

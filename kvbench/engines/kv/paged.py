@@ -23,15 +23,17 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvbench.engines.base import KVStats
-from kvbench.engines.config import EngineConfig, KVPolicy, Paging
+from kvbench.engines.base import BatchShape, KVStats, causal_pairs
+from kvbench.engines.config import EngineConfig, EngineSettings, KVPolicy, Paging
 from kvbench.engines.kv.base import KVManager, steps_within
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.eviction import EVICTIONS, Eviction
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
+from kvbench.engines.kv.offload import OffloadSpec, OffloadTiers
 from kvbench.engines.kv.oracle import BlockTrace, PrefixOracle
 from kvbench.engines.kv.spec import Footprint, KVSpec
 from kvbench.engines.sequence import Sequence
+from kvbench.engines.sim.costmodel import CostModel
 from kvbench.errors import KvbenchError
 from kvbench.kernels.layouts import BlockTables
 from kvbench.kernels.slot_copy import SlotCopy
@@ -55,21 +57,40 @@ def paged_footprint(request: Request, block_size: int, num_blocks: int) -> Footp
 
 class PagedPolicy(Paging, KVPolicy):
     """Fixed-size blocks with per-sequence block tables; prefix caching (``eviction`` of
-    cached free blocks: ``lru`` or ``lfu``) and fork + CoW. ``leak_finished`` is a deliberate
-    fault: finished sequences' blocks are never returned."""
+    cached free blocks: ``lru`` or ``lfu``) and fork + CoW. ``offload`` keeps evicted cached
+    blocks in tiers below device memory (:mod:`~kvbench.engines.kv.offload`; the run's
+    ``kv_offload`` unless set). ``leak_finished`` is a deliberate fault: finished sequences'
+    blocks are never returned."""
 
     kind: Literal["paged"] = "paged"
     summary = "fixed-size blocks + block tables, prefix caching (LRU | LFU), fork + copy-on-write"
     leak_finished: bool = False
     eviction: Eviction = "lru"
     sliding_window_release: bool = False
+    offload: OffloadSpec | None = None
+
+    def resolved(self, settings: EngineSettings) -> PagedPolicy:
+        out = super().resolved(settings)
+        if out.offload is None and settings.offload is not None:
+            out = out.model_copy(update={"offload": settings.offload})
+        return out
 
     def label(self) -> str:
         base = f"paged/bs{self.block_size}" if self.block_size else "paged"
         return base + ("/lfu" if self.eviction == "lfu" else "") + (
-            "/swa-release" if self.sliding_window_release else "")
+            "/swa-release" if self.sliding_window_release else "") + (
+            f"/offload:{self.offload.label()}" if self.offload else "")
 
     def check(self, config: EngineConfig) -> list[str]:
+        if self.offload is not None:
+            if config.device.kind != "sim":
+                raise KvbenchError(
+                    "KV offload tiers are simulated only: run on a simulated device "
+                    "(--device sim:GPU); real compute does not copy KV to host memory yet")
+            if not config.prefix_caching:
+                raise KvbenchError(
+                    "KV offload tiers keep the prefix cache's evicted blocks: drop "
+                    "--no-prefix-caching (or the offload)")
         if self.sliding_window_release and config.preset.sliding_window is None:
             raise KvbenchError(
                 f"sliding_window_release needs a sliding-window model; {config.preset.name} "
@@ -86,7 +107,26 @@ class PagedPolicy(Paging, KVPolicy):
             config.scheduler.max_model_len, enable_prefix_caching=config.prefix_caching,
             leak_finished=self.leak_finished, dtype=config.kv.dtype, eviction=self.eviction,
             sliding_window=config.preset.sliding_window if self.sliding_window_release else None,
+            offload=offload_tiers(self.offload, config) if self.offload else None,
         )
+
+
+def offload_tiers(spec: OffloadSpec, config: EngineConfig) -> OffloadTiers:
+    """``spec``'s tiers under ``config``'s pool, a block's recomputation priced on its
+    simulated device: the FLOPs of its tokens at their depth, attention included."""
+    cost = CostModel(config.preset, config.device.hardware, config.device.tp)
+    assert cost.coef is not None
+    rate = cost.hardware.flops_per_s * cost.coef.flops_efficiency
+    bs = config.kv.page_tokens
+
+    def recompute_s(depth: int) -> float:
+        shape = BatchShape(prefill_tokens=bs, context_tokens=(depth + 1) * bs,
+                           attn_pairs=causal_pairs(depth * bs, bs))
+        return cost.terms(shape).flops / rate
+
+    gpu = config.device.gpu.name if config.device.gpu is not None else None
+    return OffloadTiers(spec, bs, bs * config.kv.bytes_per_token, gpu, recompute_s,
+                        ranks=config.device.tp)
 
 
 @dataclass(slots=True)
@@ -120,6 +160,7 @@ class PagedKVManager(KVManager):
         dtype: str | None = None,
         eviction: Eviction = "lru",
         sliding_window: int | None = None,
+        offload: OffloadTiers | None = None,
     ) -> None:
         for name, value in (
             ("num_blocks", num_blocks),
@@ -142,6 +183,13 @@ class PagedKVManager(KVManager):
         self.eviction = eviction
         self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, block_size, eviction)
+        if offload is not None and not enable_prefix_caching:
+            raise KvbenchError("KV offload tiers keep the prefix cache's blocks: enable it")
+        self.offload = offload
+        if offload is not None:
+            self.pool.on_evict = offload.store
+            self.load_layerwise = offload.spec.overlap == "layerwise"
+        self._offload_hit_tokens = 0
         self._hasher = BlockHasher(block_size)
         # What the prefix cache looked up and made findable, for prefix_oracle.
         self.trace = BlockTrace()
@@ -175,7 +223,7 @@ class PagedKVManager(KVManager):
         hashes = self._hashes_upto(seq, seq.num_tokens // self.block_size)
         # At least one token must be left to compute: its logits give the next token.
         limit = (seq.num_tokens - 1) // self.block_size
-        return len(self.pool.lookup(islice(hashes, limit))) * self.block_size
+        return self._found(hashes, limit) * self.block_size
 
     def cached_prefix_tokens(self, prompt_ids: np.ndarray) -> int:
         if not self.enable_prefix_caching:
@@ -183,27 +231,31 @@ class PagedKVManager(KVManager):
         bs = self.block_size
         limit = (len(prompt_ids) - 1) // bs
         hashes = self._hasher.chain(ROOT_HASH, prompt_ids[: limit * bs])
-        return len(self.pool.lookup(hashes)) * bs
+        return self._found(hashes, limit) * bs
 
     def allocate(self, seq: Sequence, num_cached: int, num_new: int) -> bool:
         if seq.seq_id in self._seqs:
             raise RuntimeError(f"sequence {seq.seq_id} is already allocated")
         bs = self.block_size
         hits: list[int] = []
+        want = num_cached // bs
         if num_cached:
             if not self.enable_prefix_caching or num_cached % bs:
                 raise RuntimeError(f"cannot attach {num_cached} cached tokens (block size {bs})")
-            hashes = self._hashes_upto(seq, num_cached // bs)
-            hits = self.pool.lookup(islice(hashes, num_cached // bs))
-            if len(hits) * bs != num_cached:
+            hits, below = self._attachable(seq, want)
+            if below is None:
                 raise RuntimeError("prefix lookup is stale: cached blocks were evicted since")
         num_fresh = _cdiv(num_cached + num_new, bs) - len(hits)
         if num_fresh + self.pool.count_free(hits) > self.pool.num_free:
             return False
         self._used_tokens += self.pool.touch(hits) * bs
+        loaded = self.offload.load(self._hashes[seq.seq_id][len(hits) : want]) if (
+            want > len(hits)) else None
         table = hits + self.pool.take(num_fresh)
+        if loaded is not None:
+            self._attach_loaded(seq, table, len(hits), want, loaded)
         self._table_entries += len(table)
-        state = _SeqBlocks(table, num_cached, len(hits), seq.max_tokens - 1)
+        state = _SeqBlocks(table, num_cached, want, seq.max_tokens - 1)
         self._seqs[seq.seq_id] = state
         self._sum_limit += self._limit(state)
         self._sum_committed += num_cached
@@ -212,8 +264,41 @@ class PagedKVManager(KVManager):
             self._query_tokens += seq.num_tokens
             limit = (seq.num_tokens - 1) // bs
             self.trace.lookup(self._hashes_upto(seq, limit)[:limit])
+            if loaded is not None:
+                # Loaded blocks are findable in device memory again, as if written.
+                self.trace.write(self._hashes[seq.seq_id][len(hits) : want])
         seq.num_computed_tokens = seq.num_cached_tokens = num_cached
         return True
+
+    def _found(self, hashes: list[int], limit: int) -> int:
+        """Leading blocks of ``hashes[:limit]`` cached in device memory or below it."""
+        n = len(self.pool.lookup(islice(hashes, limit)))
+        if self.offload is not None and n < limit:
+            n += self.offload.run(islice(hashes, n, limit))
+        return n
+
+    def _attachable(self, seq: Sequence, want: int) -> tuple[list[int], int | None]:
+        """The device blocks caching ``seq``'s first ``want`` blocks, and how many more of
+        them the tiers below hold (None: not all of them are cached any more)."""
+        hashes = self._hashes_upto(seq, want)
+        hits = self.pool.lookup(islice(hashes, want))
+        below = want - len(hits)
+        if below and (self.offload is None
+                      or self.offload.run(islice(hashes, len(hits), want)) < below):
+            return hits, None
+        return hits, below
+
+    def _attach_loaded(self, seq: Sequence, table: list[int], start: int, end: int,
+                       hits: list[int]) -> None:
+        """Fresh ``table[start:end]`` received blocks loaded from below: findable again, with
+        the hits their content served (this one included)."""
+        hashes = self._hashes[seq.seq_id]
+        self.pool.cache(table, hashes, start, end)
+        pool_hits = self.pool.hits
+        for b, h in zip(table[start:end], hits, strict=True):
+            pool_hits[b] = h + 1
+        self._used_tokens += (end - start) * self.block_size
+        self._offload_hit_tokens += (end - start) * self.block_size
 
     def grow(self, seq: Sequence, num_new: int) -> bool:
         state = self._seqs[seq.seq_id]
@@ -365,7 +450,26 @@ class PagedKVManager(KVManager):
             copied_bytes=self._copied_bytes,
             page_table_entries=self._table_entries,
             evictions=pool.num_evictions if caching else None,
+            **self._offload_stats(),
         )
+
+    def _offload_stats(self) -> dict[str, Any]:
+        """The KVStats fields of the tiers below device memory (none without them)."""
+        if self.offload is None:
+            return {}
+        tiers = self.offload.stats()
+        return {
+            "offload_hit_tokens": self._offload_hit_tokens,
+            "offload_loaded_bytes": sum(t["loaded_bytes"] for t in tiers.values()),
+            "offload_stored_bytes": sum(t["stored_bytes"] for t in tiers.values()),
+            "offload_load_s": sum(t["load_s"] for t in tiers.values()),
+            "offload_store_s": sum(t["store_s"] for t in tiers.values()),
+            "offload_used_bytes": sum(t["used_bytes"] for t in tiers.values()),
+            "offload_tiers": tiers,
+        }
+
+    def take_load_s(self) -> float:
+        return self.offload.take_load_s() if self.offload is not None else 0.0
 
     def trace_prefix_accesses(self, on: bool) -> None:
         if not on:
@@ -374,7 +478,9 @@ class PagedKVManager(KVManager):
     def prefix_oracle(self) -> PrefixOracle | None:
         if not self.enable_prefix_caching:
             return None
-        return self.trace.oracle(self.num_blocks, self.block_size)
+        tiers = [] if self.offload is None else [
+            (t.kind, t.capacity_blocks) for t in self.offload.tiers]
+        return self.trace.oracle(self.num_blocks, self.block_size, tiers)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -387,6 +493,7 @@ class PagedKVManager(KVManager):
             "eviction": self.eviction,
             "sliding_window_release": self.sliding_window,
             "leak_finished": self.leak_finished,
+            "offload": self.offload.describe() if self.offload is not None else None,
         }
 
     def _release_outside_window(self, state: _SeqBlocks, num_computed: int) -> None:
@@ -525,9 +632,8 @@ class PagedKVManager(KVManager):
         if num_cached:
             if not self.enable_prefix_caching or num_cached % bs:
                 return None
-            hashes = self._hashes_upto(seq, num_cached // bs)
-            hits = pool.lookup(islice(hashes, num_cached // bs))
-            if len(hits) * bs != num_cached:
+            hits, below = self._attachable(seq, num_cached // bs)
+            if below is None:
                 return None
         num_fresh = _cdiv(num_cached + num_new, bs) - len(hits)
         return num_fresh + pool.count_free(hits) <= pool.num_free
@@ -560,6 +666,10 @@ class PagedKVManager(KVManager):
         """Make ``seq``'s first ``full`` blocks findable in the prefix cache."""
         if full > state.num_indexed:
             hashes = self._hashes_upto(seq, full)
+            if self.offload is not None:
+                # Computed again here: a copy held below is superseded.
+                self.offload.discard(hashes[state.num_indexed : full])
+                self.offload.note_depths(hashes, state.num_indexed, full)
             self.pool.cache(state.table, hashes, state.num_indexed, full)
             self.trace.write(hashes[state.num_indexed : full])
             state.num_indexed = full

@@ -16,7 +16,9 @@ FLOPs: 2 x params x tokens for the layer matmuls, LM head for sampled positions 
 4 x heads x head_dim x (query, key) pairs per layer for attention. Bytes: weights once per
 step, KV read for every context position, KV written for every new token, plus copies.
 Virtual-memory map/unmap calls the step waits for (``BatchShape.map_ops``) add
-``map_op_s`` each; every rank maps its own pages in parallel with the others.
+``map_op_s`` each; every rank maps its own pages in parallel with the others. Loads of KV
+from offload tiers (``BatchShape.load_s``, priced by their link) are added before the step,
+or overlap it layer by layer.
 
 All per tensor-parallel rank: each rank holds 1/TP of the weights and of the KV heads
 (replicated when there are fewer KV heads than ranks) and does 1/TP of the FLOPs; two ring
@@ -126,7 +128,17 @@ class CostModel:
         step = c.overhead_s + c.per_seq_s * batch.num_seqs + roofline + allreduce
         if batch.map_ops:
             step += c.map_op_s * batch.map_ops / self.tp
+        if batch.load_s:
+            step = self._with_loads(step, batch)
         return step
+
+    def _with_loads(self, step: float, batch: BatchShape) -> float:
+        """``step`` with its loads from offload tiers: waited for before it starts, or, layer
+        by layer, overlapping the compute of the layers already loaded (the first layer's
+        share still comes first)."""
+        if not batch.load_layerwise:
+            return step + batch.load_s
+        return max(step, batch.load_s) + batch.load_s / self.preset.num_layers
 
     def decode_step_times(self, num_seqs: int | np.ndarray, context: np.ndarray,
                           pairs: np.ndarray) -> np.ndarray | None:

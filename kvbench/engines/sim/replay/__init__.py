@@ -59,6 +59,8 @@ def _book_blocker(kv: KVManager) -> str | None:
             return "finished sequences' blocks leak"
         if kv.eviction != "lru":
             return f"{kv.eviction} eviction of cached blocks"
+        if kv.offload is not None:
+            return "offload tiers below device memory"
     return None
 
 

@@ -1,0 +1,323 @@
+"""Offload tiers below device memory: where a paged prefix cache's evicted blocks go.
+
+A block the device pool evicts to make room is stored in the first tier (host memory, a
+CXL expander, or disk) instead of being dropped; a tier over its capacity sends its own
+evictees one tier down, and the last tier drops them. A prefix lookup that runs out of
+device blocks goes on through the tiers, block by block, and a request that hits there
+loads those blocks into fresh device blocks before its prefill. Tiers are exclusive: a
+loaded block leaves its tier, and a block computed again on the device supersedes a copy
+held below (no key is held in two places).
+
+Transfers are priced by the tier's link: its peak rate from the sources in :data:`LINKS`
+(or a rate given by hand). Loads are on the critical path (the step waits for them, or
+overlaps them layer by layer); stores run behind the step and cost it no time, as the
+offloading connectors copy evicted blocks asynchronously.
+
+Each tier evicts by ``lru``, ``lfu`` (prefix hits its content served, then age) or
+``cost``: it keeps the blocks that would cost most to recompute against loading them
+(prefill FLOPs of the block at its depth, attention included, on the simulated device),
+weighted by hits + 1.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from kvbench.engines.kv.eviction import LFUQueue, LRUQueue
+from kvbench.errors import KvbenchError
+from kvbench.units import parse_bytes
+
+TierKind = Literal["cpu", "cxl", "disk"]
+TIER_KINDS: tuple[str, ...] = ("cpu", "cxl", "disk")
+TierEviction = Literal["lru", "lfu", "cost"]
+TIER_EVICTIONS: tuple[str, ...] = ("lru", "lfu", "cost")
+Overlap = Literal["none", "layerwise"]
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A path between device memory and a tier: its peak rate each way and where the
+    figure comes from."""
+
+    name: str
+    load_bytes_per_s: float
+    store_bytes_per_s: float
+    source: str
+
+
+# Raw link peaks, per direction; achieved copies reach less (pinned host copies ~80% of a
+# PCIe link), which a rate given by hand (`@25GBps`) models.
+LINKS: dict[str, Link] = {
+    "pcie4": Link("pcie4", 31.5e9, 31.5e9, "PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b"),
+    "pcie5": Link("pcie5", 63.0e9, 63.0e9, "PCIe 5.0 x16: 32 GT/s x 16 lanes, 128b/130b"),
+    "cxl": Link("cxl", 31.5e9, 31.5e9,
+                "CXL 2.0 type-3 memory expander on PCIe 5.0 x8 (32 GT/s x 8 lanes)"),
+    "nvme-gen4": Link("nvme-gen4", 7.45e9, 6.9e9,
+                      "PCIe 4.0 x4 NVMe SSD, sequential read/write (Samsung 990 PRO datasheet)"),
+    "nvme-gen5": Link("nvme-gen5", 14.8e9, 13.4e9,
+                      "PCIe 5.0 x4 NVMe SSD, sequential read/write (Samsung 9100 PRO datasheet)"),
+}
+
+# A GPU's host link: PCIe 5.0 on Hopper, 4.0 before (and for a device of unknown make).
+_HOST_LINK = {"h100-sxm": "pcie5", "h200": "pcie5"}
+_DEFAULT_LINK = {"cxl": "cxl", "disk": "nvme-gen4"}
+_TIER_RE = re.compile(
+    r"^(?P<kind>[a-z]+):(?P<size>[^:@]+)(?::(?P<eviction>[a-z]+))?(?:@(?P<link>[\w.-]+))?$")
+_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)GBps$", re.IGNORECASE)
+TIER_SYNTAX = "KIND:SIZE[:lru|lfu|cost][@LINK], e.g. cpu:64GiB,disk:1TiB:lfu@nvme-gen5"
+
+
+def link(name: str) -> Link:
+    """A link by name, or a symmetric rate such as ``25GBps``."""
+    if name in LINKS:
+        return LINKS[name]
+    m = _RATE_RE.match(name)
+    if m and float(m.group(1)) > 0:
+        rate = float(m.group(1)) * 1e9
+        return Link(name, rate, rate, "given")
+    raise KvbenchError(
+        f"unknown offload link {name!r}: use one of {', '.join(LINKS)} or a rate such as 25GBps")
+
+
+class TierSpec(BaseModel):
+    """One tier: its kind, capacity, eviction rule and link (None: the kind's default)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: TierKind
+    size: str
+    eviction: TierEviction = "lru"
+    link: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> TierSpec:
+        parse_bytes(self.size, f"offload tier {self.kind}")
+        if self.link is not None:
+            link(self.link)
+        return self
+
+    @property
+    def size_bytes(self) -> int:
+        return parse_bytes(self.size, f"offload tier {self.kind}")
+
+    def link_for(self, gpu: str | None) -> Link:
+        if self.link is not None:
+            return link(self.link)
+        if self.kind == "cpu":
+            return LINKS[_HOST_LINK.get(gpu or "", "pcie4")]
+        return LINKS[_DEFAULT_LINK[self.kind]]
+
+    def label(self) -> str:
+        rule = "" if self.eviction == "lru" else f":{self.eviction}"
+        return f"{self.kind}:{self.size}{rule}" + (f"@{self.link}" if self.link else "")
+
+
+class OffloadSpec(BaseModel):
+    """Tiers in order below device memory, and whether loads overlap compute layer by
+    layer. Written as a table or as the flag's text (:data:`TIER_SYNTAX`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    tiers: tuple[TierSpec, ...]
+    overlap: Overlap = "none"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            return {"tiers": parse_tiers(data)}
+        if isinstance(data, dict) and isinstance(data.get("tiers"), str):
+            return {**data, "tiers": parse_tiers(data["tiers"])}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> OffloadSpec:
+        kinds = [t.kind for t in self.tiers]
+        if not kinds:
+            raise KvbenchError(f"offload needs at least one tier: write {TIER_SYNTAX}")
+        if len(set(kinds)) != len(kinds):
+            raise KvbenchError(f"offload tiers repeat a kind ({','.join(kinds)}): one of each")
+        return self
+
+    def label(self) -> str:
+        return "+".join(t.label() for t in self.tiers) + (
+            "/layerwise" if self.overlap == "layerwise" else "")
+
+
+def parse_tiers(text: str) -> list[dict[str, str]]:
+    """The tiers of ``cpu:64GiB,disk:1TiB`` (:data:`TIER_SYNTAX`) as tables."""
+    out = []
+    for part in text.split(","):
+        m = _TIER_RE.match(part.strip())
+        if not m:
+            raise KvbenchError(f"offload tier {part.strip()!r}: write {TIER_SYNTAX}")
+        kind, eviction = m.group("kind"), m.group("eviction")
+        if kind not in TIER_KINDS:
+            raise KvbenchError(f"offload tier kind {kind!r}: use one of {', '.join(TIER_KINDS)}")
+        if eviction is not None and eviction not in TIER_EVICTIONS:
+            raise KvbenchError(
+                f"offload tier eviction {eviction!r}: use one of {', '.join(TIER_EVICTIONS)}")
+        out.append({k: v for k, v in m.groupdict().items() if v is not None})
+    return out
+
+
+class Tier:
+    """One tier's keys (exclusive of every other tier's), its queue and its counters."""
+
+    def __init__(self, spec: TierSpec, block_tokens: int, block_bytes: int, gpu: str | None,
+                 recompute_s: Callable[[int], float], ranks: int) -> None:
+        self.spec, self.kind = spec, spec.kind
+        self.link = spec.link_for(gpu)
+        self.block_bytes, self.block_tokens = block_bytes, block_tokens
+        self.capacity_blocks = spec.size_bytes // block_bytes
+        if self.capacity_blocks < 1:
+            raise KvbenchError(
+                f"offload tier {spec.kind}:{spec.size} holds no KV block of {block_bytes} "
+                "bytes: give it more room")
+        self.hits: dict[int, int] = {}
+        self._recompute_s = recompute_s
+        # Each tensor-parallel rank moves its share of a block over a link of its own.
+        self.load_block_s = block_bytes / (ranks * self.link.load_bytes_per_s)
+        self._store_block_s = block_bytes / (ranks * self.link.store_bytes_per_s)
+        # The heap queue reads a key's rank once, as it joins: lfu ranks by hits, cost by
+        # (hits + 1) x (recompute - load) seconds.
+        self._rank: dict[int, float] = {}
+        self.queue = LRUQueue() if spec.eviction == "lru" else LFUQueue(self._rank)  # type: ignore[arg-type]
+        self.hit_blocks = self.loaded_blocks = self.stored_blocks = self.dropped_blocks = 0
+        self.load_s = self.store_s = 0.0
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def add(self, key: int, hits: int, depth: int) -> None:
+        if hits:
+            self.hits[key] = hits
+        rule = self.spec.eviction
+        if rule == "lru":
+            self.queue.add(key)
+        else:
+            self._rank[key] = hits if rule == "lfu" else (hits + 1) * (
+                self._recompute_s(depth) - self.load_block_s)
+            self.queue.add(key)
+            del self._rank[key]
+        self.stored_blocks += 1
+        self.store_s += self._store_block_s
+
+    def take(self, key: int) -> int:
+        """Remove ``key`` (held here); its hit count."""
+        self.queue.remove(key)
+        return self.hits.pop(key, 0)
+
+    def overflow(self) -> list[tuple[int, int]]:
+        """Keys (with their hit counts) evicted to bring the tier within its capacity."""
+        n = len(self.queue) - self.capacity_blocks
+        if n <= 0:
+            return []
+        hits = self.hits
+        return [(key, hits.pop(key, 0)) for key in self.queue.evict(n)]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "capacity_bytes": self.capacity_blocks * self.block_bytes,
+            "used_bytes": len(self.queue) * self.block_bytes,
+            "hit_tokens": self.hit_blocks * self.block_tokens,
+            "loaded_bytes": self.loaded_blocks * self.block_bytes,
+            "stored_bytes": self.stored_blocks * self.block_bytes,
+            "dropped_blocks": self.dropped_blocks,
+            "load_s": self.load_s,
+            "store_s": self.store_s,
+        }
+
+
+class OffloadTiers:
+    """The tiers below a paged pool, in order; ``where`` maps each held key to its tier."""
+
+    def __init__(self, spec: OffloadSpec, block_tokens: int, block_bytes: int, gpu: str | None,
+                 recompute_s: Callable[[int], float], ranks: int = 1) -> None:
+        self.spec = spec
+        self.tiers = [Tier(t, block_tokens, block_bytes, gpu, recompute_s, ranks)
+                      for t in spec.tiers]
+        self.block_bytes = block_bytes
+        self.where: dict[int, Tier] = {}
+        self.tracks_depth = any(t.spec.eviction == "cost" for t in self.tiers)
+        self._depth: dict[int, int] = {}
+        self._pending_load_s = 0.0
+
+    @property
+    def capacity_blocks(self) -> int:
+        return sum(t.capacity_blocks for t in self.tiers)
+
+    def note_depths(self, keys: list[int], start: int, end: int) -> None:
+        """Keys ``keys[start:end]`` sit at those block depths of their sequence (the
+        ``cost`` rule prices recomputing a block by its depth)."""
+        if self.tracks_depth:
+            self._depth.update(zip(keys[start:end], range(start, end), strict=True))
+
+    def store(self, keys: list[int], hits: list[int]) -> None:
+        """Blocks the device evicted: into the first tier, cascading overflow down."""
+        where, depth = self.where, self._depth
+        moving = list(zip(keys, hits, strict=True))
+        last = self.tiers[-1]
+        for tier in self.tiers:
+            for key, h in moving:
+                tier.add(key, h, depth.get(key, 0))
+                where[key] = tier
+            moving = tier.overflow()
+            if not moving:
+                return
+        last.dropped_blocks += len(moving)
+        for key, _ in moving:
+            del where[key]
+            depth.pop(key, None)
+
+    def run(self, keys: Iterable[int]) -> int:
+        """How many leading ``keys`` some tier holds."""
+        n, where = 0, self.where
+        for key in keys:
+            if key not in where:
+                break
+            n += 1
+        return n
+
+    def load(self, keys: list[int]) -> list[int]:
+        """Move ``keys`` (all held) up to the device: their hit counts; the transfer time
+        waits for the next step (:meth:`take_load_s`)."""
+        out = []
+        for key in keys:
+            tier = self.where.pop(key)
+            self._depth.pop(key, None)
+            out.append(tier.take(key))
+            tier.hit_blocks += 1
+            tier.loaded_blocks += 1
+            tier.load_s += tier.load_block_s
+            self._pending_load_s += tier.load_block_s
+        return out
+
+    def discard(self, keys: Iterable[int]) -> None:
+        """Drop copies of ``keys`` the device now holds afresh."""
+        where = self.where
+        for key in keys:
+            tier = where.pop(key, None)
+            if tier is not None:
+                tier.take(key)
+                self._depth.pop(key, None)
+
+    def take_load_s(self) -> float:
+        s, self._pending_load_s = self._pending_load_s, 0.0
+        return s
+
+    def held_blocks(self) -> int:
+        return len(self.where)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        return {t.kind: t.stats() for t in self.tiers}
+
+    def describe(self) -> dict[str, Any]:
+        return {"overlap": self.spec.overlap, "tiers": [
+            {"kind": t.kind, "capacity_blocks": t.capacity_blocks, "link": t.link.name,
+             "load_bytes_per_s": t.link.load_bytes_per_s,
+             "store_bytes_per_s": t.link.store_bytes_per_s, "link_source": t.link.source,
+             "eviction": t.spec.eviction} for t in self.tiers]}
