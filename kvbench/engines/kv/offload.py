@@ -246,10 +246,6 @@ class OffloadTiers:
         self._depth: dict[int, int] = {}
         self._pending_load_s = 0.0
 
-    @property
-    def capacity_blocks(self) -> int:
-        return sum(t.capacity_blocks for t in self.tiers)
-
     def note_depths(self, keys: list[int], start: int, end: int) -> None:
         """Keys ``keys[start:end]`` sit at those block depths of their sequence (the
         ``cost`` rule prices recomputing a block by its depth)."""
@@ -308,9 +304,6 @@ class OffloadTiers:
     def take_load_s(self) -> float:
         s, self._pending_load_s = self._pending_load_s, 0.0
         return s
-
-    def held_blocks(self) -> int:
-        return len(self.where)
 
     def stats(self) -> dict[str, dict[str, Any]]:
         return {t.kind: t.stats() for t in self.tiers}
