@@ -99,6 +99,7 @@ class MetricSpec:
 # this reader may not import; a test keeps the two equal).
 OFFLOAD_TIER_KINDS = ("cpu", "cxl", "disk")
 
+
 def _m(name: str, unit: str, direction: Direction, kind: Kind, label: str, fmt: str = ".4g",
        *, report: bool = False, needs: tuple[Need, ...] = ()) -> MetricSpec:
     return MetricSpec(name, unit, direction, kind, label, fmt, report, needs)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import takewhile
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -186,7 +187,7 @@ class Tier:
         # (hits + 1) x (recompute - load) seconds.
         self._rank: dict[int, float] = {}
         self.queue = LRUQueue() if spec.eviction == "lru" else LFUQueue(self._rank)  # type: ignore[arg-type]
-        self.hit_blocks = self.loaded_blocks = self.stored_blocks = self.dropped_blocks = 0
+        self.loaded_blocks = self.stored_blocks = self.dropped_blocks = 0
         self.load_s = self.store_s = 0.0
 
     def __len__(self) -> int:
@@ -223,7 +224,7 @@ class Tier:
         return {
             "capacity_bytes": self.capacity_blocks * self.block_bytes,
             "used_bytes": len(self.queue) * self.block_bytes,
-            "hit_tokens": self.hit_blocks * self.block_tokens,
+            "hit_tokens": self.loaded_blocks * self.block_tokens,
             "loaded_bytes": self.loaded_blocks * self.block_bytes,
             "stored_bytes": self.stored_blocks * self.block_bytes,
             "dropped_blocks": self.dropped_blocks,
@@ -240,7 +241,6 @@ class OffloadTiers:
         self.spec = spec
         self.tiers = [Tier(t, block_tokens, block_bytes, gpu, recompute_s, ranks)
                       for t in spec.tiers]
-        self.block_bytes = block_bytes
         self.where: dict[int, Tier] = {}
         self.tracks_depth = any(t.spec.eviction == "cost" for t in self.tiers)
         self._depth: dict[int, int] = {}
@@ -271,12 +271,7 @@ class OffloadTiers:
 
     def run(self, keys: Iterable[int]) -> int:
         """How many leading ``keys`` some tier holds."""
-        n, where = 0, self.where
-        for key in keys:
-            if key not in where:
-                break
-            n += 1
-        return n
+        return len(list(takewhile(self.where.__contains__, keys)))
 
     def load(self, keys: list[int]) -> list[int]:
         """Move ``keys`` (all held) up to the device: their hit counts; the transfer time
@@ -286,7 +281,6 @@ class OffloadTiers:
             tier = self.where.pop(key)
             self._depth.pop(key, None)
             out.append(tier.take(key))
-            tier.hit_blocks += 1
             tier.loaded_blocks += 1
             tier.load_s += tier.load_block_s
             self._pending_load_s += tier.load_block_s

@@ -189,7 +189,6 @@ class PagedKVManager(KVManager):
         if offload is not None:
             self.pool.on_evict = offload.store
             self.load_layerwise = offload.spec.overlap == "layerwise"
-        self._offload_hit_tokens = 0
         self._hasher = BlockHasher(block_size)
         # What the prefix cache looked up and made findable, for prefix_oracle.
         self.trace = BlockTrace()
@@ -249,8 +248,9 @@ class PagedKVManager(KVManager):
         if num_fresh + self.pool.count_free(hits) > self.pool.num_free:
             return False
         self._used_tokens += self.pool.touch(hits) * bs
-        loaded = self.offload.load(self._hashes[seq.seq_id][len(hits) : want]) if (
-            want > len(hits)) else None
+        # Blocks found below device memory move up into fresh blocks.
+        below = self._hashes[seq.seq_id][len(hits) : want] if want > len(hits) else []
+        loaded = self.offload.load(below) if self.offload is not None and below else None
         table = hits + self.pool.take(num_fresh)
         if loaded is not None:
             self._attach_loaded(seq, table, len(hits), want, loaded)
@@ -264,9 +264,8 @@ class PagedKVManager(KVManager):
             self._query_tokens += seq.num_tokens
             limit = (seq.num_tokens - 1) // bs
             self.trace.lookup(self._hashes_upto(seq, limit)[:limit])
-            if loaded is not None:
-                # Loaded blocks are findable in device memory again, as if written.
-                self.trace.write(self._hashes[seq.seq_id][len(hits) : want])
+            # Loaded blocks are findable in device memory again, as if written.
+            self.trace.write(below)
         seq.num_computed_tokens = seq.num_cached_tokens = num_cached
         return True
 
@@ -298,7 +297,6 @@ class PagedKVManager(KVManager):
         for b, h in zip(table[start:end], hits, strict=True):
             pool_hits[b] = h + 1
         self._used_tokens += (end - start) * self.block_size
-        self._offload_hit_tokens += (end - start) * self.block_size
 
     def grow(self, seq: Sequence, num_new: int) -> bool:
         state = self._seqs[seq.seq_id]
@@ -459,7 +457,7 @@ class PagedKVManager(KVManager):
             return {}
         tiers = self.offload.stats()
         return {
-            "offload_hit_tokens": self._offload_hit_tokens,
+            "offload_hit_tokens": sum(t["hit_tokens"] for t in tiers.values()),
             "offload_loaded_bytes": sum(t["loaded_bytes"] for t in tiers.values()),
             "offload_stored_bytes": sum(t["stored_bytes"] for t in tiers.values()),
             "offload_load_s": sum(t["load_s"] for t in tiers.values()),
