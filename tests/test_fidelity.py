@@ -12,6 +12,7 @@ from cli_main import run_main
 from kvbench.engines.base import BatchShape
 from kvbench.errors import KvbenchError
 from kvbench.tools.fidelity.errors import (
+    gate_failures,
     matched_requests,
     misses,
     request_errors,
@@ -74,6 +75,26 @@ def test_goal_is_ten_percent_below_saturation_and_twenty_above() -> None:
          "e2el": {"median_ape_pct": None}}
     assert misses(e, 0.8) == {"ttft": 5.0}
     assert misses(e, 1.2) == {}
+
+
+def test_the_gate_fails_only_errors_above_the_threshold_and_the_noise() -> None:
+    def level(load: float, error: float, noise: float | None) -> dict:
+        lv = {"load": load, "forms": {"op": {"requests": {
+            "ttft": {"median_ape_pct": error}, "tpot": {"median_ape_pct": None}}}}}
+        if noise is not None:
+            lv["noise"] = {"ttft": {"median_ape_pct": noise}}
+        return lv
+
+    result = {"form": "op", "workloads": [{"name": "mixed-text", "levels": [
+        level(0.5, 30.0, 5.0), level(1.2, 115.8, 130.0), level(0.8, 60.0, 20.0),
+        level(1.0, 70.0, None)]}]}
+    failures = gate_failures(result, 50.0)
+    # 115.8% inside a noise of 130% fails nothing; 60% above 50% and the noise does, and so
+    # does an error where no noise was measured.
+    assert failures == [
+        "mixed-text at 80% load: median ttft error 60.0% (the machine's noise 20.0%)",
+        "mixed-text at 100% load: median ttft error 70.0% (the machine's noise 0.0%)"]
+    assert gate_failures(result, 200.0) == []
 
 
 def test_step_file_round_trip_and_bad_file(tmp_path: Path) -> None:

@@ -121,3 +121,20 @@ def misses(errors: dict[str, Any], load: float) -> dict[str, float]:
     goal = goal_pct(load)
     return {name: round(row["median_ape_pct"] - goal, 1) for name, row in errors.items()
             if row["median_ape_pct"] is not None and row["median_ape_pct"] > goal}
+
+
+def gate_failures(result: dict[str, Any], max_pct: float) -> list[str]:
+    """The median per-request errors of the kept structure above ``max_pct`` that are also
+    above the machine's own noise at that load (a real run against its repeat): an error
+    inside the noise cannot be told from the machine's, so it fails no gate."""
+    failures = []
+    for wl in result["workloads"]:
+        for lv in wl["levels"]:
+            noise = lv.get("noise") or {}
+            for name, row in lv["forms"][result["form"]]["requests"].items():
+                error = row["median_ape_pct"]
+                floor = (noise.get(name) or {}).get("median_ape_pct") or 0.0
+                if error is not None and error > max(max_pct, floor):
+                    failures.append(f"{wl['name']} at {lv['load']:.0%} load: median {name} "
+                                    f"error {error:.1f}% (the machine's noise {floor:.1f}%)")
+    return failures

@@ -218,8 +218,8 @@ def _rows(record: RunRecord) -> list[dict[str, Any]]:
 
 def measure(spec: Spec, out: Path, say: Say, command: str) -> dict[str, Any]:
     """The real half: the calibration runs, then per validation workload a capacity sweep
-    and a run at each load. Writes ``real/plan.json`` (what the simulated half needs, and
-    how the real runs were measured) and returns it."""
+    and a run at each load, then each load once more. Writes ``real/plan.json`` (what the
+    simulated half needs, and how the real runs were measured) and returns it."""
     import json
 
     from kvbench.fileio import write_text_atomic
@@ -250,11 +250,16 @@ def measure(spec: Spec, out: Path, say: Say, command: str) -> dict[str, Any]:
             run = f"{name}-load{round(load * 100)}"
             say(f"{spec.engine}: {workload} at {load:.0%} of {capacity:.2f} req/s")
             real_run(spec, workload, load * capacity, real / run, spec.seed)
-            if spec.repeat_real:
-                real_run(spec, workload, load * capacity, real / f"{run}-again", spec.seed)
             levels.append({"load": load, "rate": load * capacity, "run": run})
         plan["workloads"].append({"workload": workload, "name": name, "sweep": sweep,
                                   "capacity_req_s": capacity, "levels": levels})
+    # The repeats run after every first run, not beside it, so that a slow spell of the
+    # machine shows as a difference between the two instead of hiding in both.
+    for wl in plan["workloads"] if spec.repeat_real else ():
+        for level in wl["levels"]:
+            say(f"{spec.engine}: {wl['workload']} at {level['load']:.0%} again")
+            real_run(spec, wl["workload"], level["rate"], real / f"{level['run']}-again",
+                     spec.seed)
     plan["stamp"] = measurement.line(
         "The real runs are wall-clock figures of this machine and load; the simulated half "
         "is deterministic.")
