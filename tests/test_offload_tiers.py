@@ -8,18 +8,27 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from helpers import make_workload
 from kvbench.engines.base import BatchShape, causal_pairs
+from kvbench.engines.builtin.host_kv import HostKV
+from kvbench.engines.builtin.scheduler import SchedulerConfig
+from kvbench.engines.config import EngineSettings, engine_config
 from kvbench.engines.kv.offload import TIER_KINDS, OffloadSpec, OffloadTiers
-from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.kv.paged import PagedKVManager, PagedPolicy
 from kvbench.engines.model.presets import get_preset
+from kvbench.engines.registry import NAMED_ENGINES, build_engine
 from kvbench.engines.sequence import Sequence
 from kvbench.engines.sim.costmodel import CostModel
 from kvbench.engines.sim.hardware import get_gpu
 from kvbench.errors import KvbenchError
 from kvbench.results.metric_table import OFFLOAD_TIER_KINDS
 from kvbench.results.metrics import summarize
+from kvbench.run.clocks import WallClock
+from kvbench.run.devices import parse_device
 from kvbench.run.execute import start_and_run
+from kvbench.run.harness import run_engine
 from kvbench.run.plan import plan_run
 from kvbench.run.suite import ModelSection, RunSection, Suite, WorkloadSection
 from kvbench.workloads.model import Request, Segment
@@ -42,9 +51,10 @@ def test_bad_tier_text_says_how_to_write_it(text: str, message: str) -> None:
         OffloadSpec.model_validate(text)
 
 
-def _manager(tiers: str, num_blocks: int = 12) -> PagedKVManager:
+def _manager(tiers: str, num_blocks: int = 12, host: bool = False) -> PagedKVManager:
     spec = OffloadSpec.model_validate(tiers)
-    offload = OffloadTiers(spec, BS, BS * 8, None, lambda depth: 1e-3 * (depth + 1))
+    offload = OffloadTiers(spec, BS, BS * 8, None, lambda depth: 1e-3 * (depth + 1),
+                           host_in_flight=4096 // BS if host else None)
     return PagedKVManager(num_blocks, BS, 8, 4096, offload=offload)
 
 
@@ -104,6 +114,57 @@ def test_blocks_are_conserved_across_tiers(tiers: str) -> None:
         t["hit_tokens"] for t in stats.offload_tiers.values())
 
 
+class _Contents:
+    """What each device block and host slot holds, following the queued copies as an
+    executor makes them: a cached block must hold its own key's content."""
+
+    def __init__(self, kv: PagedKVManager) -> None:
+        self.kv, self.device, self.host = kv, {}, {}
+
+    def step(self, seq: Sequence, num_cached: int) -> None:
+        host = self.kv.offload.host
+        for block, slot, to_host in host.take_moves():
+            if to_host:
+                self.host[slot] = self.device[block]
+            else:
+                self.device[block] = self.host[slot]
+        # The step computes the rest of the prompt.
+        table, keys = self.kv._seqs[seq.seq_id].table, self.kv._hashes[seq.seq_id]
+        for i in range(num_cached // BS, len(table)):
+            self.device[table[i]] = keys[i] if i < len(keys) else None
+
+    def check(self) -> None:
+        host = self.kv.offload.host
+        assert all(self.device[b] == key for key, b in self.kv.pool._by_hash.items())
+        assert all(self.host[slot] == key for key, slot in host.slot.items())
+        assert len(set(host.slot.values())) == len(host.slot) <= host.count
+
+
+def test_real_copies_keep_every_block_with_its_content() -> None:
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(1000) for _ in range(48)] for _ in range(3)]
+    kv = _manager("cpu:256B", host=True)
+    contents = _Contents(kv)
+    live: list[Sequence] = []
+    loads = 0
+    for i in range(400):
+        if live and (rng.random() < 0.5 or len(live) > 3):
+            seq = live.pop(rng.randrange(len(live)))
+            seq.output_ids = [0] * seq.request.output_tokens
+            kv.free(seq)
+        else:
+            seq = _seq(rng, i, prefixes)
+            cached = kv.lookup_prefix(seq)
+            if kv.allocate(seq, cached, seq.num_tokens - cached):
+                loads += any(not out for _, _, out in kv.offload.host.moves)
+                contents.step(seq, cached)
+                seq.num_computed_tokens = seq.num_tokens
+                kv.commit(seq)
+                live.append(seq)
+        contents.check()
+    assert loads > 0 and kv.take_load_s() == 0  # real copies are timed, not priced
+
+
 def _summary(tmp: Path, **run: object) -> dict:
     suite = Suite(
         name="offload", workload=WorkloadSection(trace="mooncake", path=str(MOONCAKE),
@@ -161,10 +222,79 @@ def test_offload_records_are_the_same_stepping(tmp_path: Path) -> None:
             assert stepped[name] == value, name
 
 
-def test_offload_needs_a_simulated_device(tmp_path: Path) -> None:
+def test_real_compute_offloads_to_one_cpu_tier(tmp_path: Path) -> None:
     suite = Suite(
         name="offload", workload=WorkloadSection(preset="shared-prefix", num_requests=2),
-        run=RunSection(device="cpu", engines=["paged"], kv_offload="cpu:1GiB"),
+        run=RunSection(device="cpu", engines=["paged"], kv_offload="cpu:1MiB,disk:1GiB"),
     )
-    with pytest.raises(KvbenchError, match="simulated only"):
+    with pytest.raises(KvbenchError, match="one cpu tier in host memory"):
         plan_run(suite, None, tmp_path, "test", force=True)
+    suite = suite.model_copy(update={
+        "run": RunSection(device="cpu", engines=["layered"]),
+        "engines": {"layered": PagedPolicy(offload=OffloadSpec(tiers="cpu:1MiB",
+                                                                overlap="layerwise"))}})
+    with pytest.raises(KvbenchError, match="simulated devices only"):
+        plan_run(suite, None, tmp_path, "test", force=True)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the CPU variant runs instead"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_block_comes_back_from_host_memory_bit_identical(device: str) -> None:
+    preset = get_preset("tiny")
+    tiers = OffloadTiers(OffloadSpec(tiers="cpu:1MiB"), 16, 16 * preset.kv_bytes_per_token,
+                         None, lambda depth: 1.0, host_in_flight=4)
+    pool = torch.randn((preset.num_layers, 2, 8 * 16, preset.num_kv_heads, preset.head_dim),
+                       device=device)
+    host = HostKV(pool, tiers)
+    block2 = pool[:, :, 32:48].clone()
+    tiers.store([2], [7], [0])
+    host.apply(pool)
+    pool[:, :, 32:48] = 0  # the device block is written again
+    tiers.load([7])
+    tiers.host.place([5])
+    host.apply(pool)
+    assert torch.equal(pool[:, :, 80:96], block2)
+    assert host.buffer.is_pinned() == (device == "cuda")
+    stats = tiers.stats()["cpu"]
+    assert stats["load_s"] > 0 and stats["store_s"] > 0 and stats["loaded_bytes"] == 16 * 2048
+
+
+def _real_run(offload: str | None, prefix: bool = True, device: str = "cpu") -> dict:
+    """The tiny model for real, one request at a time in a pool of 40 blocks: the shared
+    prefix's blocks are evicted by the two long prompts between its two uses."""
+    preset = get_preset("tiny")
+    shared = Segment("text", 128, "shared/system")
+    requests = [
+        Request("r0", 0.0, (shared, Segment("text", 20, "user/0")), 6),
+        Request("r1", 0.0, (Segment("text", 300, "long/1"),), 4),
+        Request("r2", 0.0, (Segment("text", 300, "long/2"),), 4),
+        Request("r3", 0.0, (shared, Segment("text", 30, "user/3")), 6),
+    ]
+    settings = EngineSettings(
+        preset=preset, device=parse_device(device), kv_bytes=640 * preset.kv_bytes_per_token,
+        block_size=16, prefix_caching=prefix,
+        scheduler=SchedulerConfig(max_model_len=1024, max_num_seqs=1,
+                                  max_num_batched_tokens=512),
+        offload=OffloadSpec.model_validate(offload) if offload else None)
+    engine = build_engine(engine_config("paged", NAMED_ENGINES["paged"], settings))
+    run = run_engine(engine, make_workload(requests), WallClock())
+    assert run.status == "ok", run.error
+    return {"tokens": {rid: t.output_digest for rid, t in run.timings.items()},
+            **summarize(run)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_real_offload_reads_back_the_same_kv(device: str) -> None:
+    plain, cold = _real_run(None, False, device), _real_run(None, True, device)
+    warm = _real_run("cpu:1MiB", True, device)
+    assert cold["offload_hit_rate"] is None
+    # Without the tier the evicted part of the prefix is recomputed; with it, those blocks
+    # come back from host memory, and every token is the same.
+    assert warm["offload_cpu_hit_rate"] > 0 and warm["prefix_hit_rate"] > cold["prefix_hit_rate"]
+    block_bytes = 16 * get_preset("tiny").kv_bytes_per_token
+    assert warm["offload_loaded_bytes"] > 0 and warm["offload_loaded_bytes"] % block_bytes == 0
+    assert warm["offload_load_gbps"] > 0 and warm["offload_store_gbps"] > 0  # measured copies
+    assert warm["tokens"] == cold["tokens"] == plain["tokens"]

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from kvbench.engines.builtin.executor import Executor, ScheduledBatch
+from kvbench.engines.builtin.host_kv import HostKV
 from kvbench.engines.builtin.torch_device import TORCH_DTYPES, resolve_device, zeros
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.model.encoders import Encoders
@@ -66,6 +67,7 @@ class TorchExecutor(Executor):
         self.model = build_model(self.preset, self.kernels, self._device, weights, seed)
         self.encoders = Encoders(self.preset.hidden_size, self._device, self.dtype, seed)
         self._pool: Tensor | None = None
+        self._host: HostKV | None = None  # behind a cpu offload tier
         self._classes: Any = None  # ClassPools of a modality-aware pool
         self._plan: Any = None  # the last step's attention plan, which the next may carry on
         # With keep_logits, the last step's logits [sampled items, vocab] (quality probes).
@@ -89,7 +91,7 @@ class TorchExecutor(Executor):
                 f"{p.dtype} stores {p.kv_bytes_per_token}; build both from the same preset "
                 "and dtype"
             )
-        self._pool = None  # a rebind must not hold two pools at once
+        self._pool = self._host = None  # a rebind must not hold two pools at once
         self._classes = None
         self._plan = None
         pool_classes = getattr(kv, "pool_classes", None)  # managers of one flat pool may lack it
@@ -106,6 +108,9 @@ class TorchExecutor(Executor):
             (p.num_layers, 2, kv.capacity_tokens, p.num_kv_heads, p.head_dim),
             self.dtype, self._device, f"KV pool of {kv.capacity_tokens} tokens",
         )
+        tiers = getattr(kv, "offload", None)
+        if tiers is not None and tiers.host is not None:
+            self._host = HostKV(self._pool, tiers)
 
     def execute(self, batch: ScheduledBatch, kv: KVManager) -> list[int]:
         if self._classes is not None:
@@ -113,6 +118,8 @@ class TorchExecutor(Executor):
         if self._pool is None:
             raise KvbenchError("execute() before bind(): the KV pool is not allocated")
         pool = self._pool
+        if self._host is not None:
+            self._host.apply(pool)
         if batch.copies:
             self.kernels.copy_slots(pool.view(-1, *pool.shape[2:]), batch.copies)
         if not batch.items:
@@ -211,11 +218,12 @@ class TorchExecutor(Executor):
             "weight_bytes": sum(p.nbytes for p in self.model.parameters()),
             "packed_weight_bytes": self.model.packed_bytes(),
             "kv_pool_bytes": self.kv_pool_bytes,
+            "host_kv_bytes": self._host.nbytes if self._host is not None else None,
             "encoders": self.encoders.describe(),
         }
 
     def close(self) -> None:
-        self._pool = None
+        self._pool = self._host = None
         self._classes = None
         self._plan = None
         self.encoders.clear()

@@ -77,8 +77,9 @@ class BlockPool:
         self._free_plain = list(range(num_blocks - 1, -1, -1))
         self._free_cached = eviction_queue(eviction, self.hits)
         self._leaked: set[int] = set()
-        # Told the keys and hit counts of evicted cached blocks (offload tiers take them).
-        self.on_evict: Callable[[list[int], list[int]], None] | None = None
+        # Told the blocks, keys and hit counts of evicted cached blocks (offload tiers take
+        # them).
+        self.on_evict: Callable[[list[int], list[int], list[int]], None] | None = None
         self.num_shared = 0
         self.num_allocs = 0
         self.num_evictions = 0
@@ -103,7 +104,7 @@ class BlockPool:
             hashes, by_hash = self._hash, self._by_hash
             evicted = self._free_cached.evict(n - k)
             if self.on_evict is not None:
-                self.on_evict(list(map(hashes.__getitem__, evicted)),
+                self.on_evict(evicted, list(map(hashes.__getitem__, evicted)),
                               list(map(self.hits.__getitem__, evicted)))
             if len(evicted) < 8:
                 for b in evicted:

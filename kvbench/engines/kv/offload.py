@@ -17,6 +17,11 @@ Each tier evicts by ``lru``, ``lfu`` (prefix hits its content served, then age) 
 ``cost``: it keeps the blocks that would cost most to recompute against loading them
 (prefill FLOPs of the block at its depth, attention included, on the simulated device),
 weighted by hits + 1.
+
+On real compute the one ``cpu`` tier is real: :class:`HostSlots` gives each block it holds a
+slot of a host buffer the executor allocates, and queues the copies (device to host as a
+block is evicted, host to device as it is loaded) that the executor makes, in order, before
+the next step's compute. Their seconds are measured instead of priced.
 """
 
 from __future__ import annotations
@@ -189,6 +194,8 @@ class Tier:
         self.queue = LRUQueue() if spec.eviction == "lru" else LFUQueue(self._rank)  # type: ignore[arg-type]
         self.loaded_blocks = self.stored_blocks = self.dropped_blocks = 0
         self.load_s = self.store_s = 0.0
+        # False where the copies are real and their seconds measured (HostSlots).
+        self.priced = True
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -205,7 +212,8 @@ class Tier:
             self.queue.add(key)
             del self._rank[key]
         self.stored_blocks += 1
-        self.store_s += self._store_block_s
+        if self.priced:
+            self.store_s += self._store_block_s
 
     def take(self, key: int) -> int:
         """Remove ``key`` (held here); its hit count."""
@@ -233,14 +241,61 @@ class Tier:
         }
 
 
+class HostSlots:
+    """Slots of the host buffer behind a real engine's cpu tier: one per block the tier
+    holds, plus one per block of an admission in flight (loaded, not yet placed), and the
+    copies queued for the executor as ``(device block, slot, to_host)``, in order."""
+
+    def __init__(self, capacity_blocks: int, in_flight_blocks: int) -> None:
+        self.count = capacity_blocks + in_flight_blocks
+        self.slot: dict[int, int] = {}
+        self._free = list(range(self.count - 1, -1, -1))
+        self._loading: list[int] = []
+        self.moves: list[tuple[int, int, bool]] = []
+
+    def store(self, block: int, key: int) -> None:
+        slot = self._free.pop()
+        self.slot[key] = slot
+        self.moves.append((block, slot, True))
+
+    def release(self, key: int) -> None:
+        slot = self.slot.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def load(self, key: int) -> None:
+        """``key`` leaves the tier; its slot stays taken until :meth:`place` copies it."""
+        self._loading.append(self.slot.pop(key))
+
+    def place(self, blocks: list[int]) -> None:
+        """The device blocks the keys of the last :meth:`load` calls go to, in order."""
+        for block, slot in zip(blocks, self._loading, strict=True):
+            self.moves.append((block, slot, False))
+            self._free.append(slot)
+        self._loading = []
+
+    def take_moves(self) -> list[tuple[int, int, bool]]:
+        moves, self.moves = self.moves, []
+        return moves
+
+
 class OffloadTiers:
     """The tiers below a paged pool, in order; ``where`` maps each held key to its tier."""
 
     def __init__(self, spec: OffloadSpec, block_tokens: int, block_bytes: int, gpu: str | None,
-                 recompute_s: Callable[[int], float], ranks: int = 1) -> None:
+                 recompute_s: Callable[[int], float], ranks: int = 1,
+                 host_in_flight: int | None = None) -> None:
+        """``host_in_flight``: the tiers are real (one cpu tier, :class:`HostSlots`), and
+        one admission loads at most this many blocks."""
         self.spec = spec
         self.tiers = [Tier(t, block_tokens, block_bytes, gpu, recompute_s, ranks)
                       for t in spec.tiers]
+        self.host: HostSlots | None = None
+        if host_in_flight is not None:
+            if [t.kind for t in self.tiers] != ["cpu"]:
+                raise KvbenchError("real compute keeps one cpu offload tier in host memory")
+            self.tiers[0].priced = False
+            self.host = HostSlots(self.tiers[0].capacity_blocks, host_in_flight)
         self.where: dict[int, Tier] = {}
         self.tracks_depth = any(t.spec.eviction == "cost" for t in self.tiers)
         self._depth: dict[int, int] = {}
@@ -252,8 +307,9 @@ class OffloadTiers:
         if self.tracks_depth:
             self._depth.update(zip(keys[start:end], range(start, end), strict=True))
 
-    def store(self, keys: list[int], hits: list[int]) -> None:
-        """Blocks the device evicted: into the first tier, cascading overflow down."""
+    def store(self, blocks: list[int], keys: list[int], hits: list[int]) -> None:
+        """Device ``blocks`` evicted, caching ``keys``: into the first tier, cascading
+        overflow down."""
         where, depth = self.where, self._depth
         moving = list(zip(keys, hits, strict=True))
         last = self.tiers[-1]
@@ -263,11 +319,25 @@ class OffloadTiers:
                 where[key] = tier
             moving = tier.overflow()
             if not moving:
-                return
-        last.dropped_blocks += len(moving)
-        for key, _ in moving:
-            del where[key]
-            depth.pop(key, None)
+                break
+        else:
+            last.dropped_blocks += len(moving)
+            for key, _ in moving:
+                del where[key]
+                depth.pop(key, None)
+        if self.host is not None:
+            self._copy_out(blocks, keys, moving)
+
+    def _copy_out(self, blocks: list[int], keys: list[int],
+                  dropped: list[tuple[int, int]]) -> None:
+        """Slots for the stored blocks the (only) tier kept, after freeing the dropped."""
+        host, where = self.host, self.where
+        assert host is not None
+        for key, _ in dropped:
+            host.release(key)
+        for block, key in zip(blocks, keys, strict=True):
+            if key in where:
+                host.store(block, key)
 
     def run(self, keys: Iterable[int]) -> int:
         """How many leading ``keys`` some tier holds."""
@@ -282,9 +352,17 @@ class OffloadTiers:
             self._depth.pop(key, None)
             out.append(tier.take(key))
             tier.loaded_blocks += 1
-            tier.load_s += tier.load_block_s
-            self._pending_load_s += tier.load_block_s
+            if tier.priced:
+                tier.load_s += tier.load_block_s
+                self._pending_load_s += tier.load_block_s
+            else:
+                self.host.load(key)  # type: ignore[union-attr]
         return out
+
+    def measured(self, store_s: float, load_s: float) -> None:
+        """Seconds the executor took to make the real copies :class:`HostSlots` queued."""
+        self.tiers[0].store_s += store_s
+        self.tiers[0].load_s += load_s
 
     def discard(self, keys: Iterable[int]) -> None:
         """Drop copies of ``keys`` the device now holds afresh."""
@@ -294,6 +372,8 @@ class OffloadTiers:
             if tier is not None:
                 tier.take(key)
                 self._depth.pop(key, None)
+                if self.host is not None:
+                    self.host.release(key)
 
     def take_load_s(self) -> float:
         s, self._pending_load_s = self._pending_load_s, 0.0
@@ -303,7 +383,7 @@ class OffloadTiers:
         return {t.kind: t.stats() for t in self.tiers}
 
     def describe(self) -> dict[str, Any]:
-        return {"overlap": self.spec.overlap, "tiers": [
+        return {"overlap": self.spec.overlap, "real_copies": self.host is not None, "tiers": [
             {"kind": t.kind, "capacity_blocks": t.capacity_blocks, "link": t.link.name,
              "load_bytes_per_s": t.link.load_bytes_per_s,
              "store_bytes_per_s": t.link.store_bytes_per_s, "link_source": t.link.source,

@@ -84,9 +84,7 @@ class PagedPolicy(Paging, KVPolicy):
     def check(self, config: EngineConfig) -> list[str]:
         if self.offload is not None:
             if config.device.kind != "sim":
-                raise KvbenchError(
-                    "KV offload tiers are simulated only: run on a simulated device "
-                    "(--device sim:GPU); real compute does not copy KV to host memory yet")
+                _check_real_offload(self.offload)
             if not config.prefix_caching:
                 raise KvbenchError(
                     "KV offload tiers keep the prefix cache's evicted blocks: drop "
@@ -111,6 +109,20 @@ class PagedPolicy(Paging, KVPolicy):
         )
 
 
+def _check_real_offload(spec: OffloadSpec) -> None:
+    """Real compute copies real KV to one tier in host memory, before the step."""
+    kinds = [t.kind for t in spec.tiers]
+    if kinds != ["cpu"]:
+        raise KvbenchError(
+            f"KV offload tiers {spec.label()} on real compute: it keeps one cpu tier in host "
+            "memory (e.g. cpu:64MiB); cxl and disk tiers are simulated only "
+            "(--device sim:GPU)")
+    if spec.overlap != "none":
+        raise KvbenchError(
+            "KV offload overlap = \"layerwise\" is priced on simulated devices only; real "
+            "compute copies the blocks before the step (overlap = \"none\")")
+
+
 def offload_tiers(spec: OffloadSpec, config: EngineConfig) -> OffloadTiers:
     """``spec``'s tiers under ``config``'s pool, a block's recomputation priced on its
     simulated device: the FLOPs of its tokens at their depth, attention included."""
@@ -125,8 +137,11 @@ def offload_tiers(spec: OffloadSpec, config: EngineConfig) -> OffloadTiers:
         return cost.terms(shape).flops / rate
 
     gpu = config.device.gpu.name if config.device.gpu is not None else None
+    # On real compute one admission loads at most a whole context's blocks at once.
+    in_flight = None if config.device.kind == "sim" else \
+        -(-config.scheduler.max_model_len // bs)
     return OffloadTiers(spec, bs, bs * config.kv.bytes_per_token, gpu, recompute_s,
-                        ranks=config.device.tp)
+                        ranks=config.device.tp, host_in_flight=in_flight)
 
 
 @dataclass(slots=True)
@@ -290,7 +305,10 @@ class PagedKVManager(KVManager):
     def _attach_loaded(self, seq: Sequence, table: list[int], start: int, end: int,
                        hits: list[int]) -> None:
         """Fresh ``table[start:end]`` received blocks loaded from below: findable again, with
-        the hits their content served (this one included)."""
+        the hits their content served (this one included), and copied there if real."""
+        assert self.offload is not None
+        if self.offload.host is not None:
+            self.offload.host.place(table[start:end])
         hashes = self._hashes[seq.seq_id]
         self.pool.cache(table, hashes, start, end)
         pool_hits = self.pool.hits
