@@ -193,3 +193,12 @@ def test_decode_step_times_equal_one_step_times(coef: CostCoefficients | None) -
                                                context_tokens=int(c), attn_pairs=int(p)))
                    for c, p in zip(context, pairs, strict=True)]
             assert times.tolist() == one
+
+
+def test_offload_tiers_fill_during_decode_jumps(tmp_path: Path) -> None:
+    """Sequences growing in a jump evict cached blocks into the tiers: each step's tier
+    occupancy is the one a step-by-step run records."""
+    fast = _check(tmp_path, MIXED, "llama-2-7b", ["paged"], kv_memory="3GiB",
+                  kv_offload="cpu:4GiB")
+    held = fast["paged"]["curves"]["offload_cpu_used_bytes"]
+    assert len(set(held)) > 2

@@ -23,6 +23,7 @@ from kvbench.engines.sequence import Sequence
 from kvbench.engines.sim.costmodel import CostModel
 from kvbench.engines.sim.hardware import get_gpu
 from kvbench.errors import KvbenchError
+from kvbench.results.curves import build_curves
 from kvbench.results.metric_table import OFFLOAD_TIER_KINDS
 from kvbench.results.metrics import summarize
 from kvbench.run.clocks import WallClock
@@ -175,7 +176,7 @@ def _summary(tmp: Path, **run: object) -> dict:
     )
     plan = plan_run(suite, None, tmp, "test", force=True)
     r, _ = start_and_run(plan, plan.engines[0][1], None, 1)
-    return summarize(r)
+    return {**summarize(r), "curves": build_curves(r.steps)}
 
 
 def test_a_cpu_tier_serves_hits_the_device_evicted(tmp_path: Path) -> None:
@@ -217,9 +218,17 @@ def test_offload_records_are_the_same_stepping(tmp_path: Path) -> None:
     jumped = _summary(tmp_path, kv_offload="cpu:2GiB,disk:8GiB:cost")
     stepped = _summary(tmp_path, kv_offload="cpu:2GiB,disk:8GiB:cost", fast_forward=False)
     assert jumped["offload_disk_hit_rate"] is not None
+    curves = jumped.pop("curves")
+    assert stepped.pop("curves") == curves
     for name, value in jumped.items():
         if "wall" not in name and "rss" not in name and "overhead" not in name:
             assert stepped[name] == value, name
+    # Tier occupancy over time: within each tier's size, and what it holds at the end.
+    for kind, size in (("cpu", 2 << 30), ("disk", 8 << 30)):
+        held = curves[f"offload_{kind}_used_bytes"]
+        assert 0 < max(held) <= size
+    assert sum(curves[f"offload_{k}_used_bytes"][-1] for k in ("cpu", "disk")) == \
+        jumped["offload_used_bytes"]
 
 
 def test_real_compute_offloads_to_one_cpu_tier(tmp_path: Path) -> None:

@@ -9,13 +9,13 @@ import pytest
 from typer.testing import CliRunner
 
 from kvbench.cli.app import app
-from kvbench.report.plots import RUN_PLOTS, plot_soak, plot_sweep, write_plots
+from kvbench.report.plots import RUN_PLOTS, plot_offload, plot_soak, plot_sweep, write_plots
 from kvbench.results.schema import LeakFit, SoakResult, WaveMemory, load_record
 
 RUN_ARGS = [
     "--device", "sim:a100-80gb", "--model", "llama-3-8b", "--workload", "mixed-text",
     "--num-requests", "12", "--kv-memory", "2GiB", "--max-model-len", "4096",
-    "--slo", "ttft:500,tpot:50", "--engines", "paged,contiguous",
+    "--slo", "ttft:500,tpot:50", "--engines", "paged,contiguous", "--kv-offload", "cpu:1GiB",
 ]
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -40,6 +40,14 @@ def test_run_writes_records_then_figures(run_dir: Path) -> None:
     assert rec.slo is not None and rec.slo.ttft_ms == 500
     assert rec.summary["request_goodput"] is not None
     assert rec.telemetry.probes["cuda"].startswith("unavailable")
+
+
+def test_the_offload_figure_needs_an_engine_with_tiers(run_dir: Path, tmp_path: Path) -> None:
+    paged, contiguous = (load_record(run_dir / f"{e}.json") for e in ("paged", "contiguous"))
+    assert "offload_cpu_used_bytes" in paged.curves
+    assert "offload_cpu_used_bytes" not in contiguous.curves
+    assert plot_offload([contiguous], tmp_path / "offload.png") is None
+    assert not (tmp_path / "offload.png").exists()
 
 
 def test_report_combines_run_folders(run_dir: Path, tmp_path: Path) -> None:

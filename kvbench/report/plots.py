@@ -68,6 +68,8 @@ FIGURE_CAPTIONS = {
                        "end-to-end latency over completed requests, engines overlaid.",
     "process_memory.png": "Process resident memory (RSS) over run time, engines overlaid; "
                           "with CUDA, device memory too.",
+    "offload.png": "KV held in each offload tier below device memory over run time, per "
+                   "engine with tiers.",
     "sweep.png": "A sweep, per engine: concurrency and output throughput against the KV "
                  "budget, or for block sizes, latency against KV waste and block size.",
     "tables.png": "The tables' metrics as bars: a group per section (suite, workload, "
@@ -542,28 +544,63 @@ def plot_soak(records: Sequence[RunRecord], path: Path) -> Path:
     return save_png(fig, path)
 
 
-RUN_PLOTS: tuple[tuple[str, Callable[[Sequence[RunRecord], Path], Path]], ...] = (
+_TIER_COLORS = {"cpu": "#1f77b4", "cxl": "#2ca02c", "disk": "#8c564b"}
+
+
+def plot_offload(records: Sequence[RunRecord], path: Path) -> Path | None:
+    """Per engine with offload tiers: the KV each tier holds over run time (None, and no
+    figure, where no engine has tiers)."""
+    tiered = [(rec, name) for rec, name in zip(records, engine_labels(records), strict=True)
+              if any(f"offload_{k}_used_bytes" in rec.curves for k in _TIER_COLORS)]
+    if not tiered:
+        return None
+    fig = _figure(len(tiered), row_height=2.6)
+    axes = fig.subplots(len(tiered), 1, squeeze=False)[:, 0]
+    peak = max(max(rec.curves.get(f"offload_{k}_used_bytes") or [0]) for rec, _ in tiered
+               for k in _TIER_COLORS)
+    scale, unit = _unit(peak)
+    for ax, (rec, name) in zip(axes, tiered, strict=True):
+        t = np.asarray(rec.curves["t_s"])
+        for kind, color in _TIER_COLORS.items():
+            used = rec.curves.get(f"offload_{kind}_used_bytes")
+            if used:
+                _dense_line(ax, t, np.asarray(used) / scale, color, f"{kind} tier")
+        rate = rec.summary.get("offload_hit_rate")
+        ax.set_title(f"{name}: {100 * (rate or 0):.1f}% of prompt tokens served from below "
+                     "device memory", fontsize=10)
+        ax.set_ylabel(f"KV held ({unit})")
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="lower right", fontsize=8)
+    axes[-1].set_xlabel("run time (s)")
+    fig.suptitle(f"KV held in offload tiers over time\n{_context(records[0])}", fontsize=11)
+    return save_png(fig, path)
+
+
+RUN_PLOTS: tuple[tuple[str, Callable[[Sequence[RunRecord], Path], Path | None]], ...] = (
     ("memory.png", plot_memory),
     ("fragmentation.png", plot_fragmentation),
     ("concurrency.png", plot_concurrency),
     ("latency_cdf.png", plot_latency_cdfs),
     ("process_memory.png", plot_process_memory),
+    ("offload.png", plot_offload),
 )
 
 
 def write_plots(
     records: Sequence[RunRecord],
     out_dir: Path,
-    extra: Sequence[tuple[str, Callable[[Sequence[RunRecord], Path], Path]]] = (),
+    extra: Sequence[tuple[str, Callable[[Sequence[RunRecord], Path], Path | None]]] = (),
 ) -> tuple[list[Path], list[str]]:
-    """Write every figure that applies; one failing figure does not stop the others.
-    Returns the written paths and a message per failure."""
-    written, errors = [], []
+    """Write every figure that applies (a plot returns None where nothing does); one failing
+    figure does not stop the others. Returns the written paths and a message per failure."""
+    written: list[Path] = []
+    errors: list[str] = []
     if not records:
         return written, errors
     for name, plot in (*RUN_PLOTS, *extra):
         try:
-            written.append(plot(records, out_dir / name))
+            if (figure := plot(records, out_dir / name)) is not None:
+                written.append(figure)
         except Exception as exc:
             errors.append(f"plot {name} failed: {type(exc).__name__}: {exc}")
     return written, errors

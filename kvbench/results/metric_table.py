@@ -157,6 +157,10 @@ _MODAL_CURVES = tuple(
        f"{c} KV {what}", "bytes", needs=("modal",))
     for c in MODAL_CLASSES for what in ("reserved", "used", "capacity")
 )
+_OFFLOAD_CURVES = tuple(
+    _m(f"offload_{k}_used_bytes", "bytes", "none", "clock", f"KV held in the {k} tier",
+       "bytes", needs=("offload",)) for k in OFFLOAD_TIER_KINDS
+)
 
 METRICS: tuple[MetricSpec, ...] = (
     _m("num_requests", "requests", "none", "deterministic", "requests", "d"),
@@ -404,6 +408,7 @@ CURVES: tuple[MetricSpec, ...] = (
     _m("kv_encoder_cache_bytes", "bytes", "lower", "clock", "encoder cache", "bytes"),
     *_MODAL_CURVES,
     *_MODALITY_CURVES,
+    *_OFFLOAD_CURVES,
     _m("rss_bytes", "bytes", "lower", "timing", "process RSS", "bytes"),
     # Disaggregated prefill/decode: KV reserved summed over each role's replicas.
     _m("prefill_kv_reserved_bytes", "bytes", "none", "clock", "KV reserved, prefill replicas",

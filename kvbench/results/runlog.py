@@ -101,6 +101,8 @@ class StepLog:
     # modality is stored (KVStats.modalities without the per-step counts).
     kv_modality_bytes: dict[str, Column] = field(default_factory=dict)
     kv_modalities: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Bytes each offload tier below device memory holds, by tier kind (KVStats.offload_tiers).
+    offload_bytes: dict[str, Column] = field(default_factory=dict)
     # The requests' inter-token gaps, by step (ITL).
     gaps: GapLog = field(default_factory=GapLog)
     # Modelled device memory at each step's peak (engines that model it: the simulator),

@@ -254,6 +254,8 @@ def curve_columns(s: Any, n: int) -> dict[str, tuple[np.ndarray, str]]:
     # Per page class of a modality-aware pool: kv_<class>_<reserved|used|capacity>_bytes.
     for name, values in s.kv_class_bytes.items():
         out[f"kv_{name}"] = (_floats(values, n), "max")
+    for kind, values in s.offload_bytes.items():
+        out[f"offload_{kind}_used_bytes"] = (_floats(values, n), "max")
     # Used KV by modality of the tokens held: kv_<text|image|audio>_bytes, where every step
     # attributes it.
     for name, values in s.kv_modality_bytes.items():

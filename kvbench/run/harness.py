@@ -356,6 +356,9 @@ def _log_decode(run: EngineRun, out: DecodeSteps, clock: Clock) -> None:
         getattr(s, column).extend(out.kv[name])
     for m in MODALITIES:
         column_of(s.kv_modality_bytes, m).extend(out.kv[f"modality:{m}"])
+    for key, values in out.kv.items():
+        if key.startswith("offload:"):
+            column_of(s.offload_bytes, key.removeprefix("offload:")).extend(values)
     _modality_facts(s, out.last_kv)
     # Decode steps encode nothing: the encoder outputs held are the modelled device's.
     encoder = out.device.get("encoder") if out.device else None
@@ -629,6 +632,8 @@ def _log_step(run: EngineRun, report: StepReport, t0: float, t1: float) -> None:
             for name, c in kv.classes.items():
                 for key in ("reserved_bytes", "used_bytes", "capacity_bytes"):
                     column_of(s.kv_class_bytes, f"{name}_{key}").append(c[key])
+        for kind, tier in (kv.offload_tiers or {}).items():
+            column_of(s.offload_bytes, kind).append(tier["used_bytes"])
         mods = kv.modalities
         for m in MODALITIES:
             column_of(s.kv_modality_bytes, m).append(

@@ -144,6 +144,30 @@ def offload_tiers(spec: OffloadSpec, config: EngineConfig) -> OffloadTiers:
                         ranks=config.device.tp, host_in_flight=in_flight)
 
 
+class _TierSeries:
+    """Bytes each offload tier holds after each of ``steps`` decode steps taken in one go
+    (blocks evicted to grow sequences go down): ``offload:<kind>`` columns."""
+
+    def __init__(self, offload: OffloadTiers | None, steps: int) -> None:
+        self.tiers = offload.tiers if offload is not None else []
+        self.held = np.empty((len(self.tiers), steps), dtype=np.int64)
+        self._last = [len(t) for t in self.tiers]
+        self._since = 0
+
+    def mark(self, step: int) -> None:
+        """Step ``step``'s events are done: the steps before it held the last counts."""
+        if self.tiers:
+            self.held[:, self._since : step] = np.array(self._last)[:, None]
+            self._last, self._since = [len(t) for t in self.tiers], step
+
+    def columns(self) -> dict[str, np.ndarray]:
+        if not self.tiers:
+            return {}
+        self.held[:, self._since :] = np.array(self._last)[:, None]
+        return {f"offload:{t.kind}": self.held[i] * t.block_bytes
+                for i, t in enumerate(self.tiers)}
+
+
 @dataclass(slots=True)
 class _SeqBlocks:
     """A live sequence's blocks: ``table[i]`` holds token positions ``[i*bs, (i+1)*bs)``."""
@@ -604,6 +628,7 @@ class PagedKVManager(KVManager):
         states = [self._seqs[s.seq_id] for s in seqs]
         starts = [s.num_computed_tokens for s in seqs]
         takes, fills, limit_delta = self._decode_events(seqs, steps)
+        tiers = _TierSeries(self.offload, steps)
         # In step order: a step's grows (in running order), then its commits.
         for j in sorted(takes.keys() | fills.keys()):
             idx = takes.get(j)
@@ -614,6 +639,7 @@ class PagedKVManager(KVManager):
             if idx:
                 for i in idx:
                     self._index(seqs[i], states[i], (starts[i] + j + 1) // bs)
+            tiers.mark(j)
         count = np.zeros(steps, dtype=np.int64)
         for j, idx in takes.items():
             count[j] = len(idx)
@@ -631,6 +657,7 @@ class PagedKVManager(KVManager):
             "largest_free_bytes": free,
             "block_allocs": pool.num_allocs - grown + taken,
             "page_table_entries": self._table_entries + taken,
+            **tiers.columns(),
         }
         self._used_tokens += n * steps
         self._sum_committed += n * steps
