@@ -291,16 +291,21 @@ OFFLOAD_TOTALS = ("offload_hit_tokens", "offload_loaded_bytes", "offload_stored_
 def offload_metrics(run: EngineRun) -> dict[str, Any]:
     """KV below device memory over the run, from the last snapshot's counters: prompt tokens
     served from there (and their share of those looked up), bytes moved each way and the
-    rate each direction achieved while it moved, and the bytes held at the end."""
+    rate each direction achieved while it moved, the bytes held at the end, and the prefill
+    seconds the simulated tiers' loads spared, net of the loads."""
     kv = run.last_kv
     out: dict[str, Any] = dict.fromkeys(
         ("offload_hit_rate", *OFFLOAD_TOTALS, "offload_load_gbps", "offload_store_gbps",
-         "offload_load_s", *(f"offload_{k}_hit_rate" for k in TIER_KINDS)))
+         "offload_load_s", "offload_prefill_saved_s",
+         *(f"offload_{k}_hit_rate" for k in TIER_KINDS)))
     if kv is None:
         return out
     for name in OFFLOAD_TOTALS:
         out[name] = getattr(kv, name)
     out["offload_load_s"] = kv.offload_load_s
+    saved = [t.get("saved_s") for t in (kv.offload_tiers or {}).values()]
+    if saved and None not in saved:
+        out["offload_prefill_saved_s"] = sum(saved)
     queried = kv.prefix_query_tokens
     if kv.offload_hit_tokens is not None and queried:
         out["offload_hit_rate"] = kv.offload_hit_tokens / queried

@@ -194,6 +194,8 @@ class Tier:
         self.queue = LRUQueue() if spec.eviction == "lru" else LFUQueue(self._rank)  # type: ignore[arg-type]
         self.loaded_blocks = self.stored_blocks = self.dropped_blocks = 0
         self.load_s = self.store_s = 0.0
+        # Prefill seconds the loads spared (recomputing those blocks), less the loads'.
+        self.saved_s = 0.0
         # False where the copies are real and their seconds measured (HostSlots).
         self.priced = True
 
@@ -214,6 +216,12 @@ class Tier:
         self.stored_blocks += 1
         if self.priced:
             self.store_s += self._store_block_s
+
+    def priced_load(self, depth: int) -> float:
+        """A block at ``depth`` of its sequence loaded over the link: its seconds."""
+        self.load_s += self.load_block_s
+        self.saved_s += self._recompute_s(depth) - self.load_block_s
+        return self.load_block_s
 
     def take(self, key: int) -> int:
         """Remove ``key`` (held here); its hit count."""
@@ -238,6 +246,7 @@ class Tier:
             "dropped_blocks": self.dropped_blocks,
             "load_s": self.load_s,
             "store_s": self.store_s,
+            "saved_s": self.saved_s if self.priced else None,
         }
 
 
@@ -343,18 +352,18 @@ class OffloadTiers:
         """How many leading ``keys`` some tier holds."""
         return len(list(takewhile(self.where.__contains__, keys)))
 
-    def load(self, keys: list[int]) -> list[int]:
-        """Move ``keys`` (all held) up to the device: their hit counts; the transfer time
-        waits for the next step (:meth:`take_load_s`)."""
+    def load(self, keys: list[int], first_depth: int = 0) -> list[int]:
+        """Move ``keys`` (all held; blocks ``first_depth``, ``first_depth`` + 1, ... of
+        their sequence) up to the device: their hit counts. The transfer time waits for the
+        next step (:meth:`take_load_s`)."""
         out = []
-        for key in keys:
+        for depth, key in enumerate(keys, first_depth):
             tier = self.where.pop(key)
             self._depth.pop(key, None)
             out.append(tier.take(key))
             tier.loaded_blocks += 1
             if tier.priced:
-                tier.load_s += tier.load_block_s
-                self._pending_load_s += tier.load_block_s
+                self._pending_load_s += tier.priced_load(depth)
             else:
                 self.host.load(key)  # type: ignore[union-attr]
         return out

@@ -17,6 +17,7 @@ and windowed attention never reads them. Without it they are kept to the end.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Literal
@@ -131,6 +132,7 @@ def offload_tiers(spec: OffloadSpec, config: EngineConfig) -> OffloadTiers:
     rate = cost.hardware.flops_per_s * cost.coef.flops_efficiency
     bs = config.kv.page_tokens
 
+    @functools.cache
     def recompute_s(depth: int) -> float:
         shape = BatchShape(prefill_tokens=bs, context_tokens=(depth + 1) * bs,
                            attn_pairs=causal_pairs(depth * bs, bs))
@@ -289,7 +291,8 @@ class PagedKVManager(KVManager):
         self._used_tokens += self.pool.touch(hits) * bs
         # Blocks found below device memory move up into fresh blocks.
         below = self._hashes[seq.seq_id][len(hits) : want] if want > len(hits) else []
-        loaded = self.offload.load(below) if self.offload is not None and below else None
+        loaded = self.offload.load(below, len(hits)) if self.offload is not None and below \
+            else None
         table = hits + self.pool.take(num_fresh)
         if loaded is not None:
             self._attach_loaded(seq, table, len(hits), want, loaded)
