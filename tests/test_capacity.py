@@ -11,12 +11,22 @@ from typer.testing import CliRunner
 
 from helpers import run_cli, text_request
 from kvbench.cli.app import app
+from kvbench.engines.kv.offload import OffloadSpec
 from kvbench.engines.model.presets import get_preset
 from kvbench.engines.sequence import Sequence
+from kvbench.engines.sim.costmodel import CostModel
 from kvbench.engines.sim.hardware import MiB, get_gpu
 from kvbench.engines.sim.kv_budget import profile_activation_bytes
 from kvbench.errors import KvbenchError
-from kvbench.tools.capacity import Demand, Deployment, concurrency_curve, plan, policies
+from kvbench.tools.capacity import (
+    Demand,
+    Deployment,
+    concurrency_curve,
+    plan,
+    plan_tiers,
+    policies,
+    prefill_s,
+)
 
 
 def _by_policy(rows):
@@ -119,6 +129,42 @@ def test_cli_prints_writes_csv_and_plot(tmp_path) -> None:
     assert png.stat().st_size > 10_000
     bad = runner.invoke(app, ["capacity", "--model", "tiny", "--gpu", "h200"])
     assert bad.exit_code != 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_offload_tiers_by_hand(tp: int) -> None:
+    p = get_preset("qwen2.5-7b")
+    dep = Deployment(p, get_gpu("h200"), max_model_len=32768, tp=tp)
+    rows = plan_tiers(dep, OffloadSpec(tiers="cpu:256GiB,disk:2TiB"), [Demand(8000, 192)], 16)
+    request = 512 * 16 * 28 * 2 * 4 * 128 * 2  # blocks x tokens x layers x K,V x heads x dim x 2
+    assert request == 448 * 2**20
+    cpu, disk = rows
+    assert (cpu.sessions, disk.sessions) == (256 * 2**30 // request, 2 * 2**40 // request)
+    assert cpu.sessions == 585 and cpu.sessions_per_gib == pytest.approx(2**30 / request)
+    # H200: the host link is PCIe 5.0 x16 per rank, the disk NVMe gen4 (7.45 GB/s read).
+    assert (cpu.link, disk.link) == ("pcie5", "nvme-gen4")
+    assert cpu.load_s == pytest.approx(request / (tp * 63.0e9))
+    assert disk.load_s == pytest.approx(request / (tp * 7.45e9))
+    assert cpu.recompute_s == disk.recompute_s == pytest.approx(
+        prefill_s(CostModel(p, get_gpu("h200"), tp), 8192, 8192))
+    assert cpu.load_s < disk.load_s < cpu.recompute_s
+
+
+def test_cli_offload_columns_and_refusals(tmp_path, capsys) -> None:
+    out = tmp_path / "cap.csv"
+    code, text = run_cli(["capacity", "--model", "qwen2.5-7b", "--gpu", "h200", "--seq-len",
+                          "8192", "--kv-offload", "cpu:256GiB,disk:2TiB", "--csv", str(out)],
+                         capsys)
+    assert code == 0 and "Offload tiers" in text
+    rows = {r["policy"]: r for r in csv.DictReader(out.open())}
+    assert rows["paged/bs16"]["cpu_sessions"] == "585"
+    assert rows["contiguous/request"]["cpu_sessions"] == ""
+    assert float(rows["paged/bs16"]["disk_load_ms"]) > float(rows["paged/bs16"]["cpu_load_ms"])
+    for args, message in ((["--kv-offload", "cpu:1GiB", "--grid", "tp=1,2"], "drop --grid"),
+                          (["--kv-offload", "gpu:1GiB"], "kind 'gpu'")):
+        code, text = run_cli(["capacity", "--model", "tiny", "--gpu", "h200", "--seq-len",
+                              "64", *args], capsys)
+        assert code == 2 and message in text and "Traceback" not in text
 
 
 def test_cli_grid_one_row_per_point_and_layout(tmp_path) -> None:

@@ -105,16 +105,20 @@ def capacity(
     grid: Annotated[list[str] | None, typer.Option(help="FIELD=V1,V2,...: plan every point of these axes (repeatable): model, gpu, tp, num_gpus, replicas, policy (or engine), block_size, max_model_len, gpu_memory_utilization, kv_memory, max_num_seqs, max_num_batched_tokens, seq_len; one row per point and KV layout.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="With --grid: write the rows as JSON here.")] = None,
     yes: Annotated[bool, typer.Option("--yes", help="With --grid: plan a grid of more than 10,000 points.")] = False,
+    kv_offload: Annotated[str | None, typer.Option(help="Offload tiers below device memory per replica, e.g. cpu:256GiB,disk:2TiB: how many more requests' KV each keeps, and how fast one comes back.")] = None,
 ) -> None:
     """Plan a GPU deployment: the most requests that fit at once per KV layout.
 
     Per KV layout (contiguous reservation policies, paged block sizes): max concurrent
-    requests, KV bytes per token, KV budget, and the cost model's latency at that load."""
+    requests, KV bytes per token, KV budget, and the cost model's latency at that load; with
+    --kv-offload, per tier the requests' KV it keeps besides them."""
     from kvbench.engines.model.presets import get_preset
     from kvbench.engines.sim.hardware import get_gpu
     from kvbench.fileio import write_text_atomic
     from kvbench.tools.capacity import plan, policies, write_concurrency_plot
 
+    if grid and kv_offload:
+        raise KvbenchError("--kv-offload plans the tiers of one deployment: drop --grid")
     if grid:
         _capacity_grid(grid, model, gpu, tp, num_gpus, seq_len, workload, block_size,
                        max_model_len, gpu_memory_utilization, max_num_seqs,
@@ -122,6 +126,7 @@ def capacity(
         return
     if json_out is not None:
         raise KvbenchError("--json writes grid rows: give --grid too (or --csv)")
+    offload = _offload(kv_offload)
     if (seq_len is None) == (workload is None):
         raise KvbenchError("give one of --seq-len or --workload")
     hw = get_gpu(gpu)
@@ -137,7 +142,8 @@ def capacity(
               "held_tokens", "reserved_tokens", "max_concurrent_per_replica",
               "max_concurrent_total", "paged_over_this", "kv_bytes_per_token",
               "kv_bytes_per_token_per_rank", "kv_budget_bytes_per_replica",
-              "kv_budget_bytes_per_rank", "running", "decode_step_ms", "prefill_ms"]
+              "kv_budget_bytes_per_rank", "running", "decode_step_ms", "prefill_ms",
+              *_tier_header(offload)]
     rows: list[list[object]] = []
     notes: list[str] = []
     for preset, t, mml in itertools.product(presets, tps, lens):
@@ -159,6 +165,7 @@ def capacity(
             continue
         _print_deployment(dep, label, result)
         paged = _paged_concurrency(result)
+        tiers = _tiers(dep, offload, demands, sizes)
         for r in result:
             rows.append([
                 preset.name, hw.name, t, dep.gpus, dep.replicas, limit, label, r.policy,
@@ -167,6 +174,7 @@ def capacity(
                 r.kv_bytes_per_token, r.kv_bytes_per_token_per_rank, r.kv_budget_bytes,
                 r.kv_budget_bytes_per_rank, r.running, round(r.decode_step_s * 1e3, 3),
                 round(r.prefill_s * 1e3, 3),
+                *_tier_cells(tiers.get(r.policy), offload),
             ])
         if plot is not None:
             console.print(f"figure written to {write_concurrency_plot(dep, sections, plot, seq_len)}")
@@ -310,6 +318,55 @@ def _print_deployment(dep: Deployment, demand: str, result: list[CapacityRow]) -
             f"{r.prefill_s * 1e3:.1f}",
         )
     print_table(console, table)
+
+
+def _offload(text: str | None):
+    from kvbench.engines.kv.offload import OffloadSpec
+
+    return None if text is None else OffloadSpec.model_validate(text)
+
+
+def _tier_header(offload) -> list[str]:
+    if offload is None:
+        return []
+    return ["recompute_ms", *(f"{t.kind}_{cell}" for t in offload.tiers
+                              for cell in ("sessions", "sessions_per_gib", "load_ms"))]
+
+
+def _tier_cells(rows, offload) -> list[object]:
+    """A paged row's tier columns (empty for contiguous rows, which keep nothing below)."""
+    if offload is None:
+        return []
+    if rows is None:
+        return [""] * len(_tier_header(offload))
+    return [round(rows[0].recompute_s * 1e3, 3), *(
+        v for t in rows for v in (t.sessions, round(t.sessions_per_gib, 3),
+                                  round(t.load_s * 1e3, 3)))]
+
+
+def _tiers(dep, offload, demands, block_sizes: list[int]) -> dict[str, list]:
+    """Per paged policy label, its tier rows (printed)."""
+    if offload is None:
+        return {}
+    from kvbench.engines.kv.paged import PagedPolicy
+    from kvbench.tools.capacity import plan_tiers
+    from kvbench.units import format_bytes
+
+    out = {PagedPolicy(block_size=bs).label(): plan_tiers(dep, offload, demands, bs)
+           for bs in block_sizes}
+    table = Table(title=f"Offload tiers under each replica of {dep.preset.name} on {dep.label}",
+                  caption="sessions: requests whose whole KV the tier keeps besides those "
+                  "running; load: one back over the link; recompute: prefilling it again")
+    for col in ("policy", "tier", "size", "link", "sessions", "per GiB", "load ms",
+                "recompute ms", "load ÷ recompute"):
+        table.add_column(col, justify="left" if col in ("policy", "tier", "link") else "right")
+    for policy, rows in out.items():
+        for t in rows:
+            table.add_row(policy, t.kind, format_bytes(t.capacity_bytes), t.link,
+                          str(t.sessions), f"{t.sessions_per_gib:.2f}", f"{t.load_s * 1e3:.1f}",
+                          f"{t.recompute_s * 1e3:.1f}", f"{t.load_s / t.recompute_s:.2f}")
+    print_table(console, table)
+    return out
 
 
 def _paged_concurrency(result: list[CapacityRow]) -> int:

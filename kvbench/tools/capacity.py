@@ -12,6 +12,10 @@ arena's holes (``kvbench run`` measures those).
 
 Each tensor-parallel rank holds its share of every sequence's KV, so concurrency follows
 from one rank's budget and bytes per token; data-parallel replicas multiply it.
+
+Offload tiers below device memory add a dimension: per tier, how many more requests' whole
+KV (in paged blocks) it keeps for a replica besides those running, how many per GiB, and how
+long one takes to come back over the tier's link against recomputing it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from kvbench.engines.builtin.scheduler import (
 from kvbench.engines.config import EngineSettings, KVPolicy, engine_config
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.contiguous import RESERVATIONS, ContiguousPolicy
+from kvbench.engines.kv.offload import OffloadSpec
 from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.model.presets import ModelPreset
 from kvbench.engines.sim.costmodel import CostModel
@@ -181,6 +186,43 @@ def plan(dep: Deployment, sections: Sequence[KVPolicy],
             decode_step_s=decode_step_s(cost, running, ctx),
             prefill_s=prefill_s(cost, prompt, dep.max_num_batched_tokens),
         ))
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class TierRow:
+    """One offload tier under a replica, for requests of a demand in blocks of ``block_size``."""
+
+    kind: str
+    block_size: int
+    capacity_bytes: int  # over the replica's ranks
+    link: str
+    request_bytes: float  # one request's KV at its longest, whole blocks (mean)
+    sessions: int  # requests' KV the tier keeps besides those running
+    load_s: float  # one request's KV back over the link, each rank its share
+    recompute_s: float  # prefilling its tokens again instead, alone
+
+    @property
+    def sessions_per_gib(self) -> float:
+        return 2**30 / self.request_bytes
+
+
+def plan_tiers(dep: Deployment, offload: OffloadSpec, demands: Sequence[Demand],
+               block_size: int) -> list[TierRow]:
+    """Per tier of ``offload``: the requests like ``demands`` whose KV it keeps."""
+    bpt = dep.preset.kv_bytes_per_token_per_rank(dep.tp) * dep.tp
+    blocks = sum(-(-(d.prompt + d.n * d.output) // block_size) for d in demands) / len(demands)
+    request = blocks * block_size * bpt
+    held = round(sum(d.prompt + d.n * d.output for d in demands) / len(demands))
+    recompute = prefill_s(CostModel(dep.preset, dep.gpu, dep.tp), held,
+                          dep.max_num_batched_tokens)
+    rows = []
+    for tier in offload.tiers:
+        link = tier.link_for(dep.gpu.name)
+        rows.append(TierRow(
+            kind=tier.kind, block_size=block_size, capacity_bytes=tier.size_bytes,
+            link=link.name, request_bytes=request, sessions=int(tier.size_bytes // request),
+            load_s=request / (dep.tp * link.load_bytes_per_s), recompute_s=recompute))
     return rows
 
 
