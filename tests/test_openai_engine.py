@@ -187,6 +187,11 @@ def test_offload_tiers_of_a_served_engine(tmp_path) -> None:
     assert summary["offload_used_bytes"] == 6 * 4096
     # Not published: absent, not zero.
     assert summary["offload_stored_bytes"] is None and summary["offload_store_gbps"] is None
+    assert summary["offload_cpu_hit_rate"] is None  # LMCache's gauge holds bytes, not hits
+    # LMCache's CPU bytes, read over the run into the tier's curve.
+    held = rec.curves["offload_cpu_used_bytes"]
+    assert held[-1] == 6 * 4096 and held == sorted(held)
+    assert "offload_disk_used_bytes" not in rec.curves
 
 
 def test_http_errors_and_timeouts_fail_only_their_requests(tmp_path) -> None:

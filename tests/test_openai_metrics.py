@@ -130,6 +130,8 @@ def test_vllm_offloading_connector_and_lmcache() -> None:
     assert stats.offload_load_s == pytest.approx(0.2)
     assert stats.offload_stored_bytes == 0
     assert stats.offload_used_bytes == 25 << 30
+    assert stats.offload_tiers == {"cpu": {"used_bytes": 5 << 30},
+                                   "disk": {"used_bytes": 20 << 30}}
 
 
 def test_sglang_hicache() -> None:
@@ -143,6 +145,7 @@ def test_sglang_hicache() -> None:
         HICACHE_PAGE, **{'sglang:cached_tokens_total{cache_source="host"': "0.0"})))
     assert stats.offload_hit_tokens == 20000
     assert stats.offload_used_bytes == 300000 * BPT
+    assert stats.offload_tiers == {"cpu": {"used_bytes": 300000 * BPT}}
 
 
 def test_offload_absent_is_none_not_zero() -> None:
@@ -151,7 +154,7 @@ def test_offload_absent_is_none_not_zero() -> None:
     # The recorded page's connector counters read 0: a connector was asked, none found.
     assert stats.offload_hit_tokens == 0
     for name in ("offload_loaded_bytes", "offload_stored_bytes", "offload_load_s",
-                 "offload_used_bytes"):
+                 "offload_used_bytes", "offload_tiers"):
         assert getattr(stats, name) is None, name
     bad = parse_metrics(_grown(HICACHE_PAGE, **{"sglang:load_back_bytes_total": "-5"}))
     assert bad.offload_loaded_bytes is None and "offload_loaded_bytes" in bad.dropped

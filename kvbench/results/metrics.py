@@ -310,7 +310,8 @@ def offload_metrics(run: EngineRun) -> dict[str, Any]:
     if kv.offload_hit_tokens is not None and queried:
         out["offload_hit_rate"] = kv.offload_hit_tokens / queried
         for kind, tier in (kv.offload_tiers or {}).items():
-            out[f"offload_{kind}_hit_rate"] = tier["hit_tokens"] / queried
+            if tier.get("hit_tokens") is not None:
+                out[f"offload_{kind}_hit_rate"] = tier["hit_tokens"] / queried
     for way, moved, took in (("load", kv.offload_loaded_bytes, kv.offload_load_s),
                              ("store", kv.offload_stored_bytes, kv.offload_store_s)):
         if moved is not None and took:

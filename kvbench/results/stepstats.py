@@ -255,7 +255,9 @@ def curve_columns(s: Any, n: int) -> dict[str, tuple[np.ndarray, str]]:
     for name, values in s.kv_class_bytes.items():
         out[f"kv_{name}"] = (_floats(values, n), "max")
     for kind, values in s.offload_bytes.items():
-        out[f"offload_{kind}_used_bytes"] = (_floats(values, n), "max")
+        col = _full(values, n)
+        if col is not None:
+            out[f"offload_{kind}_used_bytes"] = (col, "max")
     # Used KV by modality of the tokens held: kv_<text|image|audio>_bytes, where every step
     # attributes it.
     for name, values in s.kv_modality_bytes.items():

@@ -326,6 +326,16 @@ def _taken_in_bulk(run: EngineRun, tel: Telemetry, w0: float) -> None:
     run.step_wall_s += time.perf_counter() - w0
 
 
+def _log_tiers(s: StepLog, tiers: dict[str, dict[str, Any]]) -> None:
+    """The bytes each offload tier holds at this step (None for a tier a served engine
+    did not report now; a tier first reported now reads None at the steps before)."""
+    for kind in tiers.keys() - s.offload_bytes.keys():
+        column_of(s.offload_bytes, kind).repeat(None, len(s.kv_used_bytes) - 1)
+    for kind, column in s.offload_bytes.items():
+        tier = tiers.get(kind)
+        column.append(None if tier is None else tier.get("used_bytes"))
+
+
 # StepLog columns of the KVStats fields a step reports.
 _KV_LOG = {
     "kv_capacity_bytes": "capacity_bytes", "kv_reserved_bytes": "reserved_bytes",
@@ -632,8 +642,7 @@ def _log_step(run: EngineRun, report: StepReport, t0: float, t1: float) -> None:
             for name, c in kv.classes.items():
                 for key in ("reserved_bytes", "used_bytes", "capacity_bytes"):
                     column_of(s.kv_class_bytes, f"{name}_{key}").append(c[key])
-        for kind, tier in (kv.offload_tiers or {}).items():
-            column_of(s.offload_bytes, kind).append(tier["used_bytes"])
+        _log_tiers(s, kv.offload_tiers or {})
         mods = kv.modalities
         for m in MODALITIES:
             column_of(s.kv_modality_bytes, m).append(

@@ -286,9 +286,12 @@ class ServerKV:
         def whole(value: float | None) -> int | None:
             return None if value is None else int(value)
 
-        held = [b for b in (sample.lmcache_cpu_bytes, sample.lmcache_disk_bytes) if b is not None]
-        if sample.offload_used_tokens is not None:
-            held.append(sample.offload_used_tokens * self.bytes_per_token)
+        # What each tier holds: LMCache's local CPU and disk backends, HiCache's host memory.
+        tiers = {kind: {"used_bytes": int(held)} for kind, held in (
+            ("cpu", sample.lmcache_cpu_bytes), ("disk", sample.lmcache_disk_bytes),
+            ("cpu", None if sample.offload_used_tokens is None
+             else sample.offload_used_tokens * self.bytes_per_token)) if held is not None}
+        held = [t["used_bytes"] for t in tiers.values()]
         return {
             "offload_hit_tokens": whole(_delta(hits(sample), hits(base))),
             "offload_loaded_bytes": whole(_delta(sample.offload_loaded_bytes,
@@ -297,7 +300,8 @@ class ServerKV:
                                                  base.offload_stored_bytes)),
             "offload_load_s": _delta(sample.offload_load_s, base.offload_load_s),
             "offload_store_s": _delta(sample.offload_store_s, base.offload_store_s),
-            "offload_used_bytes": whole(sum(held)) if held else None,
+            "offload_used_bytes": sum(held) if held else None,
+            "offload_tiers": tiers or None,
         }
 
     def _reserved(self, sample: ServerSample) -> int | None:
