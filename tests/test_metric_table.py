@@ -105,8 +105,9 @@ def test_every_curve_is_produced_or_comes_from_a_cuda_probe(records) -> None:
                      None, per_process=True, pids=set)
     cuda = set(CudaProbe.columns) | set(nvml.columns)
     for spec in CURVES:
-        if spec.needs in (("disaggregated",), ("modal",)):
-            # Produced by their own runs: tests/test_cluster.py, tests/test_kv_modal.py.
+        if spec.needs in (("disaggregated",), ("modal",), ("offload",)):
+            # Produced by their own runs: tests/test_cluster.py, tests/test_kv_modal.py,
+            # tests/test_offload_tiers.py.
             assert spec.name not in produced, spec.name
             continue
         assert (spec.name in produced) != ("cuda" in spec.needs), spec.name

@@ -185,6 +185,9 @@ def test_a_cpu_tier_serves_hits_the_device_evicted(tmp_path: Path) -> None:
     assert base["offload_hit_rate"] is None and base["oracle_hit_rate_cpu"] is None
     assert off["offload_hit_rate"] > 0 and off["offload_loaded_bytes"] > 0
     assert off["offload_cpu_hit_rate"] == off["offload_hit_rate"]
+    assert off["offload_cpu_loaded_bytes"] == off["offload_loaded_bytes"]
+    assert off["offload_cpu_stored_bytes"] == off["offload_stored_bytes"] > 0
+    assert off["offload_disk_stored_bytes"] is None
     assert off["prefix_hit_rate"] > base["prefix_hit_rate"]
     # PCIe 4.0 x16 on an A100: every load moves at the link's rate.
     assert off["offload_load_gbps"] == pytest.approx(31.5)

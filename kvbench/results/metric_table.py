@@ -268,6 +268,10 @@ METRICS: tuple[MetricSpec, ...] = (
     *(_m(f"offload_{kind}_hit_rate", "fraction", "higher", "clock",
          f"prompt tokens served from the {kind} tier", "fraction", needs=("offload",))
       for kind in OFFLOAD_TIER_KINDS),
+    *(_m(f"offload_{kind}_{way}_bytes", "bytes", "none", "clock",
+         f"KV {way} {'from' if way == 'loaded' else 'to'} the {kind} tier", "bytes",
+         needs=("offload",))
+      for kind in OFFLOAD_TIER_KINDS for way in ("loaded", "stored")),
     *(_m(f"oracle_hit_rate_{kind}", "fraction", "none", "clock",
          f"optimal (MIN) hit rate, device + tiers to {kind}", "fraction", needs=("offload",))
       for kind in OFFLOAD_TIER_KINDS),

@@ -284,6 +284,8 @@ def oracle_metrics(run: EngineRun) -> dict[str, float | None]:
     return out
 
 
+# Per offload tier kind: offload_<kind>_<metric>.
+TIER_METRICS = ("hit_rate", "loaded_bytes", "stored_bytes")
 OFFLOAD_TOTALS = ("offload_hit_tokens", "offload_loaded_bytes", "offload_stored_bytes",
                   "offload_used_bytes")
 
@@ -297,15 +299,19 @@ def offload_metrics(run: EngineRun) -> dict[str, Any]:
     out: dict[str, Any] = dict.fromkeys(
         ("offload_hit_rate", *OFFLOAD_TOTALS, "offload_load_gbps", "offload_store_gbps",
          "offload_load_s", "offload_prefill_saved_s",
-         *(f"offload_{k}_hit_rate" for k in TIER_KINDS)))
+         *(f"offload_{k}_{m}" for k in TIER_KINDS for m in TIER_METRICS)))
     if kv is None:
         return out
     for name in OFFLOAD_TOTALS:
         out[name] = getattr(kv, name)
     out["offload_load_s"] = kv.offload_load_s
-    saved = [t.get("saved_s") for t in (kv.offload_tiers or {}).values()]
+    tiers = kv.offload_tiers or {}
+    saved = [t.get("saved_s") for t in tiers.values()]
     if saved and None not in saved:
         out["offload_prefill_saved_s"] = sum(saved)
+    for kind, tier in tiers.items():
+        for way in ("loaded", "stored"):
+            out[f"offload_{kind}_{way}_bytes"] = tier.get(f"{way}_bytes")
     queried = kv.prefix_query_tokens
     if kv.offload_hit_tokens is not None and queried:
         out["offload_hit_rate"] = kv.offload_hit_tokens / queried
