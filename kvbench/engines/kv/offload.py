@@ -29,7 +29,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from itertools import takewhile
+from itertools import repeat, takewhile
+from operator import itemgetter
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -202,20 +203,21 @@ class Tier:
     def __len__(self) -> int:
         return len(self.queue)
 
-    def add(self, key: int, hits: int, depth: int) -> None:
-        if hits:
-            self.hits[key] = hits
+    def add(self, keys: list[int], hits: list[int], depth: dict[int, int]) -> None:
+        """Take ``keys`` with their hit counts (``depth``: the block depths the cost rule
+        prices recomputing by)."""
+        self.hits.update(filter(itemgetter(1), zip(keys, hits, strict=True)))
         rule = self.spec.eviction
         if rule == "lru":
-            self.queue.add(key)
+            self.queue.add_many(keys)
         else:
-            self._rank[key] = hits if rule == "lfu" else (hits + 1) * (
-                self._recompute_s(depth) - self.load_block_s)
-            self.queue.add(key)
-            del self._rank[key]
-        self.stored_blocks += 1
-        if self.priced:
-            self.store_s += self._store_block_s
+            rank, queue = self._rank, self.queue
+            for key, h in zip(keys, hits, strict=True):
+                rank[key] = h if rule == "lfu" else (h + 1) * (
+                    self._recompute_s(depth.get(key, 0)) - self.load_block_s)
+                queue.add(key)
+                del rank[key]
+        self.stored_blocks += len(keys)
 
     def priced_load(self, depth: int) -> float:
         """A block at ``depth`` of its sequence loaded over the link: its seconds."""
@@ -228,13 +230,14 @@ class Tier:
         self.queue.remove(key)
         return self.hits.pop(key, 0)
 
-    def overflow(self) -> list[tuple[int, int]]:
-        """Keys (with their hit counts) evicted to bring the tier within its capacity."""
+    def overflow(self) -> tuple[list[int], list[int]]:
+        """Keys, and their hit counts, evicted to bring the tier within its capacity."""
         n = len(self.queue) - self.capacity_blocks
         if n <= 0:
-            return []
-        hits = self.hits
-        return [(key, hits.pop(key, 0)) for key in self.queue.evict(n)]
+            return [], []
+        keys = self.queue.evict(n)
+        pop = self.hits.pop
+        return keys, [pop(key, 0) for key in keys]
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -245,7 +248,9 @@ class Tier:
             "stored_bytes": self.stored_blocks * self.block_bytes,
             "dropped_blocks": self.dropped_blocks,
             "load_s": self.load_s,
-            "store_s": self.store_s,
+            # Priced stores all move at the link's rate; real ones were measured.
+            "store_s": self.stored_blocks * self._store_block_s if self.priced
+            else self.store_s,
             "saved_s": self.saved_s if self.priced else None,
         }
 
@@ -320,29 +325,26 @@ class OffloadTiers:
         """Device ``blocks`` evicted, caching ``keys``: into the first tier, cascading
         overflow down."""
         where, depth = self.where, self._depth
-        moving = list(zip(keys, hits, strict=True))
-        last = self.tiers[-1]
+        moving, moving_hits = keys, hits
         for tier in self.tiers:
-            for key, h in moving:
-                tier.add(key, h, depth.get(key, 0))
-                where[key] = tier
-            moving = tier.overflow()
+            tier.add(moving, moving_hits, depth)
+            where.update(zip(moving, repeat(tier)))
+            moving, moving_hits = tier.overflow()
             if not moving:
                 break
         else:
-            last.dropped_blocks += len(moving)
-            for key, _ in moving:
+            self.tiers[-1].dropped_blocks += len(moving)
+            for key in moving:
                 del where[key]
                 depth.pop(key, None)
         if self.host is not None:
             self._copy_out(blocks, keys, moving)
 
-    def _copy_out(self, blocks: list[int], keys: list[int],
-                  dropped: list[tuple[int, int]]) -> None:
+    def _copy_out(self, blocks: list[int], keys: list[int], dropped: list[int]) -> None:
         """Slots for the stored blocks the (only) tier kept, after freeing the dropped."""
         host, where = self.host, self.where
         assert host is not None
-        for key, _ in dropped:
+        for key in dropped:
             host.release(key)
         for block, key in zip(blocks, keys, strict=True):
             if key in where:
