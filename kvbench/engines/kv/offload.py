@@ -367,7 +367,8 @@ class OffloadTiers:
             if tier.priced:
                 self._pending_load_s += tier.priced_load(depth)
             else:
-                self.host.load(key)  # type: ignore[union-attr]
+                assert self.host is not None
+                self.host.load(key)
         return out
 
     def measured(self, store_s: float, load_s: float) -> None:
