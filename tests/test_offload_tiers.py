@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -149,13 +150,13 @@ def test_blocks_are_conserved_across_tiers(tiers: str, host: bool) -> None:
         t["hit_tokens"] for t in stats.offload_tiers.values())
 
 
-def _summary(tmp: Path, **run: object) -> dict:
+def _summary(tmp: Path, sections: dict | None = None, **run: Any) -> dict:
+    run.setdefault("engines", ["paged"])
     suite = Suite(
         name="offload", workload=WorkloadSection(trace="mooncake", path=str(MOONCAKE),
                                                  num_requests=60),
-        model=ModelSection(preset="qwen2.5-7b"),
-        run=RunSection(device="sim:a100-80gb", engines=["paged"], kv_memory="3GiB",
-                       max_model_len=32768, **run),
+        model=ModelSection(preset="qwen2.5-7b"), engines=sections or {},
+        run=RunSection(device="sim:a100-80gb", kv_memory="3GiB", max_model_len=32768, **run),
     )
     plan = plan_run(suite, None, tmp, "test", force=True)
     r, _ = start_and_run(plan, plan.engines[0][1], None, 1)
@@ -198,6 +199,15 @@ def test_slower_links_stall_prefills_longer(tmp_path: Path) -> None:
     fast = _summary(tmp_path, kv_offload="cpu:16GiB@200GBps")
     assert slow["offload_load_s"] > fast["offload_load_s"] > 0
     assert slow["mean_ttft_ms"] > fast["mean_ttft_ms"]
+
+
+def test_layerwise_loads_stall_steps_less_than_they_take(tmp_path: Path) -> None:
+    stalled = _summary(tmp_path, kv_offload="cpu:16GiB")
+    assert stalled["offload_stall_s"] == pytest.approx(stalled["offload_load_s"])
+    layered = _summary(tmp_path, engines=["layered"], sections={"layered": PagedPolicy(
+        offload=OffloadSpec(tiers="cpu:16GiB", overlap="layerwise"))})
+    assert 0 < layered["offload_stall_s"] < layered["offload_load_s"]
+    assert _summary(tmp_path)["offload_stall_s"] is None
 
 
 def test_layerwise_loads_hide_behind_compute() -> None:

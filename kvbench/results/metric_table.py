@@ -262,6 +262,8 @@ METRICS: tuple[MetricSpec, ...] = (
        needs=("offload",)),
     _m("offload_load_s", "s", "lower", "clock", "time moving KV up from offload tiers", ".4g",
        needs=("offload",)),
+    _m("offload_stall_s", "s", "lower", "clock", "time steps waited on offload loads",
+       ".4g", needs=("offload",)),
     _m("offload_prefill_saved_s", "s", "higher", "clock",
        "prefill time loads spared, net of loading", ".4g", needs=("offload",)),
     # Per tier of the built-in engine's offload, and MIN with that tier and those above it.

@@ -298,7 +298,7 @@ def offload_metrics(run: EngineRun) -> dict[str, Any]:
     kv = run.last_kv
     out: dict[str, Any] = dict.fromkeys(
         ("offload_hit_rate", *OFFLOAD_TOTALS, "offload_load_gbps", "offload_store_gbps",
-         "offload_load_s", "offload_prefill_saved_s",
+         "offload_load_s", "offload_stall_s", "offload_prefill_saved_s",
          *(f"offload_{k}_{m}" for k in TIER_KINDS for m in TIER_METRICS)))
     if kv is None:
         return out
@@ -306,6 +306,8 @@ def offload_metrics(run: EngineRun) -> dict[str, Any]:
         out[name] = getattr(kv, name)
     out["offload_load_s"] = kv.offload_load_s
     tiers = kv.offload_tiers or {}
+    if tiers and run.offload_stall_s is not None:
+        out["offload_stall_s"] = run.offload_stall_s
     saved = [t.get("saved_s") for t in tiers.values()]
     if saved and None not in saved:
         out["offload_prefill_saved_s"] = sum(saved)

@@ -182,6 +182,8 @@ class EngineRun:
     # for step by step) or why the engine cannot; and the steps it took in bulk.
     fast_forward: str = "off"
     fast_forward_steps: int = 0
+    # On the virtual clock: seconds steps waited on loads from offload tiers.
+    offload_stall_s: float | None = None
     # The output-agreement check of a reduced-precision KV run (a results.build
     # QualityResult), set by the caller that made it; None where none was considered.
     quality: Any = None

@@ -69,9 +69,12 @@ class VirtualClock(Clock):
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
         self._t = 0.0
+        # Of the time added: what steps waited on loads from offload tiers.
+        self.load_stall_s = 0.0
 
     def start(self) -> None:
         self._t = 0.0
+        self.load_stall_s = 0.0
 
     def now(self) -> float:
         return self._t
@@ -84,6 +87,8 @@ class VirtualClock(Clock):
             self._t += report.elapsed_s
         else:
             self._t += self.cost.step_time_s(report.batch)
+            if report.batch.load_s:
+                self.load_stall_s += self.cost.load_stall_s(report.batch)
 
     def advance_to(self, t: float) -> None:
         """Set the time to ``t``: the end of steps taken in one go, each step's time added

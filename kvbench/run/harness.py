@@ -128,6 +128,8 @@ def run_engine(
             run.fast_forward_steps = path.counted()
         run.duration_s = clock.now()
         run.wall_time_s = time.perf_counter() - wall0
+        if isinstance(clock, VirtualClock):
+            run.offload_stall_s = clock.load_stall_s
         if run.status == "ok":
             run.prefix_oracle = _prefix_oracle(engine)
         _close(run, tel, engine)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -131,6 +131,13 @@ class CostModel:
         if batch.load_s:
             step = self._with_loads(step, batch)
         return step
+
+    def load_stall_s(self, batch: BatchShape) -> float:
+        """Seconds ``batch``'s step waits on its loads from offload tiers: its time with them
+        less its time without."""
+        if not batch.load_s:
+            return 0.0
+        return self.step_time_s(batch) - self.step_time_s(replace(batch, load_s=0.0))
 
     def _with_loads(self, step: float, batch: BatchShape) -> float:
         """``step`` with its loads from offload tiers: waited for before it starts, or, layer
