@@ -72,9 +72,10 @@ class RunFlags:
         ("--prefix-caching/--no-prefix-caching",),
     )
     kv_offload: str | None = _flag(
-        "run.kv_offload", "Simulated paged engines: keep evicted prefix-cache blocks in tiers "
-        "below device memory, KIND:SIZE[:lru|lfu|cost][@LINK],... e.g. cpu:64GiB,disk:1TiB "
-        "(kinds cpu|cxl|disk; links pcie4|pcie5|cxl|nvme-gen4|nvme-gen5|NGBps)."
+        "run.kv_offload", "Paged engines: keep evicted prefix-cache blocks in tiers below "
+        "device memory, KIND:SIZE[:lru|lfu|cost][@LINK],... e.g. cpu:64GiB,disk:1TiB "
+        "(kinds cpu|cxl|disk; links pcie4|pcie5|cxl|nvme-gen4|nvme-gen5|NGBps; real compute "
+        "takes one cpu tier)."
     )
     slo: str | None = _flag(
         "run.slo", "Goodput SLO in ms, e.g. ttft:500,tpot:50[,e2el:MS]."
