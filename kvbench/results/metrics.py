@@ -293,8 +293,9 @@ OFFLOAD_TOTALS = ("offload_hit_tokens", "offload_loaded_bytes", "offload_stored_
 def offload_metrics(run: EngineRun) -> dict[str, Any]:
     """KV below device memory over the run, from the last snapshot's counters: prompt tokens
     served from there (and their share of those looked up), bytes moved each way and the
-    rate each direction achieved while it moved, the bytes held at the end, and the prefill
-    seconds the simulated tiers' loads spared, net of the loads."""
+    rate each direction achieved while it moved, the bytes held at the end, per tier too;
+    for simulated tiers, the seconds steps waited on loads and the prefill seconds the
+    loads spared, net of the loads."""
     kv = run.last_kv
     out: dict[str, Any] = dict.fromkeys(
         ("offload_hit_rate", *OFFLOAD_TOTALS, "offload_load_gbps", "offload_store_gbps",
@@ -317,7 +318,7 @@ def offload_metrics(run: EngineRun) -> dict[str, Any]:
     queried = kv.prefix_query_tokens
     if kv.offload_hit_tokens is not None and queried:
         out["offload_hit_rate"] = kv.offload_hit_tokens / queried
-        for kind, tier in (kv.offload_tiers or {}).items():
+        for kind, tier in tiers.items():
             if tier.get("hit_tokens") is not None:
                 out[f"offload_{kind}_hit_rate"] = tier["hit_tokens"] / queried
     for way, moved, took in (("load", kv.offload_loaded_bytes, kv.offload_load_s),

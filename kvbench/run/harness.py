@@ -128,8 +128,7 @@ def run_engine(
             run.fast_forward_steps = path.counted()
         run.duration_s = clock.now()
         run.wall_time_s = time.perf_counter() - wall0
-        if isinstance(clock, VirtualClock):
-            run.offload_stall_s = clock.load_stall_s
+        run.offload_stall_s = clock.load_stall_s if isinstance(clock, VirtualClock) else None
         if run.status == "ok":
             run.prefix_oracle = _prefix_oracle(engine)
         _close(run, tel, engine)
