@@ -304,8 +304,9 @@ def claims_current(session: nox.Session) -> None:
 @nox.session
 def fidelity(session: nox.Session) -> None:
     """The simulator's error against real runs of the built-in engine on the CPU, into
-    reports/fidelity/: the quick check (12 requests, two loads; about a minute), failing
-    where a median per-request error is above 50%, as CI runs it. `-- --full` runs what
+    reports/fidelity/: the quick check (12 requests, two loads, each run twice; about a
+    minute and a half), failing where a median per-request error is above 50% and above the
+    machine's own noise, as CI runs it. `-- --full` runs what
     results/tables/fidelity.md publishes (mixed-text and the Azure conversation trace at
     three loads; about 4 minutes); vLLM's: `nox -s vllm -- fidelity`."""
     session.install("-e", ".[cpu]")
