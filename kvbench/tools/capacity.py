@@ -197,7 +197,7 @@ class TierRow:
     block_size: int
     capacity_bytes: int  # over the replica's ranks
     link: str
-    request_bytes: float  # one request's KV at its longest, whole blocks (mean)
+    request_bytes: float  # one request's KV at its longest, in its paged blocks (mean)
     sessions: int  # requests' KV the tier keeps besides those running
     load_s: float  # one request's KV back over the link, each rank its share
     recompute_s: float  # prefilling its tokens again instead, alone
@@ -211,8 +211,8 @@ def plan_tiers(dep: Deployment, offload: OffloadSpec, demands: Sequence[Demand],
                block_size: int) -> list[TierRow]:
     """Per tier of ``offload``: the requests like ``demands`` whose KV it keeps."""
     bpt = dep.preset.kv_bytes_per_token_per_rank(dep.tp) * dep.tp
-    blocks = sum(-(-(d.prompt + d.n * d.output) // block_size) for d in demands) / len(demands)
-    request = blocks * block_size * bpt
+    kv = dep.kv_manager(PagedPolicy(block_size=block_size))
+    request = sum(reserved_slots(kv, d) for d in demands) / len(demands) * bpt
     held = round(sum(d.prompt + d.n * d.output for d in demands) / len(demands))
     recompute = prefill_s(CostModel(dep.preset, dep.gpu, dep.tp), held,
                           dep.max_num_batched_tokens)
