@@ -27,7 +27,7 @@ def _prefill(tokens: int) -> BatchShape:
 def test_default_step_time_is_the_single_roofline_by_hand() -> None:
     p, gpu = get_preset("llama-3-8b"), get_gpu("a100-80gb")
     batch = _decode(8, 1000)
-    flops = (2 * p.num_layers * p.layer_params * 8 + 2 * p.vocab_size * p.hidden_size * 8
+    flops = (2 * p.active_layer_params * 8 + 2 * p.vocab_size * p.hidden_size * 8
              + 4 * p.num_layers * p.num_heads * p.head_dim * 8000)
     nbytes = p.weight_bytes + (8000 + 8) * p.kv_bytes_per_token
     expected = 3e-3 + max(flops / (312e12 * 0.6), nbytes / (2.039e12 * 0.8))

@@ -166,11 +166,13 @@ def list_names() -> None:
     from kvbench.workloads.presets import preset_names as workload_presets
 
     t = Table(title="model presets")
-    for col in ("name", "params", "layers", "kv heads", "head dim", "dtype", "KV/token", "context"):
+    for col in ("name", "params", "layers", "KV layer groups", "kv heads", "head dim", "dtype",
+                "KV/token", "context"):
         t.add_column(col)
     for name in preset_names():
         p = get_preset(name)
-        t.add_row(name, f"{p.num_params / 1e9:.2f}B", str(p.num_layers), str(p.num_kv_heads),
+        t.add_row(name, f"{p.num_params / 1e9:.2f}B", str(p.num_layers),
+                  " + ".join(g.describe() for g in p.layer_groups), str(p.num_kv_heads),
                   str(p.head_dim), p.dtype, format_bytes(p.kv_bytes_per_token), str(p.max_position))
     print_table(console, t)
     t = Table(title="GPUs (sim:NAME[xTP])")

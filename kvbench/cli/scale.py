@@ -178,6 +178,8 @@ def capacity(
             ])
         if plot is not None:
             console.print(f"figure written to {write_concurrency_plot(dep, sections, plot, seq_len)}")
+    if not rows:
+        raise KvbenchError("no deployment could be planned:\n" + "\n".join(notes))
     for note in notes:
         err_console.print(note)
     if csv_out is not None:

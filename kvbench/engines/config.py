@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvbench.engines.builtin.scheduler import SchedulerConfig
 from kvbench.engines.kv.offload import OffloadSpec
 from kvbench.engines.kv.spec import Footprint, KVSpec, kv_bytes_per_token, never_runs
+from kvbench.engines.model.hf_config import SUPPORTED_ARCHITECTURES
 from kvbench.engines.model.presets import ModelPreset
 from kvbench.engines.sim.device_memory import MemoryOptions
 from kvbench.engines.sim.hardware import DeviceSpec
@@ -189,11 +190,28 @@ class Paging(EngineSection):
         return bool(self.prefix_caching)
 
 
+def _check_model(preset: ModelPreset, device: DeviceSpec) -> None:
+    """Refuse a model the built-in engine would misrepresent: mixed layer groups in one
+    pool, or real compute of an architecture the built-in model does not compute."""
+    mixed = preset.mixed_kv()
+    if mixed:
+        raise KvbenchError(f"{mixed}; per-group KV allocation is not built yet: run a model "
+                           "with one kind of KV in every layer (kvbench list shows each "
+                           "preset's layer groups)")
+    if device.kind != "sim" and preset.hf_architecture not in SUPPORTED_ARCHITECTURES:
+        raise KvbenchError(
+            f"{preset.name} ({preset.hf_architecture}) runs on simulated devices only: the "
+            f"built-in model computes {', '.join(SUPPORTED_ARCHITECTURES)}; use --device "
+            "sim:GPU"
+        )
+
+
 def engine_config(name: str, section: EngineSection, settings: EngineSettings) -> EngineConfig:
     """Resolve ``section`` against the run's ``settings``: the one place an engine's page
     size, page count and prefix caching are decided."""
     section = section.resolved(settings)
     preset, device = settings.preset, settings.device
+    _check_model(preset, device)
     kv = KVSpec(section.page_tokens(), kv_bytes_per_token(preset, device.tp), preset.dtype)
     held_back = section.held_back_bytes(settings.kv_bytes)
     num_pages = (settings.kv_bytes - held_back) // kv.page_bytes

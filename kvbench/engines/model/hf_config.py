@@ -8,16 +8,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvbench.engines.model.hf_hybrid import READERS, WRITERS
 from kvbench.engines.model.presets import DTYPE_BYTES, ModelPreset
 from kvbench.errors import KvbenchError
 
-# The architectures these fields describe completely; all three are Llama-style decoders.
+# The architectures these fields describe completely; all three are Llama-style decoders,
+# the ones the built-in model computes.
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES)
+# Those presets and configs describe too, for simulation and capacity planning.
+KNOWN_ARCHITECTURES = SUPPORTED_ARCHITECTURES + tuple(READERS)
 
 
 class WeightsError(KvbenchError):
@@ -29,11 +33,13 @@ def hf_config(preset: ModelPreset) -> dict[str, Any]:
     """The ``config.json`` content describing ``preset`` (the inverse of
     :func:`preset_from_hf_config`)."""
     arch = preset.hf_architecture
+    if arch in WRITERS:
+        return WRITERS[arch](preset)
     model_type = _MODEL_TYPES.get(arch)
     if model_type is None:
         raise KvbenchError(
             f"model preset {preset.name!r} has architecture {arch!r}, which a config.json "
-            f"cannot describe here; supported: {', '.join(sorted(_MODEL_TYPES))}"
+            f"cannot describe here; supported: {', '.join(sorted(KNOWN_ARCHITECTURES))}"
         )
     if model_type == "qwen2" and not preset.qkv_bias:
         raise KvbenchError(
@@ -80,11 +86,23 @@ def preset_from_hf_config(config: dict[str, Any], name: str, source: str) -> Mod
     """Read a Hugging Face config into a preset; ``source`` names the file in errors."""
     archs = config.get("architectures") or []
     arch = archs[0] if archs else None
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in KNOWN_ARCHITECTURES:
         raise WeightsError(
             f"{source}: unsupported architecture {arch!r}; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{', '.join(KNOWN_ARCHITECTURES)}"
         )
+    dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    if dtype not in DTYPE_BYTES:
+        raise WeightsError(f"{source}: dtype {dtype!r} is not supported; use one of "
+                           f"{', '.join(DTYPE_BYTES)}")
+
+    def need(key: str) -> Any:
+        if key not in config:
+            raise WeightsError(f"{source}: missing key {key!r}")
+        return config[key]
+
+    if arch in READERS:
+        return READERS[arch](config, name, need)
 
     def unsupported(feature: str) -> WeightsError:
         return WeightsError(f"{source}: {feature} is not supported by the built-in model")
@@ -106,15 +124,6 @@ def preset_from_hf_config(config: dict[str, Any], name: str, source: str) -> Mod
                 f"{config['max_window_layers']})"
             )
         window = config.get("sliding_window")
-    dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
-    if dtype not in DTYPE_BYTES:
-        raise unsupported(f"dtype {dtype!r}")
-
-    def need(key: str) -> Any:
-        if key not in config:
-            raise WeightsError(f"{source}: missing key {key!r}")
-        return config[key]
-
     num_heads = need("num_attention_heads")
     return ModelPreset(
         name=name,

@@ -19,7 +19,11 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kvbench.engines.builtin.torch_device import TORCH_DTYPES, ensure_fits
-from kvbench.engines.model.hf_config import WeightsError, preset_from_hf_config
+from kvbench.engines.model.hf_config import (
+    SUPPORTED_ARCHITECTURES,
+    WeightsError,
+    preset_from_hf_config,
+)
 from kvbench.engines.model.llama import LlamaForCausalLM, packs
 from kvbench.engines.model.presets import ModelPreset
 from kvbench.kernels.backend import KernelBackend
@@ -48,7 +52,14 @@ def read_checkpoint_preset(path: str | Path) -> ModelPreset:
         config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise WeightsError(f"{config_path}: cannot read JSON ({exc})") from None
-    return preset_from_hf_config(config, root.name, str(config_path))
+    preset = preset_from_hf_config(config, root.name, str(config_path))
+    if preset.hf_architecture not in SUPPORTED_ARCHITECTURES:
+        raise WeightsError(
+            f"{config_path}: the built-in model computes {', '.join(SUPPORTED_ARCHITECTURES)} "
+            f"only; {preset.hf_architecture} can be simulated (a sim device) or planned "
+            "(kvbench capacity) from its preset"
+        )
+    return preset
 
 
 def build_model(

@@ -12,9 +12,11 @@ and the two are added. Unfused attention
 also computes the masked half of each prefill chunk's query x key square; the batch shape
 does not keep chunk sizes, so that is estimated as if the step's prefill chunks were equal.
 
-FLOPs: 2 x params x tokens for the layer matmuls, LM head for sampled positions only, and
-4 x heads x head_dim x (query, key) pairs per layer for attention. Bytes: weights once per
-step, KV read for every context position, KV written for every new token, plus copies.
+FLOPs: 2 x params x tokens for the layer matmuls (active experts only for MoE), LM head for
+sampled positions only, and 4 x heads x head_dim x (query, key) pairs per layer for attention
+(latent attention: its absorbed form, 2 x heads x (2 x latent + RoPE dims)). Bytes: weights
+once per step, KV read for every context position, KV written for every new token, each
+sequence's recurrent state read and written, plus copies.
 Virtual-memory map/unmap calls the step waits for (``BatchShape.map_ops``) add
 ``map_op_s`` each; every rank maps its own pages in parallel with the others. Loads of KV
 from offload tiers (``BatchShape.load_s``, priced by their link) are added before the step,
@@ -73,17 +75,20 @@ class CostModel:
     _flops_per_pair: int = field(init=False, repr=False, compare=False, default=0)
     _weight_bytes: float = field(init=False, repr=False, compare=False, default=0.0)
     _kv_bytes_per_token: int = field(init=False, repr=False, compare=False, default=0)
+    _state_bytes_per_seq: int = field(init=False, repr=False, compare=False, default=0)
     _allreduce_bytes_per_token: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         p, tp = self.preset, self.tp
         for name, value in (
             ("coef", self.hardware.coef if self.coef is None else self.coef),
-            ("_flops_per_token", 2 * p.num_layers * p.layer_params),
+            ("_flops_per_token", 2 * p.active_layer_params),
             ("_flops_per_seq", 2 * p.vocab_size * p.hidden_size),
-            ("_flops_per_pair", 4 * p.num_layers * p.num_heads * p.head_dim),
+            ("_flops_per_pair", p.attention_flops_per_pair),
             ("_weight_bytes", p.weight_bytes / tp),
             ("_kv_bytes_per_token", p.kv_bytes_per_token_per_rank(tp)),
+            # Recurrent state: read and written back once a step by each sequence.
+            ("_state_bytes_per_seq", 2 * p.kv_bytes_per_rank(0, tp)),
             ("_allreduce_bytes_per_token", p.hidden_size * p.dtype_bytes),
         ):
             object.__setattr__(self, name, value)
@@ -99,7 +104,8 @@ class CostModel:
         flops = (
             self._flops_per_token * tokens + self._flops_per_seq * batch.num_seqs + attention
         ) / tp
-        kv_bytes = (batch.context_tokens + tokens) * self._kv_bytes_per_token
+        kv_bytes = ((batch.context_tokens + tokens) * self._kv_bytes_per_token
+                    + batch.num_seqs * self._state_bytes_per_seq)
         nbytes = self._weight_bytes + kv_bytes + batch.copied_bytes / tp
         # Decodes are the sequences with one token each; the rest share the prefill tokens.
         prefills = batch.num_seqs - batch.decode_tokens
@@ -163,7 +169,7 @@ class CostModel:
         limit = 1 << 53
         attention_i = self._flops_per_pair * pairs
         flops_i = self._flops_per_token * n + self._flops_per_seq * n + attention_i
-        kv_i = (context + n) * self._kv_bytes_per_token
+        kv_i = (context + n) * self._kv_bytes_per_token + n * self._state_bytes_per_seq
         if max(int(flops_i.max(initial=0)), int(kv_i.max(initial=0))) >= limit:
             return None
         flops = flops_i.astype(np.float64) / tp
