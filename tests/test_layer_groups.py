@@ -8,16 +8,18 @@ from dataclasses import replace
 
 import pytest
 
+from helpers import run_cli
 from kvbench.engines.base import BatchShape
+from kvbench.engines.kv.group_layout import group_layout
 from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.model.hf_config import hf_config, preset_from_hf_config
 from kvbench.engines.model.layers import LayerGroup
-from kvbench.engines.model.presets import get_preset
+from kvbench.engines.model.presets import ModelPreset, get_preset
 from kvbench.engines.model.weights import read_checkpoint_preset
 from kvbench.engines.sim.costmodel import CostModel
 from kvbench.engines.sim.hardware import get_gpu
 from kvbench.errors import KvbenchError
-from kvbench.tools.capacity import Demand, Deployment, plan
+from kvbench.tools.capacity import Demand, Deployment, plan, plan_groups
 
 # Published config.json fields (the Hugging Face model repositories).
 DEEPSEEK_V3 = {
@@ -166,3 +168,78 @@ def test_bad_group_fields_in_a_config_are_clear_errors():
                               "x", "config.json")
     with pytest.raises(KvbenchError, match="at least one layer"):
         preset_from_hf_config(QWEN3_NEXT | {"full_attention_interval": 1}, "x", "config.json")
+
+
+def _mixed(sliding: int, full: int, window: int = 64) -> ModelPreset:
+    tiny = get_preset("tiny")
+    return replace(tiny, name="mixed", num_layers=sliding + full, kv_groups=(
+        LayerGroup("sliding", sliding, 2, 32, window=window), LayerGroup("full", full, 2, 32)))
+
+
+def test_common_page_enlarges_attention_blocks_to_hold_a_state_page():
+    layout = group_layout(get_preset("qwen3-next-80b-a3b"), "common-page", 16, tp=1)
+    state, full = layout.groups
+    # 16 x ceil(1,097,728 / (16 x 2,048)): the 544-token block vLLM logs for this model.
+    assert full.page_tokens == 544 and layout.label == "common-page/bs544"
+    assert state.page_bytes == full.page_bytes == 544 * 2048
+    # One 3-group of 12 GDN layers per 12 attention layers: no padding layers.
+    assert (state.tensors, full.tensors, layout.padding_tensors) == (36, 12, 0)
+    at_tp8 = group_layout(get_preset("qwen3-next-80b-a3b"), "common-page", 16, tp=8)
+    assert at_tp8.groups[1].page_tokens == 144
+    per_group = group_layout(get_preset("qwen3-next-80b-a3b"), "per-group", 16, tp=1)
+    assert per_group.request_bytes(1000) == 36 * 1_097_728 + 12 * 63 * 16 * 2048
+    assert layout.request_bytes(1000) == 36 * 544 * 2048 + 12 * 2 * 544 * 2048
+
+
+@pytest.mark.parametrize("sliding, full, size, padding", [
+    (5, 2, 2, 1),  # groups of the fewest layers; the third sliding group is half empty
+    (12, 13, 13, 1),  # fewer than 1.5x apart: groups of the most layers
+    (21, 21, 21, 0),
+])
+def test_common_page_groups_layers_and_pads_as_vllm_does(sliding, full, size, padding):
+    layout = group_layout(_mixed(sliding, full), "common-page", 16, tp=1)
+    assert layout.padding_tensors == padding
+    assert all(g.tensors % size == 0 for g in layout.groups)
+
+
+def test_sliding_pages_cover_the_window_and_uniform_keeps_every_token():
+    p = get_preset("gemma-2-9b")
+    sliding, full = group_layout(p, "per-group", 16, tp=1).groups
+    assert sliding.pages(100) == full.pages(100) == 7
+    assert sliding.pages(10_000) == 4095 // 16 + 1 + 1 == 257  # vLLM: window / block + 1
+    assert full.pages(10_000) == 625
+    uniform = group_layout(p, "uniform", 16, tp=1)
+    assert uniform.request_bytes(10_000) == 42 * 625 * 16 * 8192
+    with pytest.raises(KvbenchError, match="recurrent state"):
+        group_layout(get_preset("qwen3-next-80b-a3b"), "uniform", 16, tp=1)
+
+
+def test_group_plan_by_hand():
+    dep = Deployment(get_preset("gemma-2-9b"), get_gpu("h200"), 8192, tp=1)
+    rows, notes = plan_groups(dep, [16], [Demand(8192)])
+    by = {r.policy: r for r in rows}
+    budget = dep.kv_budget_bytes()
+    per_group = 21 * 512 * 16 * 8192 + 21 * 257 * 16 * 8192
+    assert by["per-group/bs16"].request_bytes == per_group
+    assert by["per-group/bs16"].max_concurrent == budget // per_group
+    assert by["uniform/bs16"].max_concurrent == budget // (42 * 512 * 16 * 8192)
+    needed = 21 * 8192 + 21 * 4096  # tokens x layers: global layers all, sliding the window
+    assert by["uniform/bs16"].waste_fraction == pytest.approx(1 - needed / (42 * 8192))
+    assert notes == []
+    rows, notes = plan_groups(Deployment(get_preset("qwen3-next-80b-a3b"), get_gpu("h200"),
+                                         8192, tp=8), [16], [Demand(2048)])
+    assert [r.policy for r in rows] == ["common-page/bs144", "per-group/bs16"]
+    assert "recurrent state" in notes[0]
+
+
+def test_capacity_plans_layer_groups_and_refuses_what_it_cannot(capsys, tmp_path):
+    code, out = run_cli(["capacity", "--model", "gemma-2-9b", "--gpu", "h200", "--seq-len",
+                         "8192", "--block-size", "16"], capsys)
+    assert code == 0, out
+    assert "per-group/bs16" in out and "uniform/bs16" in out
+    code, out = run_cli(["capacity", "--model", "gemma-2-9b", "--gpu", "h200", "--seq-len",
+                         "8192", "--kv-offload", "cpu:64GiB"], capsys)
+    assert code == 2 and "drop them" in out
+    code, out = run_cli(["run", "--model", "gemma-2-9b", "--device", "sim:h200", "--engines",
+                         "paged", "--out", str(tmp_path / "run"), "--force"], capsys)
+    assert code == 2 and "per-group KV allocation is not built" in out

@@ -143,7 +143,7 @@ def capacity(
               "max_concurrent_total", "paged_over_this", "kv_bytes_per_token",
               "kv_bytes_per_token_per_rank", "kv_budget_bytes_per_replica",
               "kv_budget_bytes_per_rank", "running", "decode_step_ms", "prefill_ms",
-              *_tier_header(offload)]
+              "request_kv_bytes_per_rank", "kv_waste", *_tier_header(offload)]
     rows: list[list[object]] = []
     notes: list[str] = []
     for preset, t, mml in itertools.product(presets, tps, lens):
@@ -158,10 +158,17 @@ def capacity(
         if dropped:
             notes.append(f"{preset.name}: {dropped} requests of {workload} exceed max_model_len "
                          f"{limit} and are left out")
+        where = f"{preset.name} TP{t} max_model_len {limit}"
+        if preset.mixed_kv():
+            if plot is not None or offload is not None:
+                raise KvbenchError(f"{preset.mixed_kv()}: --plot and --kv-offload plan one "
+                                   "kind of KV; drop them to plan its layer groups")
+            rows += _group_rows(dep, label, demands, sizes, notes, where)
+            continue
         try:
             result = plan(dep, sections, demands)
         except KvbenchError as exc:
-            notes.append(f"{preset.name} TP{t} max_model_len {limit}: {exc}")
+            notes.append(f"{where}: {exc}")
             continue
         _print_deployment(dep, label, result)
         paged = _paged_concurrency(result)
@@ -174,7 +181,8 @@ def capacity(
                 r.kv_bytes_per_token, r.kv_bytes_per_token_per_rank, r.kv_budget_bytes,
                 r.kv_budget_bytes_per_rank, r.running, round(r.decode_step_s * 1e3, 3),
                 round(r.prefill_s * 1e3, 3),
-                *_tier_cells(tiers.get(r.policy), offload),
+                round(r.reserved_tokens * r.kv_bytes_per_token_per_rank),
+                round(1 - r.held_fraction, 4), *_tier_cells(tiers.get(r.policy), offload),
             ])
         if plot is not None:
             console.print(f"figure written to {write_concurrency_plot(dep, sections, plot, seq_len)}")
@@ -320,6 +328,46 @@ def _print_deployment(dep: Deployment, demand: str, result: list[CapacityRow]) -
             f"{r.prefill_s * 1e3:.1f}",
         )
     print_table(console, table)
+
+
+def _group_rows(dep: Deployment, demand: str, demands, sizes: list[int], notes: list[str],
+                where: str) -> list[list[object]]:
+    """Plan a model with several kinds of KV per layer group: print its table, return its
+    CSV rows (no latency columns: the cost model reads one context for every layer)."""
+    from kvbench.tools.capacity import plan_groups
+    from kvbench.units import format_bytes
+
+    try:
+        result, why_not = plan_groups(dep, sizes, demands)
+    except KvbenchError as exc:
+        notes.append(f"{where}: {exc}")
+        return []
+    notes.extend(f"{where}: {n}" for n in why_not)
+    p, budget = dep.preset, result[0].kv_budget_bytes_per_rank
+    table = Table(
+        title=f"{p.name} on {dep.label}, max_model_len {dep.max_model_len}, requests of "
+        f"{demand}: layer groups " + " + ".join(g.describe() for g in p.layer_groups),
+        caption=f"KV budget {format_bytes(budget)}/rank; bytes per request on one rank; "
+        "waste: what no token or state fills (paging, padding)")
+    for col in ("policy", "KV/request", "needed", "waste", "padding layers",
+                "max concurrent/replica", "total", "per-group ÷ this"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    best = next(r.max_concurrent for r in result if r.policy.startswith("per-group"))
+    rows: list[list[object]] = []
+    for r in result:
+        ratio = round(best / r.max_concurrent, 3) if r.max_concurrent else ""
+        table.add_row(r.policy, format_bytes(r.request_bytes), format_bytes(r.needed_bytes),
+                      f"{100 * r.waste_fraction:.1f}%", str(r.padding_layers),
+                      str(r.max_concurrent), str(r.total_concurrent), str(ratio or "-"))
+        rows.append([
+            p.name, dep.gpu.name, dep.tp, dep.gpus, dep.replicas, dep.max_model_len, demand,
+            r.policy, "", "", r.max_concurrent, r.total_concurrent, ratio,
+            p.kv_bytes_per_token_per_rank(dep.tp) * dep.tp, p.kv_bytes_per_token_per_rank(dep.tp),
+            budget * dep.tp, budget, min(r.max_concurrent, dep.max_num_seqs), "", "",
+            round(r.request_bytes), round(r.waste_fraction, 4),
+        ])
+    print_table(console, table)
+    return rows
 
 
 def _offload(text: str | None):

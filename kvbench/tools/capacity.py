@@ -13,6 +13,11 @@ arena's holes (``kvbench run`` measures those).
 Each tensor-parallel rank holds its share of every sequence's KV, so concurrency follows
 from one rank's budget and bytes per token; data-parallel replicas multiply it.
 
+A model whose layers keep different kinds of KV (sliding-window and global layers,
+recurrent state beside attention) is planned per layer group instead, under each group
+allocation policy of :mod:`kvbench.engines.kv.group_layout`: the bytes one request takes
+against what its tokens and state need, and how many fit.
+
 Offload tiers below device memory add a dimension: per tier, how many more requests' whole
 KV (in paged blocks) it keeps for a replica besides those running, how many per GiB, and how
 long one takes to come back over the tier's link against recomputing it.
@@ -34,6 +39,7 @@ from kvbench.engines.builtin.scheduler import (
 from kvbench.engines.config import EngineSettings, KVPolicy, engine_config
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.contiguous import RESERVATIONS, ContiguousPolicy
+from kvbench.engines.kv.group_layout import GROUP_POLICIES, group_layout
 from kvbench.engines.kv.offload import OffloadSpec
 from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.model.presets import ModelPreset
@@ -157,14 +163,7 @@ def reserved_slots(kv: KVManager, demand: Demand) -> int:
 def plan(dep: Deployment, sections: Sequence[KVPolicy],
          demands: Sequence[Demand]) -> list[CapacityRow]:
     """One row per policy for requests like ``demands`` (each must fit max_model_len)."""
-    if not demands:
-        raise KvbenchError("no request fits max_model_len: nothing to plan for")
-    too_long = [d for d in demands if d.tokens > dep.max_model_len]
-    if too_long:
-        raise KvbenchError(
-            f"{len(too_long)} requests exceed max_model_len {dep.max_model_len} "
-            f"(longest {max(d.tokens for d in too_long)} tokens)"
-        )
+    _check_demands(dep, demands)
     budget = dep.kv_budget_bytes()
     bpt_rank = dep.preset.kv_bytes_per_token_per_rank(dep.tp)
     held = sum(d.prompt + d.n * d.output for d in demands) / len(demands)
@@ -187,6 +186,65 @@ def plan(dep: Deployment, sections: Sequence[KVPolicy],
             prefill_s=prefill_s(cost, prompt, dep.max_num_batched_tokens),
         ))
     return rows
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRow:
+    """One group allocation policy of a heterogeneous model, per replica; bytes on one rank,
+    means over the demand."""
+
+    policy: str  # "<policy>/bs<attention block tokens>"
+    request_bytes: float  # what one request takes at its longest
+    needed_bytes: float  # what its tokens and state need, unpaged and unpadded
+    padding_layers: int  # empty layer slots the layout pays for
+    max_concurrent: int
+    replicas: int
+    kv_budget_bytes_per_rank: int
+
+    @property
+    def total_concurrent(self) -> int:
+        return self.max_concurrent * self.replicas
+
+    @property
+    def waste_fraction(self) -> float:
+        """Of what a request takes, the share no token or state fills."""
+        return 1 - self.needed_bytes / self.request_bytes
+
+
+def plan_groups(dep: Deployment, block_sizes: Sequence[int],
+                demands: Sequence[Demand]) -> tuple[list[GroupRow], list[str]]:
+    """A row per group policy and block size for requests like ``demands``, and notes on
+    the policies that cannot hold the model. Parallel samples each take their own pages."""
+    _check_demands(dep, demands)
+    budget = dep.kv_budget_bytes() // dep.tp
+    p, tp = dep.preset, dep.tp
+    needed = sum(d.n * p.kv_bytes_per_rank(d.tokens, tp) for d in demands) / len(demands)
+    rows, notes = [], []
+    for policy in GROUP_POLICIES:
+        for bs in block_sizes:
+            try:
+                layout = group_layout(p, policy, bs, tp)
+            except KvbenchError as exc:
+                notes.append(f"{policy}: {exc}")
+                break
+            request = sum(d.n * layout.request_bytes(d.tokens) for d in demands) / len(demands)
+            rows.append(GroupRow(
+                policy=layout.label, request_bytes=request, needed_bytes=needed,
+                padding_layers=layout.padding_tensors, max_concurrent=int(budget // request),
+                replicas=dep.replicas, kv_budget_bytes_per_rank=budget,
+            ))
+    return rows, notes
+
+
+def _check_demands(dep: Deployment, demands: Sequence[Demand]) -> None:
+    if not demands:
+        raise KvbenchError("no request fits max_model_len: nothing to plan for")
+    too_long = [d for d in demands if d.tokens > dep.max_model_len]
+    if too_long:
+        raise KvbenchError(
+            f"{len(too_long)} requests exceed max_model_len {dep.max_model_len} "
+            f"(longest {max(d.tokens for d in too_long)} tokens)"
+        )
 
 
 @dataclass(frozen=True, slots=True)

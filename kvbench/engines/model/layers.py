@@ -65,8 +65,12 @@ class LayerGroup:
         return self.layers * self.elems_per_token() * dtype_bytes
 
     def bytes_per_token_per_rank(self, dtype_bytes: int, tp: int) -> int:
-        """KV bytes of one token that one of ``tp`` ranks holds."""
-        whole = self.bytes_per_token(dtype_bytes)
+        """KV bytes of one token that one of ``tp`` ranks holds, over the group's layers."""
+        return self.layers * self.layer_bytes_per_token_per_rank(dtype_bytes, tp)
+
+    def layer_bytes_per_token_per_rank(self, dtype_bytes: int, tp: int) -> int:
+        """KV bytes of one token in one layer of the group on one of ``tp`` ranks."""
+        whole = self.elems_per_token() * dtype_bytes
         if self.kind == "latent":
             return whole  # one latent "head": every rank keeps all of it
         return whole // min(tp, self.kv_heads) if whole else 0
@@ -80,7 +84,7 @@ class LayerGroup:
 
     def state_bytes_per_rank(self, tp: int) -> int:
         """Fixed state bytes one sequence keeps in the group on one of ``tp`` ranks."""
-        return self.layers * self.state_bytes // tp
+        return self.layers * (self.state_bytes // tp)
 
     def describe(self) -> str:
         """E.g. "sliding 4096 x21", "latent 512+64 x61", "state 1.1 MB x36"."""
