@@ -125,17 +125,21 @@ def test_weights_of_deepseek_v3_are_fp8_and_embeddings_bf16():
 
 def test_latent_attention_cost_by_hand():
     p, gpu = get_preset("deepseek-v3"), get_gpu("h200")
-    terms = CostModel(p, gpu, tp=8).terms(
-        BatchShape(num_seqs=4, decode_tokens=4, context_tokens=4000, attn_pairs=4000))
+    terms = CostModel(p, gpu, tp=8).terms(BatchShape(
+        num_seqs=4, decode_tokens=4, context_tokens=4000, attn_pairs=4000, decode_pairs=4000))
     # Absorbed decode: per head, 512 + 64 scores and 512 values; every rank reads the latent.
     assert terms.attention_flops == 61 * 2 * 128 * (2 * 512 + 64) * 4000 / 8
     assert terms.kv_bytes == (4000 + 4) * 70272
+    # Prefill decompresses: per head, 128 + 64 query-key dims and 128 value dims.
+    prefill = CostModel(p, gpu, tp=8).terms(BatchShape(
+        num_seqs=1, prefill_tokens=100, context_tokens=100, attn_pairs=5050))
+    assert prefill.attention_flops == 61 * 2 * 128 * (128 + 64 + 128) * 5050 / 8
 
 
 def test_recurrent_state_is_read_and_written_each_step():
     p, gpu = get_preset("qwen3-next-80b-a3b"), get_gpu("h200")
-    terms = CostModel(p, gpu).terms(
-        BatchShape(num_seqs=3, decode_tokens=3, context_tokens=300, attn_pairs=300))
+    terms = CostModel(p, gpu).terms(BatchShape(
+        num_seqs=3, decode_tokens=3, context_tokens=300, attn_pairs=300, decode_pairs=300))
     assert terms.kv_bytes == (300 + 3) * 12 * 2 * 2 * 256 * 2 + 3 * 2 * 39_518_208
     assert terms.attention_flops == 4 * 12 * 16 * 256 * 300
 

@@ -171,7 +171,9 @@ def list_names() -> None:
         t.add_column(col)
     for name in preset_names():
         p = get_preset(name)
-        t.add_row(name, f"{p.num_params / 1e9:.2f}B", str(p.num_layers),
+        params = f"{p.num_params / 1e9:.2f}B" + (
+            f" ({p.active_params / 1e9:.2f}B active)" if p.moe else "")
+        t.add_row(name, params, str(p.num_layers),
                   " + ".join(g.describe() for g in p.layer_groups), str(p.num_kv_heads),
                   str(p.head_dim), p.dtype, format_bytes(p.kv_bytes_per_token), str(p.max_position))
     print_table(console, t)

@@ -182,6 +182,7 @@ class BatchShape:
     decode_tokens: int = 0
     context_tokens: int = 0
     attn_pairs: int = 0
+    decode_pairs: int = 0  # of attn_pairs, those of decoding sequences (one query each)
     copied_bytes: int = 0
     map_ops: int = 0
     # Seconds of KV loads from offload tiers the step needs before its prefill, and

@@ -195,9 +195,10 @@ def _check_model(preset: ModelPreset, device: DeviceSpec) -> None:
     pool, or real compute of an architecture the built-in model does not compute."""
     mixed = preset.mixed_kv()
     if mixed:
-        raise KvbenchError(f"{mixed}; per-group KV allocation is not built yet: run a model "
-                           "with one kind of KV in every layer (kvbench list shows each "
-                           "preset's layer groups)")
+        raise KvbenchError(f"{mixed}; per-group KV allocation is not built into the engines "
+                           "yet: run a model with one kind of KV in every layer (kvbench list "
+                           "shows each preset's layer groups), or plan this one's groups with "
+                           "kvbench capacity")
     if device.kind != "sim" and preset.hf_architecture not in SUPPORTED_ARCHITECTURES:
         raise KvbenchError(
             f"{preset.name} ({preset.hf_architecture}) runs on simulated devices only: the "

@@ -288,7 +288,7 @@ def decode_step_s(cost: CostModel, num_seqs: int, context: int) -> float:
     """One decode step of ``num_seqs`` sequences, each attending over ``context`` tokens."""
     return cost.step_time_s(BatchShape(
         num_seqs=num_seqs, decode_tokens=num_seqs, context_tokens=num_seqs * context,
-        attn_pairs=num_seqs * context,
+        attn_pairs=num_seqs * context, decode_pairs=num_seqs * context,
     ))
 
 

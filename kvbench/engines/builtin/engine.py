@@ -403,23 +403,26 @@ def batch_shape(
 ) -> BatchShape:
     """What the cost model needs to know about ``batch`` (attention limited to the model's
     sliding ``window``, if it has one)."""
-    decode = prefill = context = pairs = 0
+    decode = prefill = context = pairs = decode_pairs = 0
     for item in batch.items:
         n, start = item.num_tokens, item.start
-        if n == 1 and item.seq.output_ids:
-            decode += 1
-        else:
-            prefill += n
         if window is None:
             context += start + n
-            pairs += causal_pairs(start, n)
+            item_pairs = causal_pairs(start, n)
         else:
             context += keys_read(start, n, window)
-            pairs += causal_pairs(start, n, window)
+            item_pairs = causal_pairs(start, n, window)
+        pairs += item_pairs
+        if n == 1 and item.seq.output_ids:
+            decode += 1
+            decode_pairs += item_pairs
+        else:
+            prefill += n
     copied = sum(c.num_slots for c in batch.copies) * bytes_per_token if batch.copies else 0
     return BatchShape(
         num_seqs=len(batch.items), prefill_tokens=prefill, decode_tokens=decode,
-        context_tokens=context, attn_pairs=pairs, copied_bytes=copied, map_ops=batch.map_ops,
+        context_tokens=context, attn_pairs=pairs, decode_pairs=decode_pairs,
+        copied_bytes=copied, map_ops=batch.map_ops,
         load_s=batch.load_s, load_layerwise=batch.load_layerwise,
     )
 

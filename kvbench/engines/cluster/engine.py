@@ -401,6 +401,7 @@ def _add_batch(total: BatchShape, b: BatchShape) -> None:
     total.decode_tokens += b.decode_tokens
     total.context_tokens += b.context_tokens
     total.attn_pairs += b.attn_pairs
+    total.decode_pairs += b.decode_pairs
     total.copied_bytes += b.copied_bytes
 
 
@@ -788,6 +789,7 @@ class ClusterEngine(Engine):
             b.decode_tokens += n
             b.context_tokens += run.context[j]
             b.attn_pairs += run.pairs[j]
+            b.decode_pairs += run.pairs[j]
         rep.inflight, rep.busy_until = _RUN_STEP, run.ends[j + 1]
         heapq.heappush(self._busy, (rep.busy_until, rep.index))
         self.fast_forward_steps += 1

@@ -443,12 +443,14 @@ class VllmEngine(Engine):
             req = requests[rid]
             # The scheduler has already advanced num_computed_tokens past this step's tokens.
             start = req.num_computed_tokens - n
+            pairs = causal_pairs(start, n)
             if n == 1 and req.num_output_tokens > 0:
                 shape.decode_tokens += 1
+                shape.decode_pairs += pairs
             else:
                 shape.prefill_tokens += n
             shape.context_tokens += start + n
-            shape.attn_pairs += causal_pairs(start, n)
+            shape.attn_pairs += pairs
         copies = len(output.kv_cache_block_copies or ())
         shape.copied_bytes = copies * self._block_bytes
         self._copied_bytes += shape.copied_bytes

@@ -22,8 +22,7 @@ WEIGHT_DTYPE_BYTES = {**DTYPE_BYTES, "float8": 1}
 @dataclass(frozen=True, slots=True)
 class LatentAttention:
     """Multi-head latent attention's projections (DeepSeek-V2/V3). Decode attends in the
-    absorbed form: each query head scores the ``kv_lora_rank + qk_rope_dim`` latent and
-    sums ``kv_lora_rank`` values, reading only the latent cache."""
+    absorbed form, reading only the latent cache; prefill decompresses K and V per head."""
 
     q_lora_rank: int | None  # None: queries projected from the hidden state directly
     kv_lora_rank: int
@@ -39,9 +38,14 @@ class LatentAttention:
               + self.kv_lora_rank * heads * (self.qk_nope_dim + self.v_head_dim))
         return q + kv + heads * self.v_head_dim * hidden
 
-    def flops_per_pair(self, heads: int) -> int:
-        """Multiply-adds x 2 of one query x key pair in one layer, absorbed form."""
-        return 2 * heads * (2 * self.kv_lora_rank + self.qk_rope_dim)
+    def flops_per_pair(self, heads: int, decode: bool) -> int:
+        """FLOPs of one query x key pair in one layer: absorbed for a decoding query (scores
+        over the latent and RoPE dims, values over the latent), and for prefill the
+        decompressed form vLLM computes (scores over the query-key head dims, values over
+        ``v_head_dim``)."""
+        if decode:
+            return 2 * heads * (2 * self.kv_lora_rank + self.qk_rope_dim)
+        return 2 * heads * (self.qk_nope_dim + self.qk_rope_dim + self.v_head_dim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +141,11 @@ class ModelPreset:
         """Why one pool of per-token KV cannot hold this model's state, or None: it has
         several kinds of layer group, or per-sequence state."""
         kinds = sorted({g.kind for g in self.layer_groups})
-        if len(kinds) > 1 or kinds[0] in ("chunked", "state"):
+        if len(kinds) > 1:
             return (f"{self.name} keeps {' + '.join(kinds)} KV in different layers, and the "
                     "built-in engines allocate one kind for every layer")
+        if kinds[0] in ("chunked", "state"):
+            return f"{self.name} keeps {kinds[0]} KV, which the built-in engines do not allocate"
         return None
 
     @property
@@ -191,6 +197,12 @@ class ModelPreset:
         return self._embedding_params + self._layers_params(active_only=False)
 
     @property
+    def active_params(self) -> int:
+        """Parameters one token's forward pass uses, embeddings included (MoE: only the
+        routed experts it reaches)."""
+        return self._embedding_params + self.active_layer_params
+
+    @property
     def _embedding_params(self) -> int:
         emb = self.vocab_size * self.hidden_size
         return emb + (0 if self.tie_embeddings else emb) + self.hidden_size
@@ -201,15 +213,14 @@ class ModelPreset:
         wide = WEIGHT_DTYPE_BYTES[self.weight_dtype or self.dtype]
         return self._embedding_params * self.dtype_bytes + layers * wide
 
-    @property
-    def attention_flops_per_pair(self) -> int:
+    def attention_flops_per_pair(self, decode: bool = False) -> int:
         """FLOPs of one query x key pair over all layers: 4 x heads x head_dim per attention
-        layer (scores and values), the absorbed form for latent attention, none for state."""
+        layer (scores and values), latent attention's own forms, none for state."""
         total = 0
         for g in self.layer_groups:
             if g.kind == "latent":
                 assert self.latent is not None
-                total += g.layers * self.latent.flops_per_pair(self.num_heads)
+                total += g.layers * self.latent.flops_per_pair(self.num_heads, decode)
             elif g.kind != "state":
                 total += 4 * g.layers * self.num_heads * self.head_dim
         return total

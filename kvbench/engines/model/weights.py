@@ -20,6 +20,7 @@ from torch import nn
 
 from kvbench.engines.builtin.torch_device import TORCH_DTYPES, ensure_fits
 from kvbench.engines.model.hf_config import (
+    KNOWN_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     WeightsError,
     preset_from_hf_config,
@@ -52,14 +53,15 @@ def read_checkpoint_preset(path: str | Path) -> ModelPreset:
         config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise WeightsError(f"{config_path}: cannot read JSON ({exc})") from None
-    preset = preset_from_hf_config(config, root.name, str(config_path))
-    if preset.hf_architecture not in SUPPORTED_ARCHITECTURES:
+    archs = config.get("architectures") if isinstance(config, dict) else None
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    if arch in KNOWN_ARCHITECTURES and arch not in SUPPORTED_ARCHITECTURES:
         raise WeightsError(
             f"{config_path}: the built-in model computes {', '.join(SUPPORTED_ARCHITECTURES)} "
-            f"only; {preset.hf_architecture} can be simulated (a sim device) or planned "
-            "(kvbench capacity) from its preset"
+            f"only; {arch} can be simulated (a sim device) or planned (kvbench capacity) "
+            "from its preset"
         )
-    return preset
+    return preset_from_hf_config(config, root.name, str(config_path))
 
 
 def build_model(

@@ -14,7 +14,8 @@ does not keep chunk sizes, so that is estimated as if the step's prefill chunks 
 
 FLOPs: 2 x params x tokens for the layer matmuls (active experts only for MoE), LM head for
 sampled positions only, and 4 x heads x head_dim x (query, key) pairs per layer for attention
-(latent attention: its absorbed form, 2 x heads x (2 x latent + RoPE dims)). Bytes: weights
+(latent attention: absorbed for decoding queries, 2 x heads x (2 x latent + RoPE dims), and
+decompressed for prefill, 2 x heads x (query-key + value head dims)). Bytes: weights
 once per step, KV read for every context position, KV written for every new token, each
 sequence's recurrent state read and written, plus copies.
 Virtual-memory map/unmap calls the step waits for (``BatchShape.map_ops``) add
@@ -73,6 +74,7 @@ class CostModel:
     _flops_per_token: int = field(init=False, repr=False, compare=False, default=0)
     _flops_per_seq: int = field(init=False, repr=False, compare=False, default=0)
     _flops_per_pair: int = field(init=False, repr=False, compare=False, default=0)
+    _flops_per_decode_pair: int = field(init=False, repr=False, compare=False, default=0)
     _weight_bytes: float = field(init=False, repr=False, compare=False, default=0.0)
     _kv_bytes_per_token: int = field(init=False, repr=False, compare=False, default=0)
     _state_bytes_per_seq: int = field(init=False, repr=False, compare=False, default=0)
@@ -84,7 +86,8 @@ class CostModel:
             ("coef", self.hardware.coef if self.coef is None else self.coef),
             ("_flops_per_token", 2 * p.active_layer_params),
             ("_flops_per_seq", 2 * p.vocab_size * p.hidden_size),
-            ("_flops_per_pair", p.attention_flops_per_pair),
+            ("_flops_per_pair", p.attention_flops_per_pair()),
+            ("_flops_per_decode_pair", p.attention_flops_per_pair(decode=True)),
             ("_weight_bytes", p.weight_bytes / tp),
             ("_kv_bytes_per_token", p.kv_bytes_per_token_per_rank(tp)),
             # Recurrent state: read and written back once a step by each sequence.
@@ -100,7 +103,9 @@ class CostModel:
         """The fields of :class:`RooflineTerms`, as a plain tuple."""
         tp = self.tp
         tokens = batch.prefill_tokens + batch.decode_tokens
-        attention = self._flops_per_pair * batch.attn_pairs
+        decode_pairs = batch.decode_pairs
+        attention = (self._flops_per_pair * (batch.attn_pairs - decode_pairs)
+                     + self._flops_per_decode_pair * decode_pairs)
         flops = (
             self._flops_per_token * tokens + self._flops_per_seq * batch.num_seqs + attention
         ) / tp
@@ -167,7 +172,7 @@ class CostModel:
         context = np.asarray(context, dtype=np.int64)
         pairs = np.asarray(pairs, dtype=np.int64)
         limit = 1 << 53
-        attention_i = self._flops_per_pair * pairs
+        attention_i = self._flops_per_decode_pair * pairs
         flops_i = self._flops_per_token * n + self._flops_per_seq * n + attention_i
         kv_i = (context + n) * self._kv_bytes_per_token + n * self._state_bytes_per_seq
         if max(int(flops_i.max(initial=0)), int(kv_i.max(initial=0))) >= limit:

@@ -20,6 +20,7 @@ from kvbench.errors import InputFileError
 from kvbench.fileio import read_text, write_text_atomic
 
 _FIELDS = [f.name for f in dataclasses.fields(BatchShape)]
+_ADDED = {"decode_pairs"}
 
 
 class StepTap:
@@ -85,7 +86,9 @@ class StepSample:
         try:
             data = json.loads(read_text(path, "step file (.json)"))
             n = len(data["seconds"])
-            shapes = [BatchShape(**{k: int(data[k][i]) for k in _FIELDS}) for i in range(n)]
+            # Files written before a field existed leave it at its default.
+            fields = [k for k in _FIELDS if k in data or k not in _ADDED]
+            shapes = [BatchShape(**{k: int(data[k][i]) for k in fields}) for i in range(n)]
             seconds = [float(x) for x in data["seconds"]]
             gaps = [float(x) for x in data["gaps"]]
             if len(gaps) != n:

@@ -327,24 +327,27 @@ class EventReplay:
         else:
             context = pairs = sum(min(s + q.c + 1, window) for q in running if q.decoding)
         chunks = []
-        longest = 0
+        longest, decode_pairs = 0, pairs
         for seq, start, n, sample in items:
             end = start + n
             num_tokens += n
             sampled += sample
+            item_pairs = causal_pairs(start, n, window)
             if n == 1 and seq.out:
                 decode += 1
+                decode_pairs += item_pairs
                 longest = max(longest, end)
             else:
                 prefill += n
                 chunks.append((n, end))
             context += keys_read(start, n, window)
-            pairs += causal_pairs(start, n, window)
+            pairs += item_pairs
         copied = sum(c.num_slots for c in copies) * self.bpt if copies else 0
         num_seqs = n_dec + len(items)
         dt = self.cost.step_time_s(BatchShape(
             num_seqs=num_seqs, prefill_tokens=prefill, decode_tokens=decode,
-            context_tokens=context, attn_pairs=pairs, copied_bytes=copied))
+            context_tokens=context, attn_pairs=pairs, decode_pairs=decode_pairs,
+            copied_bytes=copied))
         if not (num_seqs or copies):
             return dt, self.memory.idle(), num_tokens
         if n_dec and self.acts.attention != "fused":
