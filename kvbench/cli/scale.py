@@ -170,20 +170,7 @@ def capacity(
         except KvbenchError as exc:
             notes.append(f"{where}: {exc}")
             continue
-        _print_deployment(dep, label, result)
-        paged = _paged_concurrency(result)
-        tiers = _tiers(dep, offload, demands, sizes)
-        for r in result:
-            rows.append([
-                preset.name, hw.name, t, dep.gpus, dep.replicas, limit, label, r.policy,
-                round(r.held_tokens, 1), round(r.reserved_tokens, 1), r.max_concurrent,
-                r.total_concurrent, round(paged / r.max_concurrent, 3) if r.max_concurrent else "",
-                r.kv_bytes_per_token, r.kv_bytes_per_token_per_rank, r.kv_budget_bytes,
-                r.kv_budget_bytes_per_rank, r.running, round(r.decode_step_s * 1e3, 3),
-                round(r.prefill_s * 1e3, 3),
-                round(r.reserved_tokens * r.kv_bytes_per_token_per_rank),
-                round(1 - r.held_fraction, 4), *_tier_cells(tiers.get(r.policy), offload),
-            ])
+        rows += _policy_rows(dep, label, result, _tiers(dep, offload, demands, sizes), offload)
         if plot is not None:
             console.print(f"figure written to {write_concurrency_plot(dep, sections, plot, seq_len)}")
     if not rows:
@@ -328,6 +315,22 @@ def _print_deployment(dep: Deployment, demand: str, result: list[CapacityRow]) -
             f"{r.prefill_s * 1e3:.1f}",
         )
     print_table(console, table)
+
+
+def _policy_rows(dep: Deployment, demand: str, result: list[CapacityRow], tiers,
+                 offload) -> list[list[object]]:
+    """Print one deployment's plan per KV layout; return its CSV rows."""
+    _print_deployment(dep, demand, result)
+    paged = _paged_concurrency(result)
+    return [[
+        dep.preset.name, dep.gpu.name, dep.tp, dep.gpus, dep.replicas, dep.max_model_len, demand,
+        r.policy, round(r.held_tokens, 1), round(r.reserved_tokens, 1), r.max_concurrent,
+        r.total_concurrent, round(paged / r.max_concurrent, 3) if r.max_concurrent else "",
+        r.kv_bytes_per_token, r.kv_bytes_per_token_per_rank, r.kv_budget_bytes,
+        r.kv_budget_bytes_per_rank, r.running, round(r.decode_step_s * 1e3, 3),
+        round(r.prefill_s * 1e3, 3), round(r.reserved_tokens * r.kv_bytes_per_token_per_rank),
+        round(1 - r.held_fraction, 4), *_tier_cells(tiers.get(r.policy), offload),
+    ] for r in result]
 
 
 def _group_rows(dep: Deployment, demand: str, demands, sizes: list[int], notes: list[str],

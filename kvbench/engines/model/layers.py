@@ -25,7 +25,6 @@ from kvbench.errors import KvbenchError
 from kvbench.units import format_bytes
 
 GroupKind = Literal["full", "sliding", "chunked", "latent", "state"]
-GROUP_KINDS: tuple[GroupKind, ...] = ("full", "sliding", "chunked", "latent", "state")
 
 
 @dataclass(frozen=True, slots=True)
