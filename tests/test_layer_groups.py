@@ -4,6 +4,7 @@ parameter counts, and the published configs read into the presets."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -247,3 +248,36 @@ def test_capacity_plans_layer_groups_and_refuses_what_it_cannot(capsys, tmp_path
     code, out = run_cli(["run", "--model", "gemma-2-9b", "--device", "sim:h200", "--engines",
                          "paged", "--out", str(tmp_path / "run"), "--force"], capsys)
     assert code == 2 and "per-group KV allocation is not built" in out
+
+
+def test_capacity_reads_a_config_json(capsys, tmp_path):
+    folder = tmp_path / "DeepSeek-V3"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    code, out = run_cli(["capacity", "--model", str(folder), "--gpu", "h200", "--tp", "8",
+                         "--seq-len", "2048", "--block-size", "64"], capsys)
+    assert code == 0, out
+    assert "DeepSeek-V3 on 8x h200" in out and "68.6 KiB/token/rank" in out
+    code, out = run_cli(["capacity", "--model", str(folder / "config.json"), "--gpu", "h200",
+                         "--seq-len", "2048", "--grid", "tp=4,8", "--block-size", "64"], capsys)
+    assert code == 0, out
+
+
+@pytest.mark.parametrize("content, match", [
+    ("[1, 2]", "top level is not a JSON object"),
+    ("{not json", "not JSON"),
+    (json.dumps(DEEPSEEK_V3 | {"hidden_size": "7168"}), "hidden_size must be a whole number"),
+    (json.dumps(DEEPSEEK_V3 | {"kv_lora_rank": [512]}), "wrong type"),
+    (json.dumps(DEEPSEEK_V3 | {"architectures": {"a": 1}}), "wrong type"),
+    (json.dumps(GEMMA_2_9B | {"num_key_value_heads": 0}), "at least 1"),
+    (json.dumps(QWEN3_NEXT | {"rope_theta": "fast"}), "wrong type"),
+    (json.dumps(DEEPSEEK_V3 | {"num_hidden_layers": True}), "wrong type|whole number"),
+])
+def test_a_hostile_config_json_is_a_clear_error(capsys, tmp_path, content, match):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    code, out = run_cli(["capacity", "--model", str(path), "--gpu", "h200", "--seq-len",
+                         "2048"], capsys)
+    assert code == 2, out
+    assert re.search(match, out), out
+    assert "Traceback" not in out

@@ -89,7 +89,7 @@ def calibrate(
 
 
 def capacity(
-    model: Annotated[str, typer.Option(help="Model preset(s), comma-separated.")],
+    model: Annotated[str, typer.Option(help="Model preset(s), or a Hugging Face config.json (or a folder holding one), comma-separated.")],
     gpu: Annotated[str, typer.Option(help="GPU from the hardware table (kvbench list).")],
     tp: Annotated[str, typer.Option(help="Tensor-parallel degree(s), comma-separated.")] = "1",
     num_gpus: Annotated[int | None, typer.Option(help="GPUs in all (default: one TP group); the rest of each TP group are data-parallel replicas.")] = None,
@@ -112,7 +112,7 @@ def capacity(
     Per KV layout (contiguous reservation policies, paged block sizes): max concurrent
     requests, KV bytes per token, KV budget, and the cost model's latency at that load; with
     --kv-offload, per tier the requests' KV it keeps besides them."""
-    from kvbench.engines.model.presets import get_preset
+    from kvbench.engines.model.hf_config import model_preset
     from kvbench.engines.sim.hardware import get_gpu
     from kvbench.fileio import write_text_atomic
     from kvbench.tools.capacity import plan, policies, write_concurrency_plot
@@ -130,7 +130,7 @@ def capacity(
     if (seq_len is None) == (workload is None):
         raise KvbenchError("give one of --seq-len or --workload")
     hw = get_gpu(gpu)
-    presets = [get_preset(name) for name in _csv(model)]
+    presets = [model_preset(name) for name in _csv(model)]
     tps, sizes = _ints(tp, "--tp"), _ints(block_size, "--block-size")
     lens = _ints(max_model_len, "--max-model-len") if max_model_len else [None]
     if not 0 < gpu_memory_utilization <= 1:

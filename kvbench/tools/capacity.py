@@ -390,13 +390,13 @@ def parse_grid_axis(text: str) -> GridAxis:
 
 
 def _grid_value(field: str, name: str, text: str) -> object:
-    from kvbench.engines.model.presets import get_preset
+    from kvbench.engines.model.hf_config import model_preset
     from kvbench.engines.sim.hardware import get_gpu
     from kvbench.units import parse_bytes
 
     try:
         if field == "model":
-            return get_preset(text)
+            return model_preset(text)
         if field == "gpu":
             return get_gpu(text)
         if field == "policy":

@@ -5,12 +5,14 @@ and the preset of a checkpoint's config."""
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from kvbench.engines.model.hf_hybrid import READERS, WRITERS
-from kvbench.engines.model.presets import DTYPE_BYTES, ModelPreset
-from kvbench.errors import KvbenchError
+from kvbench.engines.model.presets import DTYPE_BYTES, ModelPreset, get_preset, preset_names
+from kvbench.errors import InputFileError, KvbenchError
+from kvbench.fileio import read_text
 
 # The architectures these fields describe completely; all three are Llama-style decoders,
 # the ones the built-in model computes.
@@ -83,7 +85,50 @@ def hf_config(preset: ModelPreset) -> dict[str, Any]:
 
 
 def preset_from_hf_config(config: dict[str, Any], name: str, source: str) -> ModelPreset:
-    """Read a Hugging Face config into a preset; ``source`` names the file in errors."""
+    """Read a Hugging Face config into a preset; ``source`` names the file in errors. The
+    config is untrusted: a value of the wrong type or a count below one is a clear error."""
+    if not isinstance(config, dict):
+        raise WeightsError(f"{source}: not a config.json: its top level is not a JSON object")
+    try:
+        preset = _read_preset(config, name, source)
+    except (TypeError, ValueError, AttributeError, IndexError, KeyError) as exc:
+        raise WeightsError(f"{source}: a field holds a value of the wrong type ({exc}); check "
+                           "the file against the model's published config.json") from None
+    _check_counts(preset, source)
+    return preset
+
+
+def _check_counts(preset: ModelPreset, source: str) -> None:
+    """Every count of ``preset`` and of the shapes it holds is a whole number, at least one
+    where the model needs one."""
+    parts = [preset, preset.latent, preset.linear, preset.moe, *preset.kv_groups]
+    for part in filter(None, parts):
+        for f in fields(part):
+            value = getattr(part, f.name)
+            if f.type not in ("int", "int | None") or value is None:
+                continue
+            least = 1 if part is preset else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise WeightsError(f"{source}: {f.name} must be a whole number of at least "
+                                   f"{least}, not {value!r}")
+
+
+def model_preset(text: str) -> ModelPreset:
+    """A preset by name, or the one a Hugging Face ``config.json`` describes (the file, or a
+    folder holding one), named after its folder."""
+    path = Path(text)
+    if text in preset_names() or not (text.endswith(".json") or path.is_dir()):
+        return get_preset(text)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(read_text(file, "config.json"))
+    except json.JSONDecodeError as exc:
+        raise InputFileError(file, f"not JSON ({exc})") from None
+    name = file.resolve().parent.name if file.name == "config.json" else file.stem
+    return preset_from_hf_config(config, name or "model", str(file))
+
+
+def _read_preset(config: dict[str, Any], name: str, source: str) -> ModelPreset:
     archs = config.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in KNOWN_ARCHITECTURES:

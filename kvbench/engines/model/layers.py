@@ -45,6 +45,11 @@ class LayerGroup:
             raise KvbenchError(f"a {self.kind} layer group needs at least one layer")
         if self.kind in ("sliding", "chunked") and self.window < 1:
             raise KvbenchError(f"a {self.kind} layer group needs a window of at least 1 token")
+        shape = {"latent": ("latent_dim",), "state": ("state_bytes",)}.get(
+            self.kind, ("kv_heads", "head_dim"))
+        for name in shape:
+            if getattr(self, name) < 1:
+                raise KvbenchError(f"a {self.kind} layer group needs {name} of at least 1")
 
     @property
     def holds_tokens(self) -> bool:
