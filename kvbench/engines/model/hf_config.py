@@ -9,7 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from kvbench.engines.model.hf_hybrid import READERS, WRITERS
+from kvbench.engines.model.hf_hybrid import READERS, WRITERS, base_config
 from kvbench.engines.model.presets import DTYPE_BYTES, ModelPreset, get_preset, preset_names
 from kvbench.errors import InputFileError, KvbenchError
 from kvbench.fileio import read_text
@@ -52,23 +52,8 @@ def hf_config(preset: ModelPreset) -> dict[str, Any]:
             f"model preset {preset.name!r}: a Llama config.json has no sliding window; use "
             "the Mistral or Qwen2 architecture for sliding-window attention"
         )
-    cfg: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": model_type,
-        "vocab_size": preset.vocab_size,
-        "hidden_size": preset.hidden_size,
-        "intermediate_size": preset.intermediate_size,
-        "num_hidden_layers": preset.num_layers,
-        "num_attention_heads": preset.num_heads,
-        "num_key_value_heads": preset.num_kv_heads,
-        "head_dim": preset.head_dim,
-        "max_position_embeddings": preset.max_position,
-        "rope_theta": preset.rope_theta,
-        "rope_scaling": None,
-        "rms_norm_eps": preset.rms_eps,
-        "hidden_act": "silu",
-        "torch_dtype": preset.dtype,
-        "tie_word_embeddings": preset.tie_embeddings,
+    cfg = base_config(preset, model_type) | {
+        "head_dim": preset.head_dim, "rope_scaling": None, "hidden_act": "silu",
     }
     if model_type == "llama":
         cfg["attention_bias"] = preset.qkv_bias

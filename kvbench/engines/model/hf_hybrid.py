@@ -22,7 +22,8 @@ _FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynam
                "weight_block_size": [128, 128]}
 
 
-def _common(p: ModelPreset, model_type: str) -> dict[str, Any]:
+def base_config(p: ModelPreset, model_type: str) -> dict[str, Any]:
+    """The ``config.json`` fields every architecture shares."""
     return {
         "architectures": [p.hf_architecture], "model_type": model_type,
         "vocab_size": p.vocab_size, "hidden_size": p.hidden_size,
@@ -39,7 +40,7 @@ def _deepseek_config(p: ModelPreset, model_type: str) -> dict[str, Any]:
     if lat is None or moe is None or moe.shared_intermediate % moe.intermediate_size:
         raise KvbenchError(f"model preset {p.name!r}: a DeepSeek config needs latent attention "
                            "and MoE with whole shared experts")
-    cfg = _common(p, model_type) | {
+    cfg = base_config(p, model_type) | {
         "q_lora_rank": lat.q_lora_rank, "kv_lora_rank": lat.kv_lora_rank,
         "qk_nope_head_dim": lat.qk_nope_dim, "qk_rope_head_dim": lat.qk_rope_dim,
         "v_head_dim": lat.v_head_dim, "moe_intermediate_size": moe.intermediate_size,
@@ -76,7 +77,7 @@ def _gemma2_config(p: ModelPreset) -> dict[str, Any]:
     if len(sliding) != 1 or sliding[0].layers != (p.num_layers + 1) // 2:
         raise KvbenchError(f"model preset {p.name!r}: Gemma-2 alternates sliding-window and "
                            "global layers, sliding first")
-    return _common(p, "gemma2") | {
+    return base_config(p, "gemma2") | {
         "head_dim": p.head_dim, "sliding_window": sliding[0].window,
         "query_pre_attn_scalar": p.head_dim, "hidden_activation": "gelu_pytorch_tanh",
         "layer_types": [("sliding_attention", "full_attention")[i % 2]
@@ -105,7 +106,7 @@ def _qwen3_next_config(p: ModelPreset) -> dict[str, Any]:
     if lin is None or moe is None:
         raise KvbenchError(f"model preset {p.name!r}: a Qwen3-Next config needs Gated DeltaNet "
                            "layers and MoE")
-    return _common(p, "qwen3_next") | {
+    return base_config(p, "qwen3_next") | {
         "head_dim": p.head_dim, "full_attention_interval": lin.full_attention_interval,
         "linear_num_key_heads": lin.k_heads, "linear_num_value_heads": lin.v_heads,
         "linear_key_head_dim": lin.k_dim, "linear_value_head_dim": lin.v_dim,
