@@ -157,7 +157,7 @@ def test_layer_groups_must_add_up_and_hold_a_window():
 @pytest.mark.parametrize("name", ["gemma-2-9b", "qwen3-next-80b-a3b"])
 def test_mixed_groups_are_refused_by_the_engines(name):
     dep = Deployment(get_preset(name), get_gpu("h200"), 8192, tp=2)
-    with pytest.raises(KvbenchError, match="per-group KV allocation is not built"):
+    with pytest.raises(KvbenchError, match="hybrid KV policy"):
         plan(dep, [PagedPolicy(block_size=16)], [Demand(1024)])
 
 
@@ -247,7 +247,7 @@ def test_capacity_plans_layer_groups_and_refuses_what_it_cannot(capsys, tmp_path
     assert code == 2 and "drop them" in out
     code, out = run_cli(["run", "--model", "gemma-2-9b", "--device", "sim:h200", "--engines",
                          "paged", "--out", str(tmp_path / "run"), "--force"], capsys)
-    assert code == 2 and "per-group KV allocation is not built" in out
+    assert code == 2 and "hybrid KV policy" in out
 
 
 def test_capacity_reads_a_config_json(capsys, tmp_path):

@@ -73,8 +73,9 @@ def test_every_table_entry_is_produced_or_says_what_it_needs(records) -> None:
         elif spec.needs == ("oom",):
             # Only a run that ran out of device memory has these.
             assert spec.name not in keys, spec.name
-        elif spec.needs == ("modal",):
-            # Only a modality-aware pool has page classes (tests/test_kv_modal.py runs one).
+        elif spec.needs in (("modal",), ("groups",)):
+            # Only a modality-aware pool has page classes (tests/test_kv_modal.py runs one),
+            # only a pool allocating per layer group has groups (tests/test_hybrid_kv.py).
             assert spec.name not in keys, spec.name
         elif spec.needs == ("wall",):
             # Recorded by every run, None on the virtual clock (tests/test_measurement.py
@@ -105,9 +106,9 @@ def test_every_curve_is_produced_or_comes_from_a_cuda_probe(records) -> None:
                      None, per_process=True, pids=set)
     cuda = set(CudaProbe.columns) | set(nvml.columns)
     for spec in CURVES:
-        if spec.needs in (("disaggregated",), ("modal",), ("offload",)):
+        if spec.needs in (("disaggregated",), ("modal",), ("offload",), ("groups",)):
             # Produced by their own runs: tests/test_cluster.py, tests/test_kv_modal.py,
-            # tests/test_offload_tiers.py.
+            # tests/test_offload_tiers.py, tests/test_hybrid_kv.py.
             assert spec.name not in produced, spec.name
             continue
         assert (spec.name in produced) != ("cuda" in spec.needs), spec.name

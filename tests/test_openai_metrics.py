@@ -158,3 +158,36 @@ def test_offload_absent_is_none_not_zero() -> None:
         assert getattr(stats, name) is None, name
     bad = parse_metrics(_grown(HICACHE_PAGE, **{"sglang:load_back_bytes_total": "-5"}))
     assert bad.offload_loaded_bytes is None and "offload_loaded_bytes" in bad.dropped
+
+
+HYBRID_PAGE = (Path(__file__).parent / "fixtures" / "sglang_hybrid_metrics.txt").read_text()
+
+
+def test_sglang_pools_of_a_hybrid_model_are_layer_groups() -> None:
+    s = parse_metrics(HYBRID_PAGE)
+    assert s.flavor == "sglang"
+    # Two engines' fractions are averaged, their token counts summed.
+    assert s.full_usage == pytest.approx(0.25) and s.mamba_usage == pytest.approx(0.58)
+    assert s.swa_usage is None and s.used_tokens == 50000.0
+    stats = ServerKV.of(s, BPT).stats(s, s)
+    assert stats.groups == {"full": {"kind": "full", "usage": pytest.approx(0.25)},
+                            "state": {"kind": "state", "usage": pytest.approx(0.58)}}
+    # A pool the page lacks, or whose value is no fraction, is absent, never 0.
+    bad = parse_metrics(_grown(HYBRID_PAGE, **{"sglang:mamba_usage": "1.5"}))
+    assert bad.mamba_usage is None and "mamba_usage" in bad.dropped
+    assert set(ServerKV.of(bad, BPT).stats(bad, bad).groups) == {"full"}
+    plain = parse_metrics(HICACHE_PAGE)
+    assert ServerKV.of(plain, BPT).stats(plain, plain).groups is None
+
+
+def test_group_columns_stay_aligned_when_a_scrape_lacks_a_pool() -> None:
+    from kvbench.results.runlog import StepLog
+    from kvbench.run.harness import _log_groups
+
+    s = StepLog()
+    for groups in ({}, {"full": {"kind": "full", "usage": 0.5}},
+                   {"state": {"kind": "state", "usage": 0.25}}):
+        s.kv_used_bytes.append(None)
+        _log_groups(s, groups)
+    assert s.kv_groups["full_usage"].head(3)[1].tolist() == [True, False, True]
+    assert s.kv_groups["state_usage"].head(3)[1].tolist() == [True, True, False]

@@ -91,6 +91,10 @@ class KVStats:
     # Per tier of the built-in engine's offload (kvbench.engines.kv.offload): capacity and
     # used bytes, blocks hit and dropped, bytes moved each way and the seconds they took.
     offload_tiers: dict[str, dict[str, Any]] | None = None
+    # Per allocation group of a model whose layers keep different kinds of KV
+    # (kvbench.engines.kv.hybrid): its kind, layers, block bytes, reserved and used bytes,
+    # and the prefix-hit tokens it alone could have served.
+    groups: dict[str, dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -183,6 +187,11 @@ class BatchShape:
     context_tokens: int = 0
     attn_pairs: int = 0
     decode_pairs: int = 0  # of attn_pairs, those of decoding sequences (one query each)
+    # The same three, within the window of a model's sliding-window layers where others
+    # read their whole context (ModelPreset.split_window; 0 for any other model).
+    window_context_tokens: int = 0
+    window_pairs: int = 0
+    window_decode_pairs: int = 0
     copied_bytes: int = 0
     map_ops: int = 0
     # Seconds of KV loads from offload tiers the step needs before its prefill, and

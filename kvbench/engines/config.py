@@ -91,6 +91,8 @@ class EngineSection(BaseModel):
     kind: str
     summary: ClassVar[str]
     realtime: ClassVar[bool] = False
+    # Whether the kind allocates KV per layer group (models mixing kinds of KV run on it).
+    allocates_groups: ClassVar[bool] = False
 
     def resolved(self, settings: EngineSettings) -> Self:
         """This section with every inherited field filled from ``settings``."""
@@ -190,15 +192,14 @@ class Paging(EngineSection):
         return bool(self.prefix_caching)
 
 
-def _check_model(preset: ModelPreset, device: DeviceSpec) -> None:
-    """Refuse a model the built-in engine would misrepresent: mixed layer groups in one
-    pool, or real compute of an architecture the built-in model does not compute."""
+def _check_model(preset: ModelPreset, device: DeviceSpec, section: EngineSection) -> None:
+    """Refuse a model the engine would misrepresent: mixed layer groups in one pool, or
+    real compute of an architecture the built-in model does not compute."""
     mixed = preset.mixed_kv()
-    if mixed:
-        raise KvbenchError(f"{mixed}; per-group KV allocation is not built into the engines "
-                           "yet: run a model with one kind of KV in every layer (kvbench list "
-                           "shows each preset's layer groups), or plan this one's groups with "
-                           "kvbench capacity")
+    if mixed and not section.allocates_groups:
+        raise KvbenchError(f"{mixed}; run it with the hybrid KV policy, which allocates KV "
+                           "per layer group on simulated devices (--engines hybrid "
+                           "--device sim:GPU), or plan its groups with kvbench capacity")
     if device.kind != "sim" and preset.hf_architecture not in SUPPORTED_ARCHITECTURES:
         raise KvbenchError(
             f"{preset.name} ({preset.hf_architecture}) runs on simulated devices only: the "
@@ -212,7 +213,7 @@ def engine_config(name: str, section: EngineSection, settings: EngineSettings) -
     size, page count and prefix caching are decided."""
     section = section.resolved(settings)
     preset, device = settings.preset, settings.device
-    _check_model(preset, device)
+    _check_model(preset, device, section)
     kv = KVSpec(section.page_tokens(), kv_bytes_per_token(preset, device.tp), preset.dtype)
     held_back = section.held_back_bytes(settings.kv_bytes)
     num_pages = (settings.kv_bytes - held_back) // kv.page_bytes

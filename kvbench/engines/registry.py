@@ -18,6 +18,7 @@ from kvbench.engines.external.openai import OpenAISection
 from kvbench.engines.external.vllm import VllmSection, build_vllm
 from kvbench.engines.kv.base import KVManager
 from kvbench.engines.kv.contiguous import ContiguousKVManager, ContiguousPolicy
+from kvbench.engines.kv.hybrid import HybridKVManager, HybridPolicy
 from kvbench.engines.kv.modal import ModalKVManager, ModalPolicy
 from kvbench.engines.kv.paged import PagedKVManager, PagedPolicy
 from kvbench.engines.kv.paged_mixed import PagedMixedKVManager, PagedMixedPolicy
@@ -73,6 +74,7 @@ KINDS: dict[str, Kind] = {
         Kind(SegmentedPolicy, SegmentedKVManager, BlockTables),
         Kind(VAttentionPolicy, VAttentionKVManager, BlockTables),
         Kind(ModalPolicy, ModalKVManager, BlockTables),
+        Kind(HybridPolicy, HybridKVManager),
         Kind(VllmSection, build=build_vllm),
         Kind(OpenAISection, build=build_openai),
     )
@@ -81,7 +83,7 @@ KINDS: dict[str, Kind] = {
 # A suite's [engines.NAME] table: validated by its kind's model.
 AnyEngineSection = Annotated[
     PagedPolicy | ContiguousPolicy | PagedMixedPolicy | SegmentedPolicy | VAttentionPolicy
-    | ModalPolicy | VllmSection | OpenAISection,
+    | ModalPolicy | HybridPolicy | VllmSection | OpenAISection,
     Field(discriminator="kind"),
 ]
 _SECTION = TypeAdapter(AnyEngineSection)
@@ -114,6 +116,12 @@ NAMED_ENGINES: dict[str, EngineSection] = {
     "modal-pages-split": ModalPolicy(vision_page_tokens=512, pools="split"),
     "modal-pages-int8": ModalPolicy(vision_page_tokens=512,
                                     kv_dtype={"image": "int8", "audio": "int8"}),
+    # KV per layer group (models mixing sliding-window, global and recurrent layers):
+    # vLLM's one pool of a common page size, one pool per group under one budget, or every
+    # token in every attention layer.
+    "hybrid": HybridPolicy(),
+    "hybrid-per-group": HybridPolicy(layout="per-group"),
+    "hybrid-uniform": HybridPolicy(layout="uniform"),
     "vllm": VllmSection(),
     # A server on this machine at vLLM's default port; suites name others.
     "openai": OpenAISection(),

@@ -52,11 +52,15 @@ Kind = Literal["deterministic", "clock", "timing", "device"]
 # ``modal``: a modality-aware KV pool (its page classes' figures). ``quality``: a real-compute
 # run of an engine storing KV below the model's dtype, checked against full precision.
 # ``wall``: a wall-clock run of an engine in this process (not a served one). ``offload``: a
-# served engine that publishes metrics of KV kept below device memory.
+# served engine that publishes metrics of KV kept below device memory. ``groups``: a KV pool
+# allocating per layer group, with a group of that kind.
 Need = Literal["slo", "soak", "cuda", "policy", "device", "oom", "fragmentation", "cluster",
-               "disaggregated", "modal", "quality", "wall", "offload"]
+               "disaggregated", "modal", "quality", "wall", "offload", "groups"]
 # The page classes of a modality-aware pool (kvbench.engines.kv.modal).
 MODAL_CLASSES = ("text", "vision")
+# The kinds of layer group a pool allocating KV per group holds (kvbench.engines.kv.hybrid;
+# chunked groups are planned, not simulated).
+GROUP_KINDS = ("full", "sliding", "latent", "state")
 # The modalities of the tokens KV holds (kvbench.engines.kv.modality).
 MODALITIES = ("text", "image", "audio")
 
@@ -157,6 +161,34 @@ _MODAL_CURVES = tuple(
        f"{c} KV {what}", "bytes", needs=("modal",))
     for c in MODAL_CLASSES for what in ("reserved", "used", "capacity")
 )
+# Per kind of layer group of a pool that allocates KV per group, its groups together.
+_GROUP_METRICS = tuple(
+    spec
+    for k in GROUP_KINDS
+    for spec in (
+        _m(f"peak_kv_{k}_group_reserved_bytes", "bytes", "lower", "clock",
+           f"peak {k}-group KV reserved", "bytes", needs=("groups",)),
+        _m(f"peak_kv_{k}_group_used_bytes", "bytes", "lower", "clock",
+           f"peak {k}-group KV used", "bytes", needs=("groups",)),
+        _m(f"peak_kv_{k}_group_usage", "fraction", "lower", "clock",
+           f"peak {k}-group usage of its pool", "fraction", needs=("groups",)),
+        _m(f"kv_{k}_group_waste_pct", "%", "lower", "clock", f"{k}-group KV waste %", ".1f",
+           needs=("groups",)),
+        _m(f"prefix_hit_rate_{k}_group", "fraction", "higher", "clock",
+           f"prefix hit rate the {k} group alone could serve", "fraction",
+           needs=("groups",)),
+    )
+)
+_GROUP_CURVES = tuple(
+    spec
+    for k in GROUP_KINDS
+    for spec in (
+        *(_m(f"kv_{k}_group_{what}_bytes", "bytes", "lower", "clock", f"{k}-group KV {what}",
+             "bytes", needs=("groups",)) for what in ("reserved", "used")),
+        _m(f"kv_{k}_group_usage", "fraction", "lower", "clock", f"{k}-group usage of its pool",
+           "fraction", needs=("groups",)),
+    )
+)
 _OFFLOAD_CURVES = tuple(
     _m(f"offload_{k}_used_bytes", "bytes", "none", "clock", f"KV held in the {k} tier",
        "bytes", needs=("offload",)) for k in OFFLOAD_TIER_KINDS
@@ -208,6 +240,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("peak_encoder_cache_bytes", "bytes", "lower", "clock", "peak encoder cache", "bytes"),
     _m("mean_encoder_cache_bytes", "bytes", "lower", "clock", "mean encoder cache", "bytes"),
     *_MODAL_METRICS,
+    *_GROUP_METRICS,
     *_MODALITY_METRICS,
     # Output agreement with the full-precision reference pass (kvbench.run.quality).
     _m("mean_output_match_rate", "fraction", "higher", "clock",
@@ -417,6 +450,7 @@ CURVES: tuple[MetricSpec, ...] = (
     *_MODAL_CURVES,
     *_MODALITY_CURVES,
     *_OFFLOAD_CURVES,
+    *_GROUP_CURVES,
     _m("rss_bytes", "bytes", "lower", "timing", "process RSS", "bytes"),
     # Disaggregated prefill/decode: KV reserved summed over each role's replicas.
     _m("prefill_kv_reserved_bytes", "bytes", "none", "clock", "KV reserved, prefill replicas",

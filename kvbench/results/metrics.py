@@ -142,7 +142,36 @@ def summarize(run: EngineRun, slo: SLO | None = None) -> dict[str, Any]:
     summary.update(memory_metrics(run, sums))
     summary.update(modal_metrics(run, sums))
     summary.update(modality_metrics(run, sums))
+    summary.update(group_metrics(run, sums))
     return summary
+
+
+def group_metrics(run: EngineRun, sums: StepSums) -> dict[str, Any]:
+    """Per kind of layer group of a pool allocating KV per group (its groups together):
+    peak reserved and used bytes and peak usage of the memory it draws on, waste (1 - used /
+    reserved summed over the steps), and the prefix hit rate its groups alone could have
+    served (the request's is the least over every group). Only kinds the run has; a served
+    engine publishes usage alone."""
+    kv = run.last_kv
+    if kv is None or not kv.groups:
+        return {}
+    out: dict[str, Any] = {}
+    queried = kv.prefix_query_tokens
+    for kind in dict.fromkeys(g["kind"] for g in kv.groups.values()):
+        peak = sums.max.get
+        reserved, used = peak(f"group:{kind}_reserved_bytes"), peak(f"group:{kind}_used_bytes")
+        out[f"peak_kv_{kind}_group_reserved_bytes"] = None if reserved is None else int(reserved)
+        out[f"peak_kv_{kind}_group_used_bytes"] = None if used is None else int(used)
+        out[f"peak_kv_{kind}_group_usage"] = peak(f"group:{kind}_usage")
+        total = sums.sum.get(f"group:{kind}_reserved_bytes", 0.0)
+        out[f"kv_{kind}_group_waste_pct"] = (
+            100.0 * (1.0 - sums.sum[f"group:{kind}_used_bytes"] / total)
+            if total > 0 and used is not None else None)
+        hits = [g["hit_tokens"] for g in kv.groups.values()
+                if g["kind"] == kind and "hit_tokens" in g]
+        if hits and queried:
+            out[f"prefix_hit_rate_{kind}_group"] = min(hits) / queried
+    return out
 
 
 def modality_metrics(run: EngineRun, sums: StepSums) -> dict[str, Any]:

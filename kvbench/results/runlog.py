@@ -101,6 +101,9 @@ class StepLog:
     # modality is stored (KVStats.modalities without the per-step counts).
     kv_modality_bytes: dict[str, Column] = field(default_factory=dict)
     kv_modalities: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Per kind of layer group (KVStats.groups, the groups of a kind summed): reserved and
+    # used bytes and pool usage, ``<kind>_<reserved_bytes|used_bytes|usage>``.
+    kv_groups: dict[str, Column] = field(default_factory=dict)
     # Bytes each offload tier below device memory holds, by tier kind (KVStats.offload_tiers).
     offload_bytes: dict[str, Column] = field(default_factory=dict)
     # The requests' inter-token gaps, by step (ITL).

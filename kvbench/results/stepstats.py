@@ -131,6 +131,7 @@ def reduce_steps(s: Any, n: int, weights: np.ndarray) -> StepSums:
     _reduce_kv(out, cols, dt)
     _reduce_fragmentation(out, cols, dt, s)
     _reduce_modalities(out, s, n)
+    _reduce_groups(out, s, n)
     _reduce_device(out, s, n)
     keep = weights[:n] > 0
     out.gaps = (dt[keep], weights[:n][keep])
@@ -210,6 +211,18 @@ def _reduce_modalities(out: StepSums, s: Any, n: int) -> None:
         out.sum[f"class:{name}:used"] = float(used.sum())
 
 
+def _reduce_groups(out: StepSums, s: Any, n: int) -> None:
+    """Each kind of layer group's peaks and sums over the steps that report them."""
+    for name, col in s.kv_groups.items():
+        values, nones = col.head(n)
+        if nones is not None:
+            values = values[~nones]
+        if len(values):
+            values = values.astype(np.float64, copy=False)
+            out.max[f"group:{name}"] = float(values.max())
+            out.sum[f"group:{name}"] = float(values.sum())
+
+
 def _reduce_device(out: StepSums, s: Any, n: int) -> None:
     """The modelled device's peak: its used bytes and the components there."""
     device = device_columns(s, n)
@@ -254,6 +267,12 @@ def curve_columns(s: Any, n: int) -> dict[str, tuple[np.ndarray, str]]:
     # Per page class of a modality-aware pool: kv_<class>_<reserved|used|capacity>_bytes.
     for name, values in s.kv_class_bytes.items():
         out[f"kv_{name}"] = (_floats(values, n), "max")
+    # Per kind of layer group: kv_<kind>_group_<reserved_bytes|used_bytes|usage>.
+    for name, values in s.kv_groups.items():
+        col = _full(values, n)
+        if col is not None:
+            kind, what = name.split("_", 1)
+            out[f"kv_{kind}_group_{what}"] = (col, "max")
     for kind, values in s.offload_bytes.items():
         col = _full(values, n)
         if col is not None:

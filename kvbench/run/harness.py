@@ -327,6 +327,22 @@ def _taken_in_bulk(run: EngineRun, tel: Telemetry, w0: float) -> None:
     run.step_wall_s += time.perf_counter() - w0
 
 
+def _log_groups(s: StepLog, groups: dict[str, dict[str, Any]]) -> None:
+    """Append each kind of layer group's reserved and used bytes and its pool usage, the
+    groups of a kind summed (None for a figure not reported now; one first reported now
+    reads None at the steps before)."""
+    totals: dict[str, float] = {}
+    for g in groups.values():
+        for key in ("reserved_bytes", "used_bytes", "usage"):
+            if g.get(key) is not None:
+                name = f"{g['kind']}_{key}"
+                totals[name] = totals.get(name, 0) + g[key]
+    for name in totals.keys() - s.kv_groups.keys():
+        column_of(s.kv_groups, name).repeat(None, len(s.kv_used_bytes) - 1)
+    for name, column in s.kv_groups.items():
+        column.append(totals.get(name))
+
+
 def _log_tiers(s: StepLog, tiers: dict[str, dict[str, Any]]) -> None:
     """The bytes each offload tier holds at this step (None for a tier a served engine
     did not report now; a tier first reported now reads None at the steps before)."""
@@ -643,6 +659,7 @@ def _log_step(run: EngineRun, report: StepReport, t0: float, t1: float) -> None:
             for name, c in kv.classes.items():
                 for key in ("reserved_bytes", "used_bytes", "capacity_bytes"):
                     column_of(s.kv_class_bytes, f"{name}_{key}").append(c[key])
+        _log_groups(s, kv.groups or {})
         _log_tiers(s, kv.offload_tiers or {})
         mods = kv.modalities
         for m in MODALITIES:

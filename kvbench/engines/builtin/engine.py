@@ -131,7 +131,8 @@ class BuiltinEngine(Engine):
     def step(self) -> StepReport:
         sched = self.scheduler
         batch, preempted, first = sched.schedule()
-        shape = batch_shape(batch, self._bytes_per_token, self.preset.sliding_window)
+        shape = batch_shape(batch, self._bytes_per_token, self.preset.sliding_window,
+                            self.preset.split_window)
         sampled = self.executor.execute(batch, self.kv) if batch.items or batch.copies else []
         device = self.executor.step_memory()
         outcome = sched.update(batch, sampled)
@@ -399,11 +400,14 @@ def _steady(value: int | None, steps: int) -> np.ndarray | list[int | None]:
 
 
 def batch_shape(
-    batch: ScheduledBatch, bytes_per_token: int, window: int | None = None
+    batch: ScheduledBatch, bytes_per_token: int, window: int | None = None,
+    split_window: int | None = None,
 ) -> BatchShape:
     """What the cost model needs to know about ``batch`` (attention limited to the model's
-    sliding ``window``, if it has one)."""
+    sliding ``window``, if it has one; the ``window_*`` counts within ``split_window``, that
+    of its sliding-window layers where others read their whole context)."""
     decode = prefill = context = pairs = decode_pairs = 0
+    w_context = w_pairs = w_decode_pairs = 0
     for item in batch.items:
         n, start = item.num_tokens, item.start
         if window is None:
@@ -413,7 +417,13 @@ def batch_shape(
             context += keys_read(start, n, window)
             item_pairs = causal_pairs(start, n, window)
         pairs += item_pairs
-        if n == 1 and item.seq.output_ids:
+        is_decode = n == 1 and bool(item.seq.output_ids)
+        if split_window is not None:
+            w_context += keys_read(start, n, split_window)
+            w_item = causal_pairs(start, n, split_window)
+            w_pairs += w_item
+            w_decode_pairs += w_item if is_decode else 0
+        if is_decode:
             decode += 1
             decode_pairs += item_pairs
         else:
@@ -422,7 +432,8 @@ def batch_shape(
     return BatchShape(
         num_seqs=len(batch.items), prefill_tokens=prefill, decode_tokens=decode,
         context_tokens=context, attn_pairs=pairs, decode_pairs=decode_pairs,
-        copied_bytes=copied, map_ops=batch.map_ops,
+        window_context_tokens=w_context, window_pairs=w_pairs,
+        window_decode_pairs=w_decode_pairs, copied_bytes=copied, map_ops=batch.map_ops,
         load_s=batch.load_s, load_layerwise=batch.load_layerwise,
     )
 

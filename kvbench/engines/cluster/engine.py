@@ -214,7 +214,7 @@ class ClusterLog:
 # Figures per page class, modality or offload tier of one pool are not summed over
 # replicas: the cluster's KVStats leaves them None.
 _KV_FIELDS = tuple(f.name for f in dataclasses.fields(KVStats)
-                   if f.name not in ("classes", "modalities", "offload_tiers"))
+                   if f.name not in ("classes", "modalities", "offload_tiers", "groups"))
 _MAX_FIELDS = frozenset({"largest_free_bytes", "refused_largest_free_bytes"})
 _MAX_INDEX = tuple((name, _KV_FIELDS.index(name)) for name in sorted(_MAX_FIELDS))
 _SUM_FIELDS = tuple(n for n in _KV_FIELDS if n not in _MAX_FIELDS)

@@ -101,23 +101,41 @@ class BlockPool:
         out = plain[len(plain) - k :][::-1]
         del plain[len(plain) - k :]
         if k < n:
-            hashes, by_hash = self._hash, self._by_hash
-            evicted = self._free_cached.evict(n - k)
-            if self.on_evict is not None:
-                self.on_evict(evicted, list(map(hashes.__getitem__, evicted)),
-                              list(map(self.hits.__getitem__, evicted)))
-            if len(evicted) < 8:
-                for b in evicted:
-                    del by_hash[hashes[b]]
-            else:
-                _consume(map(by_hash.__delitem__, map(hashes.__getitem__, evicted)))
-            _fill(hashes, evicted, None)
-            _fill(self.hits, evicted, 0)
-            self.num_evictions += len(evicted)
-            out += evicted
+            out += self._evict(n - k)
         _fill(self.ref, out, 1)
         self.num_allocs += n
         return out
+
+    def evict(self, n: int) -> None:
+        """Drop the cached content of ``n`` free cached blocks (caller checked there are as
+        many), which become plain free blocks: room made ahead of a ``take`` elsewhere."""
+        self._free_plain += self._evict(n)
+
+    def _evict(self, n: int) -> list[int]:
+        """``n`` free cached blocks out of the eviction queue, no longer findable."""
+        hashes, by_hash = self._hash, self._by_hash
+        evicted = self._free_cached.evict(n)
+        if self.on_evict is not None:
+            self.on_evict(evicted, list(map(hashes.__getitem__, evicted)),
+                          list(map(self.hits.__getitem__, evicted)))
+        if len(evicted) < 8:
+            for b in evicted:
+                del by_hash[hashes[b]]
+        else:
+            _consume(map(by_hash.__delitem__, map(hashes.__getitem__, evicted)))
+        _fill(hashes, evicted, None)
+        _fill(self.hits, evicted, 0)
+        self.num_evictions += len(evicted)
+        return evicted
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks still holding cached content (taking them evicts it)."""
+        return len(self._free_cached)
+
+    def cached(self, hashes: Iterable[int]) -> list[int | None]:
+        """The block caching each of ``hashes``, None where none does."""
+        return list(map(self._by_hash.get, hashes))
 
     def lookup(self, hashes: Iterable[int]) -> list[int]:
         """Blocks caching the longest leading run of ``hashes``."""

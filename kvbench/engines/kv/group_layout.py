@@ -60,9 +60,13 @@ class GroupPages:
 
 @dataclass(frozen=True, slots=True)
 class GroupLayout:
+    """``policy``'s pages; ``layers_per_group`` is common-page's group size (each of its
+    groups takes one block per page position), 0 where every group is one pool's."""
+
     policy: GroupPolicy
     block_size: int
     groups: tuple[GroupPages, ...]
+    layers_per_group: int = 0
 
     @property
     def label(self) -> str:
@@ -131,4 +135,4 @@ def _common_page(preset: ModelPreset, block_size: int, tp: int) -> GroupLayout:
             raise KvbenchError(f"{preset.name}: its attention groups' pages cannot be made "
                                "one size")
         out.append(GroupPages(g, tensors[id(g)], page // token_bytes[id(g)], page))
-    return GroupLayout("common-page", max(p.page_tokens for p in out), tuple(out))
+    return GroupLayout("common-page", max(p.page_tokens for p in out), tuple(out), size)

@@ -213,11 +213,29 @@ class ModelPreset:
         wide = WEIGHT_DTYPE_BYTES[self.weight_dtype or self.dtype]
         return self._embedding_params * self.dtype_bytes + layers * wide
 
-    def attention_flops_per_pair(self, decode: bool = False) -> int:
-        """FLOPs of one query x key pair over all layers: 4 x heads x head_dim per attention
-        layer (scores and values), latent attention's own forms, none for state."""
+    @property
+    def split_window(self) -> int | None:
+        """The window of sliding-window layers beside layers that read their whole context
+        (their attention is priced apart), or None."""
+        windows = [g.window for g in self.layer_groups if g.kind == "sliding"]
+        if not windows or len(windows) == len(self.layer_groups):
+            return None
+        return min(windows)
+
+    def windowed_groups(self, windowed: bool | None) -> tuple[LayerGroup, ...]:
+        """The layer groups of a :attr:`split_window` model inside the window (True) or
+        outside it (False); every group for None."""
+        if windowed is None:
+            return self.layer_groups
+        return tuple(g for g in self.layer_groups if (g.kind == "sliding") == windowed)
+
+    def attention_flops_per_pair(self, decode: bool = False,
+                                 windowed: bool | None = None) -> int:
+        """FLOPs of one query x key pair over all layers (those of
+        :meth:`windowed_groups`): 4 x heads x head_dim per attention layer (scores and
+        values), latent attention's own forms, none for state."""
         total = 0
-        for g in self.layer_groups:
+        for g in self.windowed_groups(windowed):
             if g.kind == "latent":
                 assert self.latent is not None
                 total += g.layers * self.latent.flops_per_pair(self.num_heads, decode)

@@ -78,6 +78,12 @@ class CostModel:
     _weight_bytes: float = field(init=False, repr=False, compare=False, default=0.0)
     _kv_bytes_per_token: int = field(init=False, repr=False, compare=False, default=0)
     _state_bytes_per_seq: int = field(init=False, repr=False, compare=False, default=0)
+    # Sliding-window layers beside whole-context ones (ModelPreset.split_window): their
+    # pairs and KV reads come from the batch's window_* counts; 0 for any other model.
+    _window_flops_per_pair: int = field(init=False, repr=False, compare=False, default=0)
+    _window_flops_per_decode_pair: int = field(init=False, repr=False, compare=False,
+                                               default=0)
+    _window_kv_bytes_per_token: int = field(init=False, repr=False, compare=False, default=0)
     _allreduce_bytes_per_token: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
@@ -95,6 +101,19 @@ class CostModel:
             ("_allreduce_bytes_per_token", p.hidden_size * p.dtype_bytes),
         ):
             object.__setattr__(self, name, value)
+        if p.split_window is not None:
+            b = p.dtype_bytes
+            for name, value in (
+                ("_flops_per_pair", p.attention_flops_per_pair(windowed=False)),
+                ("_flops_per_decode_pair", p.attention_flops_per_pair(True, windowed=False)),
+                ("_window_flops_per_pair", p.attention_flops_per_pair(windowed=True)),
+                ("_window_flops_per_decode_pair", p.attention_flops_per_pair(True, True)),
+                ("_kv_bytes_per_token", sum(g.bytes_per_token_per_rank(b, tp)
+                                            for g in p.windowed_groups(False))),
+                ("_window_kv_bytes_per_token", sum(g.bytes_per_token_per_rank(b, tp)
+                                                   for g in p.windowed_groups(True))),
+            ):
+                object.__setattr__(self, name, value)
 
     def terms(self, batch: BatchShape) -> RooflineTerms:
         return RooflineTerms(*self._work(batch))
@@ -106,11 +125,18 @@ class CostModel:
         decode_pairs = batch.decode_pairs
         attention = (self._flops_per_pair * (batch.attn_pairs - decode_pairs)
                      + self._flops_per_decode_pair * decode_pairs)
+        kv_bytes = ((batch.context_tokens + tokens) * self._kv_bytes_per_token
+                    + batch.num_seqs * self._state_bytes_per_seq)
+        pair_flops = self._flops_per_pair
+        if self._window_kv_bytes_per_token:
+            window_decode = batch.window_decode_pairs
+            attention += (self._window_flops_per_pair * (batch.window_pairs - window_decode)
+                          + self._window_flops_per_decode_pair * window_decode)
+            kv_bytes += (batch.window_context_tokens + tokens) * self._window_kv_bytes_per_token
+            pair_flops += self._window_flops_per_pair
         flops = (
             self._flops_per_token * tokens + self._flops_per_seq * batch.num_seqs + attention
         ) / tp
-        kv_bytes = ((batch.context_tokens + tokens) * self._kv_bytes_per_token
-                    + batch.num_seqs * self._state_bytes_per_seq)
         nbytes = self._weight_bytes + kv_bytes + batch.copied_bytes / tp
         # Decodes are the sequences with one token each; the rest share the prefill tokens.
         prefills = batch.num_seqs - batch.decode_tokens
@@ -124,7 +150,7 @@ class CostModel:
             msg = tokens * self._allreduce_bytes_per_token
             ring = 2 * (tp - 1) / tp * msg / self.hardware.link_bytes_per_s
             allreduce = 2 * self.preset.num_layers * (ring + _ALLREDUCE_LATENCY_S)
-        masked = self._flops_per_pair * masked_pairs / tp
+        masked = pair_flops * masked_pairs / tp
         return flops, attention / tp, masked, nbytes, kv_bytes, allreduce
 
     def step_time_s(self, batch: BatchShape) -> float:
@@ -168,6 +194,8 @@ class CostModel:
         round differently as a float)."""
         c = self.coef
         assert c is not None
+        if self._window_kv_bytes_per_token:
+            return None  # a jump's steps carry no window counts: price them one by one
         tp, n = self.tp, num_seqs
         context = np.asarray(context, dtype=np.int64)
         pairs = np.asarray(pairs, dtype=np.int64)

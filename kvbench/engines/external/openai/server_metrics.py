@@ -6,8 +6,10 @@ vLLM (v1) publishes ``vllm:kv_cache_usage_perc`` (a fraction of its usable block
 multimodal-cache queries and hits, and ``vllm:cache_config_info`` whose labels carry
 ``num_gpu_blocks`` and ``block_size``. SGLang publishes ``sglang:token_usage`` (a fraction),
 ``sglang:num_used_tokens``, ``sglang:max_total_num_tokens``, ``sglang:num_running_reqs``,
-``sglang:num_queue_reqs`` and a ``sglang:cache_hit_rate`` gauge. A metric a server does not
-publish stays None (never 0). Series of several engines (data parallelism) are summed.
+``sglang:num_queue_reqs`` and a ``sglang:cache_hit_rate`` gauge, and for a hybrid model the
+usage of each pool (``sglang:full_token_usage``, ``swa_token_usage``, ``mamba_usage``), read as
+layer groups. A metric a server does not publish stays None (never 0). Series of several
+engines (data parallelism) are summed; usage fractions averaged.
 
 KV kept below device memory is read where a server publishes it: vLLM's offloading
 connector (``vllm:kv_offload_load_bytes`` / ``_store_bytes`` / ``_load_time`` /
@@ -75,7 +77,14 @@ _SGLANG = {
     "sglang:num_running_reqs": "running",
     "sglang:num_queue_reqs": "waiting",
     "sglang:cache_hit_rate": "cache_hit_rate",
+    # Per pool of a hybrid model (fractions, used less free and evictable): full attention,
+    # sliding-window attention, recurrent (Mamba) state.
+    "sglang:full_token_usage": "full_usage",
+    "sglang:swa_token_usage": "swa_usage",
+    "sglang:mamba_usage": "mamba_usage",
 }
+# Those pools as kinds of layer group (KVStats.groups).
+_POOL_KINDS = {"full_usage": "full", "swa_usage": "sliding", "mamba_usage": "state"}
 _PREFIXES = (*_VLLM, _VLLM_CACHE_INFO, *_SGLANG, *_OFFLOAD, _SGLANG_CACHED)
 
 # A /metrics page is read up to this size, and at most this many series of the families
@@ -84,7 +93,7 @@ MAX_PAGE_BYTES = 8 << 20
 MAX_SERIES = 10_000
 # Values beyond these are no server's: fractions lie in [0, 1]; request gauges, token counts
 # and counters within exact float range.
-_FRACTIONS = frozenset({"usage", "cache_hit_rate"})
+_FRACTIONS = frozenset({"usage", "cache_hit_rate", *_POOL_KINDS})
 _MAX_VALUE = float(1 << 53)
 # Integer labels: blocks, tokens per block, KV bytes.
 _MAX_LABEL = {"num_gpu_blocks": 1 << 40, "block_size": 1 << 20,
@@ -120,6 +129,10 @@ class ServerSample:
     # vLLM's configured KV budget, where it (not a block-count override) sized the pool.
     kv_cache_memory_bytes: int | None = None
     cache_hit_rate: float | None = None
+    # SGLang's pools of a hybrid model (see _SGLANG).
+    full_usage: float | None = None
+    swa_usage: float | None = None
+    mamba_usage: float | None = None
     # Below device memory (see the module's docstring); counters but the last three.
     offload_hits: float | None = None
     offload_loaded_bytes: float | None = None
@@ -172,7 +185,9 @@ def parse_metrics(text: str) -> ServerSample:
     sample = ServerSample("unknown")
     sums: dict[str, float] = {}
     dropped: set[str] = set()
-    usage_series = 0
+    # Series of each usage fraction: the engines of one server hold equal pools, so their
+    # mean usage is the server's.
+    series: dict[str, int] = {}
     for s in samples:
         if not s.name.startswith("lmcache:"):  # LMCache runs inside vLLM
             sample.flavor = "vllm" if s.name.startswith("vllm:") else "sglang"
@@ -188,13 +203,11 @@ def parse_metrics(text: str) -> ServerSample:
             dropped.add(field)
             continue
         sums[field] = sums.get(field, 0.0) + s.value
-        usage_series += field == "usage"
+        series[field] = series.get(field, 0) + 1
     for field, value in sums.items():
         if field not in dropped:  # one engine's bad series spoils the server's sum
-            setattr(sample, field, value)
-    if sample.usage is not None and usage_series > 1:
-        # The engines of one server hold equal pools: their mean usage is the server's.
-        sample.usage /= usage_series
+            mean = field == "usage" or field in _POOL_KINDS
+            setattr(sample, field, value / series[field] if mean else value)
     sample.dropped = tuple(sorted(dropped))
     return sample
 
@@ -276,6 +289,9 @@ class ServerKV:
             largest_free_bytes=free,
             prefix_hit_tokens=None if hits is None else int(hits),
             prefix_query_tokens=None if queries is None else int(queries),
+            groups={kind: {"kind": kind, "usage": getattr(sample, field)}
+                    for field, kind in _POOL_KINDS.items()
+                    if getattr(sample, field) is not None} or None,
         )
 
     def _offload(self, sample: ServerSample, base: ServerSample) -> dict[str, Any]:

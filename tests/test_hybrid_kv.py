@@ -1,0 +1,218 @@
+"""KV per layer group in the built-in engine (the hybrid policy): window release, state
+slots, prefix hits per group, conservation, and the cost of windowed layers."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from helpers import make_workload, run_cli, text_request
+from kvbench.engines.base import BatchShape
+from kvbench.engines.builtin.scheduler import SchedulerConfig
+from kvbench.engines.config import EngineSettings, engine_config
+from kvbench.engines.kv.hybrid import HybridKVManager, HybridPolicy
+from kvbench.engines.model.layers import LayerGroup
+from kvbench.engines.model.presets import ModelPreset, get_preset
+from kvbench.engines.registry import NAMED_ENGINES, build_engine
+from kvbench.engines.sequence import Sequence
+from kvbench.engines.sim.costmodel import CostModel
+from kvbench.errors import KvbenchError
+from kvbench.results.metrics import summarize
+from kvbench.run.clocks import VirtualClock
+from kvbench.run.devices import parse_device
+from kvbench.run.harness import run_engine
+
+GiB = 1 << 30
+
+
+def _settings(preset: ModelPreset, kv_bytes: int, device: str = "sim:h200",
+              batched: int = 2048) -> EngineSettings:
+    return EngineSettings(preset=preset, device=parse_device(device), kv_bytes=kv_bytes,
+                          block_size=16, prefix_caching=True,
+                          scheduler=SchedulerConfig(8192, 64, batched, True))
+
+
+def _manager(preset: ModelPreset, kv_bytes: int, layout: str = "common-page",
+             device: str = "sim:h200", batched: int = 2048) -> HybridKVManager:
+    policy = HybridPolicy(layout=layout)
+    config = engine_config("hybrid", policy, _settings(preset, kv_bytes, device, batched))
+    return policy.manager(config)
+
+
+def _seq(seq_id: int, ids: np.ndarray, output: int = 4) -> Sequence:
+    return Sequence(seq_id, text_request(f"r{seq_id}", len(ids), output), ids)
+
+
+def _prefill(kv: HybridKVManager, seq: Sequence, chunk: int) -> None:
+    """Admit ``seq`` with what the cache holds and compute its prompt in ``chunk``s."""
+    cached = kv.lookup_prefix(seq)
+    first = min(chunk, seq.num_prompt_tokens - cached)
+    assert kv.allocate(seq, cached, first)
+    seq.num_computed_tokens += first
+    kv.commit(seq)
+    while seq.num_computed_tokens < seq.num_prompt_tokens:
+        n = min(chunk, seq.num_prompt_tokens - seq.num_computed_tokens)
+        assert kv.grow(seq, n)
+        seq.num_computed_tokens += n
+        kv.commit(seq)
+
+
+def _mixed(window: int = 64) -> ModelPreset:
+    tiny = get_preset("tiny")
+    return replace(tiny, name="mixed", num_layers=4, kv_groups=(
+        LayerGroup("sliding", 2, 2, 32, window=window), LayerGroup("full", 2, 2, 32)))
+
+
+def test_a_window_group_keeps_only_its_window_and_its_blocks_stay_findable():
+    kv = _manager(_mixed(), 1 << 22)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 1000, 300)
+    a = _seq(0, ids)
+    _prefill(kv, a, 128)
+    sliding, full = kv.stats().groups.values()
+    # The window of 64 spans at most 5 blocks of 16; the full group holds all 19.
+    assert sliding["reserved_bytes"] == 5 * kv.groups[0].block_bytes
+    assert full["reserved_bytes"] == 19 * kv.groups[1].block_bytes
+    assert sliding["used_bytes"] == (300 - 14 * 16) * kv.groups[0].token_bytes
+    a.output_ids = [1] * a.request.output_tokens  # finished
+    kv.free(a)
+    stats = kv.stats()
+    assert stats.reserved_bytes == 0 and stats.used_bytes == 0
+    # Released window blocks were cached before they left: the same prompt hits all of it.
+    b = _seq(1, ids)
+    assert kv.lookup_prefix(b) == 18 * 16
+
+
+def test_a_state_group_hits_only_at_its_snapshots():
+    preset = get_preset("qwen3-next-80b-a3b")
+    kv = _manager(preset, 16 * GiB, device="sim:h200x2", batched=4096)
+    assert kv.block == 544 and kv.plan.state_every == 1
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 100_000, 2000)
+    a = _seq(0, ids)
+    _prefill(kv, a, 4096)  # one chunk: one snapshot, at 3 x 544 tokens
+    states = [g for g in kv.stats().groups.values() if g["kind"] == "state"]
+    assert len(states) == 3 and all(g["snapshots"] == 1 for g in states)
+    # Every running sequence holds one state block per state group.
+    assert all(g["reserved_bytes"] == g["block_bytes"] for g in states)
+    b = _seq(1, np.concatenate([ids[:1200], rng.integers(0, 100_000, 800)]))
+    # The full-attention group holds 2 blocks of the shared 1,200 tokens, but no state
+    # snapshot lies at 544 or 1,088 tokens: the request hits nothing.
+    assert kv.lookup_prefix(b) == 0
+    _prefill(kv, b, 4096)
+    groups = kv.stats().groups
+    assert groups["full3"]["hit_tokens"] == 2 * 544
+    assert groups["state0"]["hit_tokens"] == 0
+    # Computed in 512-token chunks, a prompt passes boundaries at chunk ends: snapshots
+    # at 544 and 1,088 tokens let the next request hit there.
+    c = _seq(2, rng.integers(0, 100_000, 2000))
+    _prefill(kv, c, 512)
+    d = _seq(3, np.concatenate([c.prompt_ids[:1200], rng.integers(0, 100_000, 500)]))
+    assert kv.lookup_prefix(d) == 2 * 544
+
+
+@pytest.mark.parametrize("model, device, layout", [
+    ("gemma-2-9b", "sim:h200", "common-page"), ("gemma-2-9b", "sim:h200", "per-group"),
+    ("gemma-2-9b", "sim:h200", "uniform"), ("qwen3-next-80b-a3b", "sim:h200x2", "common-page"),
+    ("qwen3-next-80b-a3b", "sim:h200x2", "per-group")])
+def test_mixed_models_run_and_return_every_block(model, device, layout):
+    preset = get_preset(model)
+    opts = _settings(preset, 3 * GiB, device)
+    section = HybridPolicy(layout=layout)
+    shared = "s" * 8
+    wl = make_workload([
+        text_request(f"r{i}", 1500 + 301 * (i % 7), 40 + 9 * (i % 4), arrival=0.05 * i,
+                     key=shared if i % 2 else None)
+        for i in range(60)])
+    engine = build_engine(engine_config("h", section, opts))
+    run = run_engine(engine, wl, VirtualClock(CostModel(preset, opts.device.hardware,
+                                                        opts.device.tp)))
+    assert run.status == "ok", run.error
+    assert all(t.output_tokens_emitted == t.request.output_tokens
+               for t in run.timings.values())
+    last = run.last_kv
+    assert last is not None and last.reserved_bytes == 0 and last.used_bytes == 0
+    assert all(g["reserved_bytes"] == 0 and g["used_bytes"] == 0
+               for g in last.groups.values())
+    s = summarize(run)
+    assert 0 < s["peak_kv_used_bytes"] <= s["peak_kv_reserved_bytes"] <= 3 * GiB
+    assert s["prefix_hit_rate"] > 0
+    kinds = {g["kind"] for g in last.groups.values()}
+    for kind in kinds:
+        reserved = s[f"peak_kv_{kind}_group_reserved_bytes"]
+        assert 0 < s[f"peak_kv_{kind}_group_used_bytes"] <= reserved
+        assert s["prefix_hit_rate"] <= s[f"prefix_hit_rate_{kind}_group"] <= 1
+    assert sum(s[f"peak_kv_{k}_group_reserved_bytes"] for k in kinds) >= \
+        s["peak_kv_reserved_bytes"]
+    # Each group alone could serve at least what the request hit.
+    assert all(g["hit_tokens"] >= last.prefix_hit_tokens for g in last.groups.values())
+
+
+def test_one_full_group_hits_and_times_as_paged_does():
+    preset = get_preset("llama-3-8b")
+    opts = _settings(preset, 2 * GiB, "sim:a100-80gb")
+    wl = make_workload([
+        text_request(f"r{i}", 700 + 53 * (i % 9), 30 + 11 * (i % 3), arrival=0.02 * i,
+                     key="common" if i % 3 else None) for i in range(40)])
+    runs = {}
+    for name in ("paged", "hybrid"):
+        engine = build_engine(engine_config(name, NAMED_ENGINES[name], opts))
+        clock = VirtualClock(CostModel(preset, opts.device.hardware, opts.device.tp))
+        runs[name] = run_engine(engine, wl, clock)
+    paged, hybrid = runs["paged"], runs["hybrid"]
+    assert hybrid.last_kv.prefix_hit_tokens == paged.last_kv.prefix_hit_tokens > 0
+    assert {k: t.finish_s for k, t in hybrid.timings.items()} == \
+        {k: t.finish_s for k, t in paged.timings.items()}
+
+
+def test_windowed_layers_read_and_attend_within_their_window():
+    gemma = get_preset("gemma-2-9b")
+    cost = CostModel(gemma, parse_device("sim:h200").hardware)
+    ctx = 8192
+    shape = BatchShape(num_seqs=1, decode_tokens=1, context_tokens=ctx, attn_pairs=ctx,
+                       decode_pairs=ctx, window_context_tokens=4096, window_pairs=4096,
+                       window_decode_pairs=4096)
+    per_layer = 2 * 8 * 256 * 2  # K and V, 8 KV heads of 256, bf16
+    assert cost.terms(shape).kv_bytes == 21 * per_layer * (ctx + 1 + 4096 + 1)
+    assert cost.terms(shape).attention_flops == 4 * 21 * 16 * 256 * (ctx + 4096)
+    # Every other model's step is priced as before: its window counts stay unread.
+    llama = CostModel(get_preset("llama-3-8b"), parse_device("sim:h200").hardware)
+    assert llama.terms(shape) == llama.terms(replace(shape, window_context_tokens=0,
+                                                     window_pairs=0, window_decode_pairs=0))
+
+
+def test_the_hybrid_policy_refuses_what_it_cannot_run(capsys, tmp_path):
+    state = HybridPolicy(layout="uniform")
+    with pytest.raises(KvbenchError, match="recurrent state"):
+        state.check(engine_config("u", state, _settings(get_preset("qwen3-next-80b-a3b"), GiB,
+                                                        "sim:h200x2")))
+    policy = HybridPolicy()
+    with pytest.raises(KvbenchError, match="simulated only"):
+        policy.check(engine_config("h", policy, _settings(get_preset("tiny"), GiB, "cpu")))
+    with pytest.raises(KvbenchError, match="hybrid KV policy"):
+        engine_config("p", NAMED_ENGINES["paged"], _settings(get_preset("gemma-2-9b"), GiB))
+    config = engine_config("h", policy, _settings(get_preset("gemma-2-9b"), GiB))
+    reason = policy.admission(config)(text_request("n2", 100, 10, n=2))
+    assert reason is not None and "n=2" in reason
+    code, out = run_cli(["run", "--model", "gemma-2-9b", "--device", "cpu", "--engines",
+                         "hybrid", "--out", str(tmp_path / "run"), "--force"], capsys)
+    assert code == 2 and "simulated devices only" in out
+
+
+def test_records_carry_per_group_metrics_and_curves(capsys, tmp_path):
+    from kvbench.results.metric_table import CURVE_BY_NAME, METRIC_BY_NAME
+    from kvbench.results.schema import load_record
+
+    code, out = run_cli(["run", "quick-sim", "--model", "gemma-2-9b", "--device", "sim:h200",
+                         "--engines", "hybrid", "--num-requests", "12", "--out",
+                         str(tmp_path), "--force"], capsys)
+    assert code == 0, out
+    rec = load_record(tmp_path / "hybrid.json")
+    for kind in ("sliding", "full"):
+        assert rec.summary[f"peak_kv_{kind}_group_reserved_bytes"] > 0
+        assert rec.curves[f"kv_{kind}_group_used_bytes"]
+    assert "peak_kv_state_group_reserved_bytes" not in rec.summary
+    assert not {k for k in rec.summary if "group" in k} - set(METRIC_BY_NAME)
+    assert not set(rec.curves) - set(CURVE_BY_NAME)
