@@ -188,9 +188,10 @@ def test_the_hybrid_policy_refuses_what_it_cannot_run(capsys, tmp_path):
     with pytest.raises(KvbenchError, match="recurrent state"):
         state.check(engine_config("u", state, _settings(get_preset("qwen3-next-80b-a3b"), GiB,
                                                         "sim:h200x2")))
+    policy = HybridPolicy(layout="per-group")
+    with pytest.raises(KvbenchError, match="per-group pools are simulated only"):
+        policy.check(engine_config("h", policy, _settings(get_preset("tiny-swa"), GiB, "cpu")))
     policy = HybridPolicy()
-    with pytest.raises(KvbenchError, match="simulated only"):
-        policy.check(engine_config("h", policy, _settings(get_preset("tiny"), GiB, "cpu")))
     with pytest.raises(KvbenchError, match="hybrid KV policy"):
         engine_config("p", NAMED_ENGINES["paged"], _settings(get_preset("gemma-2-9b"), GiB))
     config = engine_config("h", policy, _settings(get_preset("gemma-2-9b"), GiB))
@@ -216,3 +217,103 @@ def test_records_carry_per_group_metrics_and_curves(capsys, tmp_path):
     assert "peak_kv_state_group_reserved_bytes" not in rec.summary
     assert not {k for k in rec.summary if "group" in k} - set(METRIC_BY_NAME)
     assert not set(rec.curves) - set(CURVE_BY_NAME)
+
+
+def _swa_workload():
+    from kvbench.workloads.model import Request, Segment
+
+    shared = Segment("text", 40, "shared/system")
+    return make_workload([
+        Request(f"r{i}", 0.0, (shared, Segment("text", 30 + 23 * i, f"user/{i}")), 24 + 5 * i)
+        for i in range(6)])
+
+
+def _real_digests(section, kv_tokens: int, *, prefix: bool = True, batched: int = 64,
+                  preset: str = "tiny-swa", attention: str = "auto") -> dict[str, str]:
+    from kvbench.run.clocks import WallClock
+
+    p = get_preset(preset)
+    opts = EngineSettings(preset=p, attention=attention, device=parse_device("cpu"),
+                          kv_bytes=kv_tokens * p.kv_bytes_per_token, block_size=16,
+                          prefix_caching=prefix,
+                          scheduler=SchedulerConfig(1024, 8, batched, True))
+    engine = build_engine(engine_config("h", section, opts))
+    run = run_engine(engine, _swa_workload(), WallClock())
+    assert run.status == "ok", run.error
+    return {rid: t.output_digest for rid, t in run.timings.items()}
+
+
+@pytest.mark.parametrize("attention", ["reference", "native"])
+def test_interleaved_windows_compute_the_same_tokens_under_every_pool(attention):
+    """Real compute of sliding-window and global layers side by side: vLLM's common-page
+    pool (windows released, blocks reused) and the uniform one give the same tokens, with
+    prefix hits, chunked prefill and preemption; and the windows do change the output."""
+    from kvbench.kernels.backend import backend_names
+
+    if attention not in backend_names():
+        pytest.skip(f"the {attention} kernels do not build here")
+    uniform, common = HybridPolicy(layout="uniform"), HybridPolicy()
+    reference = _real_digests(uniform, 4096, prefix=False, batched=1024, attention=attention)
+    assert _real_digests(common, 4096, attention=attention) == reference
+    # A pool of a few blocks: sequences wait, are preempted and hit cached windows.
+    assert _real_digests(common, 320, batched=48, attention=attention) == reference
+    assert _real_digests(uniform, 320, batched=48, attention=attention) == reference
+    plain = _real_digests(NAMED_ENGINES["paged"], 4096, prefix=False, batched=1024,
+                          preset="tiny", attention=attention)
+    assert plain != reference
+
+
+def test_latent_attention_equals_the_decompressed_form():
+    """The absorbed form the model computes against per-head keys and values built from the
+    latent, as DeepSeek-V2 defines them."""
+    import torch
+
+    from kvbench.engines.model.llama import AttentionBatch, rope_cos_sin
+    from kvbench.engines.model.weights import build_model
+    from kvbench.kernels.backend import get_backend
+    from kvbench.kernels.layouts import BlockTables
+
+    preset = get_preset("tiny-mla")
+    kernels = get_backend("reference", "cpu")
+    layer = build_model(preset, kernels, torch.device("cpu"), seed=3).model.layers[1].self_attn
+    t, heads, la = 37, preset.num_heads, preset.latent
+    x = torch.randn(t, preset.hidden_size, generator=torch.Generator().manual_seed(0))
+    cos, sin = rope_cos_sin(torch.arange(t), la.qk_rope_dim, preset.rope_theta)
+    cache = torch.zeros(1, 48, 1, la.kv_lora_rank + la.qk_rope_dim)
+    batch = AttentionBatch(torch.arange(t), torch.tensor([0, t], dtype=torch.int32),
+                           torch.tensor([t], dtype=torch.int32),
+                           BlockTables(np.array([[0, 1, 2]], dtype=np.int32), 16).on("cpu"))
+    with torch.inference_mode():
+        got = layer.forward(x, cos, sin, cache, batch)
+        from kvbench.engines.model.llama import apply_rope
+
+        nope, rope, rank, v_dim = la.qk_nope_dim, la.qk_rope_dim, la.kv_lora_rank, la.v_head_dim
+        q = (x @ layer.q_proj.weight.T).view(t, heads, nope + rope)
+        q = torch.cat((q[..., :nope], apply_rope(q[..., nope:], cos, sin)), -1)
+        kv_a = x @ layer.kv_a_proj_with_mqa.weight.T
+        c = layer.kv_a_layernorm.forward(kv_a[:, :rank])
+        k_rope = apply_rope(kv_a[:, None, rank:], cos, sin).expand(t, heads, rope)
+        kv = (c @ layer.kv_b_proj.weight.T).view(t, heads, nope + v_dim)
+        k = torch.cat((kv[..., :nope], k_rope), -1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / (nope + rope) ** 0.5
+        scores = scores.masked_fill(torch.ones(t, t).triu(1).bool(), float("-inf"))
+        o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), kv[..., nope:])
+        want = o.reshape(t, heads * v_dim) @ layer.o_proj.weight.T
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["reference", "native"])
+def test_latent_attention_computes_the_same_tokens_under_every_policy(attention):
+    from kvbench.kernels.backend import backend_names
+
+    if attention not in backend_names():
+        pytest.skip(f"the {attention} kernels do not build here")
+    contiguous = NAMED_ENGINES["contiguous-request"]
+    reference = _real_digests(contiguous, 4096, prefix=False, batched=1024,
+                              preset="tiny-mla", attention=attention)
+    for section, kv_tokens, batched in ((NAMED_ENGINES["paged"], 4096, 64),
+                                        (NAMED_ENGINES["paged"], 320, 48),
+                                        (HybridPolicy(), 320, 48),
+                                        (NAMED_ENGINES["segmented"], 2048, 64)):
+        assert _real_digests(section, kv_tokens, batched=batched, preset="tiny-mla",
+                             attention=attention) == reference, section.label()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -596,3 +596,14 @@ def test_modal_class_pools_match_the_reference():
         outs[name] = results
     for want, got in zip(outs["reference"], outs["triton"], strict=True):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@kernel_test
+def test_latent_attention_shape():
+    """Latent attention's absorbed form: eight query heads over one cached vector of 80
+    dims (a 64-dim latent and 16 RoPE dims, not a power of two) read as keys and values
+    alike, decodes and a prefill chunk."""
+    batch = make_batch([1, 7, 1], [90, 30, 17], block_size=16, group=8, num_kv_heads=1,
+                       head_dim=80)
+    batch = replace(batch, paged_v=batch.paged_k, cont_v=batch.cont_k)
+    check_attention(batch)

@@ -74,7 +74,7 @@ KINDS: dict[str, Kind] = {
         Kind(SegmentedPolicy, SegmentedKVManager, BlockTables),
         Kind(VAttentionPolicy, VAttentionKVManager, BlockTables),
         Kind(ModalPolicy, ModalKVManager, BlockTables),
-        Kind(HybridPolicy, HybridKVManager),
+        Kind(HybridPolicy, HybridKVManager, BlockTables),
         Kind(VllmSection, build=build_vllm),
         Kind(OpenAISection, build=build_openai),
     )

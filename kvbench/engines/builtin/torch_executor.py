@@ -18,6 +18,7 @@ from kvbench.engines.builtin.executor import Executor, ScheduledBatch
 from kvbench.engines.builtin.host_kv import HostKV
 from kvbench.engines.builtin.torch_device import TORCH_DTYPES, resolve_device, zeros
 from kvbench.engines.kv.base import KVManager
+from kvbench.engines.kv.spec import LayerPools
 from kvbench.engines.model.encoders import Encoders
 from kvbench.engines.model.llama import AttentionBatch, greedy
 from kvbench.engines.model.presets import ModelPreset
@@ -69,6 +70,7 @@ class TorchExecutor(Executor):
         self._pool: Tensor | None = None
         self._host: HostKV | None = None  # behind a cpu offload tier
         self._classes: Any = None  # ClassPools of a modality-aware pool
+        self._layers: LayerPools | None = None  # layer groups allocated apart
         self._plan: Any = None  # the last step's attention plan, which the next may carry on
         # With keep_logits, the last step's logits [sampled items, vocab] (quality probes).
         self.keep_logits = False
@@ -103,10 +105,17 @@ class TorchExecutor(Executor):
             return
         # One tensor for all layers: the KV budget is exactly one allocation of
         # capacity_tokens x bytes_per_token (no per-layer allocator slack), and a slot copy
-        # moves every layer's K and V in one indexing op.
+        # moves every layer's K and V in one indexing op. Layer groups allocated apart
+        # share tensors as their pool lays them out.
+        self._layers = kv.layer_pools()
+        tensors, slots = ((p.num_layers, kv.capacity_tokens) if self._layers is None
+                          else (self._layers.tensors, self._layers.slots))
+        # Latent attention caches one vector a token (latent and RoPE key), read as both.
+        per_slot = ((2, p.num_kv_heads, p.head_dim) if p.latent is None
+                    else (1, 1, p.latent.kv_lora_rank + p.latent.qk_rope_dim))
         self._pool = zeros(
-            (p.num_layers, 2, kv.capacity_tokens, p.num_kv_heads, p.head_dim),
-            self.dtype, self._device, f"KV pool of {kv.capacity_tokens} tokens",
+            (tensors, per_slot[0], slots, *per_slot[1:]),
+            self.dtype, self._device, f"KV pool of {slots} tokens",
         )
         tiers = getattr(kv, "offload", None)
         if tiers is not None and tiers.host is not None:
@@ -125,20 +134,53 @@ class TorchExecutor(Executor):
         if not batch.items:
             return []
         step = self._step_inputs(batch, kv)
-        # Every layer reads the same layout: the kernels plan it once for the step, carrying
-        # on the last step's plan where they can (decodes one key further).
-        plan = step.layout.plan(self.kernels, step.ctx, step.cu, pool[0, 0], pool[0, 1],
-                                self.preset.num_heads, window=self.preset.sliding_window,
-                                previous=self._plan)
-        self._plan = plan
-        attn = AttentionBatch(step.slots, step.cu, step.ctx, step.layout, plan)
+        layers = None
+        if self._layers is not None:
+            layers = self._layer_batches(step, batch, kv)
+            attn = layers[0][1]
+        else:
+            # Every layer reads the same layout: the kernels plan it once for the step,
+            # carrying on the last step's plan where they can (decodes one key further).
+            plan = step.layout.plan(self.kernels, step.ctx, step.cu, pool[0, 0], pool[0, -1],
+                                    self.preset.num_heads, window=self.preset.sliding_window,
+                                    previous=self._plan)
+            self._plan = plan
+            attn = AttentionBatch(step.slots, step.cu, step.ctx, step.layout, plan)
 
         with torch.inference_mode():
             hidden = self.model.embed(step.token_ids)
             self._insert_encoder_outputs(hidden, batch, step.cu_host)
-            logits = self.model(hidden, step.positions, attn, pool, step.sample_rows)
+            logits = self.model(hidden, step.positions, attn, pool, step.sample_rows, layers)
             self.last_logits = logits if self.keep_logits else None
             return greedy(logits).tolist()
+
+    def _layer_batches(self, step: _StepInputs, batch: ScheduledBatch,
+                       kv: Any) -> list[tuple[Tensor, AttentionBatch]]:
+        """Each layer's cache tensor and batch where layer groups are allocated apart: a
+        group's slots and block tables, planned once per window its layers have."""
+        layers, pool = self._layers, self._pool
+        assert layers is not None and pool is not None
+        seqs = [it.seq for it in batch.items]
+        ctx = np.array([it.start + it.num_tokens for it in batch.items], dtype=np.int64)
+        inputs: dict[int, tuple[Tensor, Any]] = {0: (step.slots, step.layout)}
+        batches: dict[tuple[int, int | None], AttentionBatch] = {}
+        out = []
+        for tensor, group, window in zip(layers.tensor_of, layers.group_of,
+                                         self.preset.layer_windows, strict=True):
+            if group not in inputs:
+                slots = np.concatenate([kv.slots(it.seq, it.start, it.start + it.num_tokens,
+                                                 group=group) for it in batch.items])
+                layout = kv.attention_layout(seqs, ctx, group=group).on(self._device)
+                inputs[group] = (torch.from_numpy(slots).to(self._device), layout)
+            attn = batches.get((group, window))
+            if attn is None:
+                slots, layout = inputs[group]
+                plan = layout.plan(self.kernels, step.ctx, step.cu, pool[tensor, 0],
+                                   pool[tensor, -1], self.preset.num_heads, window=window)
+                attn = batches[group, window] = AttentionBatch(slots, step.cu, step.ctx,
+                                                               layout, plan)
+            out.append((pool[tensor], attn))
+        return out
 
     def _execute_classes(self, batch: ScheduledBatch, kv: KVManager) -> list[int]:
         """``execute`` over a pool of several page classes."""
@@ -223,7 +265,7 @@ class TorchExecutor(Executor):
         }
 
     def close(self) -> None:
-        self._pool = self._host = None
+        self._pool = self._host = self._layers = None
         self._classes = None
         self._plan = None
         self.encoders.clear()

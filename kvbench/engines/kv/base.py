@@ -18,7 +18,7 @@ import numpy as np
 
 from kvbench.engines.base import KVStats
 from kvbench.engines.kv.oracle import PrefixOracle
-from kvbench.engines.kv.spec import Footprint, KVSpec, never_runs
+from kvbench.engines.kv.spec import Footprint, KVSpec, LayerPools, never_runs
 from kvbench.engines.sequence import Sequence
 from kvbench.kernels.layouts import KVLayout
 from kvbench.kernels.slot_copy import SlotCopy
@@ -126,6 +126,11 @@ class KVManager(ABC):
     def prefix_oracle(self) -> PrefixOracle | None:
         """MIN's hits on this manager's prefix-cache accesses so far
         (:mod:`~kvbench.engines.kv.oracle`); None for a policy that records none."""
+        return None
+
+    def layer_pools(self) -> LayerPools | None:
+        """Where each layer finds its KV when layer groups are allocated apart, or None: every
+        layer at the same slots of one pool."""
         return None
 
     def pool_classes(self) -> tuple[Any, ...] | None:

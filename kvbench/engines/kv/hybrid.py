@@ -1,6 +1,8 @@
 """KV per layer group, for models whose layers keep different kinds of KV (interleaved
-sliding-window and global attention, recurrent state beside attention), on simulated
-devices.
+sliding-window and global attention, recurrent state beside attention). Every layout runs on
+simulated devices; real compute runs full and sliding-window groups in one pool of equal
+blocks (common-page, uniform), laid out as vLLM lays it: ``G`` cache tensors, each shared
+by one layer of every group, each group indexing them through its own block tables.
 
 The groups come from :mod:`~kvbench.engines.kv.group_layout`:
 
@@ -38,9 +40,10 @@ from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.eviction import Eviction
 from kvbench.engines.kv.group_layout import GroupLayout, group_layout
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
-from kvbench.engines.kv.spec import Footprint, KVSpec, kv_bytes_per_token
+from kvbench.engines.kv.spec import Footprint, KVSpec, LayerPools, kv_bytes_per_token
 from kvbench.engines.sequence import Sequence
 from kvbench.errors import KvbenchError
+from kvbench.kernels.layouts import BlockTables
 from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.workloads.model import Request
 
@@ -53,8 +56,7 @@ def _cdiv(a: int, b: int) -> int:
 
 class HybridPolicy(Paging, KVPolicy):
     """KV per layer group (``layout``: ``common-page``, ``per-group`` or ``uniform``),
-    sliding-window release, state slots and prefix caching per group; simulated devices
-    only."""
+    sliding-window release, state slots and prefix caching per group."""
 
     kind: Literal["hybrid"] = "hybrid"
     summary = ("KV per layer group: vLLM's common page size or per-group pools, window "
@@ -68,11 +70,15 @@ class HybridPolicy(Paging, KVPolicy):
         return f"hybrid/{self.layout}{bs}" + ("/lfu" if self.eviction == "lfu" else "")
 
     def check(self, config: EngineConfig) -> list[str]:
-        if config.device.kind != "sim":
-            raise KvbenchError(
-                "the hybrid KV policy is simulated only: real compute keeps one kind of KV "
-                "in every layer; use --device sim:GPU")
         groups = config.preset.layer_groups
+        if config.device.kind != "sim":
+            kinds = sorted({g.kind for g in groups} - {"full", "sliding"})
+            if kinds or self.layout == "per-group":
+                what = f"{' and '.join(kinds)} layers" if kinds else "per-group pools"
+                raise KvbenchError(
+                    f"the hybrid KV policy computes full and sliding-window attention under "
+                    f"common-page or uniform pools; {what} are simulated only: use --device "
+                    "sim:GPU")
         if any(g.kind == "chunked" for g in groups):
             raise KvbenchError(f"{config.preset.name} has chunked local attention, which the "
                                "hybrid policy does not simulate; plan it with kvbench capacity")
@@ -103,7 +109,7 @@ class HybridPolicy(Paging, KVPolicy):
         sched = config.scheduler
         return HybridKVManager(self.plan(config), sched.max_model_len,
                                sched.max_num_batched_tokens, config.prefix_caching,
-                               self.eviction)
+                               self.eviction, config.kv.dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +145,10 @@ class GroupPlan:
     # State is snapshot every this many blocks: common-page's block under either layout,
     # so that both cache state at the same boundaries.
     state_every: int = 1
+    # Each layer's allocation group and its tensor among the pool's ``tensors`` (one per
+    # layer slot of a common-page group; one per layer under uniform).
+    layer_map: tuple[tuple[int, int], ...] = ()
+    tensors: int = 0
 
     @classmethod
     def build(cls, config: EngineConfig, policy: str) -> GroupPlan:
@@ -146,9 +156,11 @@ class GroupPlan:
         layout = group_layout(preset, policy, config.kv.page_tokens, tp)  # type: ignore[arg-type]
         size, b = layout.layers_per_group, preset.dtype_bytes
         groups: list[AllocGroup] = []
+        first: list[tuple[int, int]] = []  # per layer group: its first allocation group, size
         for gp in layout.groups:
             g = gp.group
             per = size or gp.tensors
+            first.append((len(groups), per))
             for i in range(gp.tensors // per):
                 real = min(per, g.layers - i * per)
                 groups.append(AllocGroup(
@@ -156,10 +168,19 @@ class GroupPlan:
                     0 if size else len(groups), per * gp.page_bytes * tp,
                     real * g.layer_bytes_per_token_per_rank(b, tp) * tp if g.holds_tokens
                     else 0, real * (g.state_bytes // tp) * tp))
+        seen = [0] * len(first)
+        layer_map = []
+        for group in preset.layer_group_of:
+            j, (start, per) = seen[group], first[group]
+            seen[group] += 1
+            layer_map.append((start + j // per, j % per))
+        tensors = size
         if policy == "uniform":  # every attention layer alike: one group, one pool
             groups = [AllocGroup("full0", "full", sum(g.layers for g in groups), 0, 0,
                                  sum(g.block_bytes for g in groups),
                                  sum(g.token_bytes for g in groups), 0)]
+            layer_map = [(0, i) for i in range(preset.num_layers)]
+            tensors = preset.num_layers
         tokens = {gp.page_tokens for gp in layout.groups if gp.group.holds_tokens}
         if len(tokens) > 1:
             raise KvbenchError(f"{preset.name}'s attention groups get pages of "
@@ -178,7 +199,8 @@ class GroupPlan:
         if any(not g.holds_tokens for g in groups):
             common = group_layout(preset, "common-page", config.kv.page_tokens, tp)
             every = max(common.block_size // block, 1)
-        return cls(layout, tuple(groups), block, budget, bpt, every)
+        return cls(layout, tuple(groups), block, budget, bpt, every, tuple(layer_map),
+                   tensors)
 
     def blocks_at(self, group: AllocGroup, context: int, chunk: int) -> int:
         """Blocks ``group`` holds for one sequence of ``context`` tokens at most, computed
@@ -262,16 +284,17 @@ class _Seq:
 
 
 class HybridKVManager(KVManager):
-    """Bookkeeping of a :class:`GroupPlan`'s groups over their pools (simulated only)."""
+    """Bookkeeping of a :class:`GroupPlan`'s groups over their pools."""
 
     kind = "hybrid"
 
     def __init__(self, plan: GroupPlan, max_model_len: int, chunk_tokens: int,
-                 enable_prefix_caching: bool = True, eviction: Eviction = "lru") -> None:
+                 enable_prefix_caching: bool = True, eviction: Eviction = "lru",
+                 dtype: str | None = None) -> None:
         self.plan, self.groups = plan, plan.groups
         self.chunk_tokens, self.eviction = chunk_tokens, eviction
         self.block = b = plan.block_tokens
-        self.spec = KVSpec(b, plan.bytes_per_token, None)
+        self.spec = KVSpec(b, plan.bytes_per_token, dtype)
         self.capacity_tokens = plan.budget // plan.bytes_per_token
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
@@ -487,11 +510,37 @@ class HybridKVManager(KVManager):
         raise RuntimeError("the hybrid KV policy runs one sample per request (admission "
                            "rejects n > 1)")
 
-    def slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
-        raise KvbenchError("the hybrid KV policy keeps no token slots: it is simulated only")
+    # --- real compute: one pool of equal blocks (common-page, uniform) --------------------
 
-    def attention_layout(self, seqs: list[Sequence], context_lens: np.ndarray) -> Any:
-        raise KvbenchError("the hybrid KV policy keeps no token slots: it is simulated only")
+    def layer_pools(self) -> LayerPools | None:
+        if len(self.pools) > 1:
+            return None  # per-group pools are simulated only (HybridPolicy.check)
+        tensor_of = tuple(t for _, t in self.plan.layer_map)
+        group_of = tuple(g for g, _ in self.plan.layer_map)
+        return LayerPools(self.plan.tensors, self.pools[0].num_blocks * self.block, tensor_of,
+                          group_of)
+
+    def slots(self, seq: Sequence, start: int, end: int, group: int = 0) -> np.ndarray:
+        """Slots of positions ``[start, end)`` of ``seq`` in allocation group ``group``."""
+        table, b = self._seqs[seq.seq_id].tables[group], self.block
+        if not table.released * b <= start <= end <= len(table.blocks) * b:
+            raise RuntimeError(f"sequence {seq.seq_id}: positions [{start}, {end}) outside "
+                               f"its blocks of group {group}")
+        first = start // b
+        blocks = np.array(table.blocks[first : _cdiv(end, b)], dtype=np.int64)
+        slots = (blocks[:, None] * b + np.arange(b, dtype=np.int64)).ravel()
+        return slots[start - first * b : end - first * b]
+
+    def attention_layout(self, seqs: list[Sequence], context_lens: np.ndarray,
+                         group: int = 0) -> BlockTables:
+        """Group ``group``'s block tables; entries released out of a window (never read by
+        windowed attention) point at block 0."""
+        b = self.block
+        tables = np.zeros((len(seqs), int(-(-context_lens.max() // b))), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            n = -(-int(context_lens[i]) // b)
+            tables[i, :n] = np.maximum(self._seqs[seq.seq_id].tables[group].blocks[:n], 0)
+        return BlockTables(tables, b)
 
     def take_copies(self) -> list[SlotCopy]:
         return []

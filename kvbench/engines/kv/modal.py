@@ -121,6 +121,11 @@ class ModalPolicy(Paging, KVPolicy):
         return self.model_copy(update={"kv_dtype": {}})
 
     def check(self, config: EngineConfig) -> list[str]:
+        if config.preset.latent is not None and config.device.kind != "sim":
+            raise KvbenchError(
+                "the modal KV policy's page classes hold per-head keys and values; "
+                f"{config.preset.name} caches a latent: run it on another policy, or on a "
+                "simulated device")
         if config.preset.sliding_window is not None:
             raise KvbenchError(
                 f"the modal KV policy attends class by class with key positions, which the "

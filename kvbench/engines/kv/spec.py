@@ -49,6 +49,19 @@ class KVSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class LayerPools:
+    """Where each layer of a model keeping KV per layer group finds it: ``tensors`` cache
+    tensors of ``slots`` token slots each; layer ``l`` stores into tensor ``tensor_of[l]``
+    at the slots of allocation group ``group_of[l]`` (the manager's ``slots`` and
+    ``attention_layout`` for that group)."""
+
+    tensors: int
+    slots: int
+    tensor_of: tuple[int, ...]
+    group_of: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Footprint:
     """What a request needs in an empty cache before it can run at all: ``tokens`` slots of
     a pool of ``capacity_tokens``; ``what`` says it in the policy's terms (e.g. "5 blocks

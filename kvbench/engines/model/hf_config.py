@@ -38,6 +38,11 @@ def hf_config(preset: ModelPreset) -> dict[str, Any]:
     if arch in WRITERS:
         return WRITERS[arch](preset)
     model_type = _MODEL_TYPES.get(arch)
+    if model_type is not None and preset.kv_groups:
+        raise KvbenchError(
+            f"model preset {preset.name!r} keeps "
+            f"{' + '.join(g.describe() for g in preset.kv_groups)} KV in a {arch} model, "
+            "which no config.json describes; it runs on the built-in engines only")
     if model_type is None:
         raise KvbenchError(
             f"model preset {preset.name!r} has architecture {arch!r}, which a config.json "

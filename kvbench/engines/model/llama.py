@@ -158,13 +158,14 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, preset: ModelPreset, kernels: KernelBackend) -> None:
+    def __init__(self, preset: ModelPreset, kernels: KernelBackend,
+                 window: int | None = None) -> None:
         super().__init__()
         self.num_heads = preset.num_heads
         self.num_kv_heads = preset.num_kv_heads
         self.head_dim = preset.head_dim
         self.scale = preset.head_dim**-0.5
-        self.window = preset.sliding_window
+        self.window = window
         self.kernels = kernels
         q_dim, kv_dim = preset.num_heads * preset.head_dim, preset.num_kv_heads * preset.head_dim
         h, bias, dtype = preset.hidden_size, preset.qkv_bias, _dtype(preset)
@@ -207,6 +208,57 @@ class Attention(nn.Module):
         return linear(o.reshape(t, self.num_heads * d), self.o_proj.weight, self.o_packed)
 
 
+class LatentAttentionLayer(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2's, queries projected directly), every query
+    in the absorbed form: each head's query is folded through its key up-projection onto
+    the latent, so attention is multi-query over what the cache keeps per token, the
+    normalised latent and the rotated RoPE key side by side, read by the kernels as keys and
+    as values (the RoPE part of the output is dropped); each head's value up-projection then
+    maps its output back. The same scores as the decompressed form, without materialising
+    per-head keys."""
+
+    def __init__(self, preset: ModelPreset, kernels: KernelBackend) -> None:
+        super().__init__()
+        la = preset.latent
+        assert la is not None
+        h, heads, dtype = preset.hidden_size, preset.num_heads, _dtype(preset)
+        self.num_heads, self.kernels, self.window = heads, kernels, None
+        self.nope, self.rope, self.rank, self.v_dim = (la.qk_nope_dim, la.qk_rope_dim,
+                                                       la.kv_lora_rank, la.v_head_dim)
+        self.scale = (self.nope + self.rope) ** -0.5
+        self.q_proj = Linear(h, heads * (self.nope + self.rope), False, dtype)
+        self.kv_a_proj_with_mqa = Linear(h, self.rank + self.rope, False, dtype)
+        self.kv_a_layernorm = RMSNorm(self.rank, preset.rms_eps, dtype)
+        self.kv_b_proj = Linear(self.rank, heads * (self.nope + self.v_dim), False, dtype)
+        self.o_proj = Linear(heads * self.v_dim, h, False, dtype)
+        self.qkv_packed: Tensor | None = None
+        self.o_packed: Tensor | None = None
+
+    def pack(self) -> None:
+        self.o_packed = pack(self.o_proj.weight)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, batch: AttentionBatch
+    ) -> Tensor:
+        """``kv`` this layer's ``[1, num_slots, 1, latent + rope]``."""
+        t, heads, nope, rank = x.shape[0], self.num_heads, self.nope, self.rank
+        q = F.linear(x, self.q_proj.weight).view(t, heads, nope + self.rope)
+        latent = F.linear(x, self.kv_a_proj_with_mqa.weight)
+        entry = torch.cat((self.kv_a_layernorm.forward(latent[:, :rank])[:, None],
+                           apply_rope(latent[:, None, rank:], cos, sin)), dim=-1)
+        cache = kv[0]
+        self.kernels.store_kv(cache, cache, entry, entry, batch.slot_mapping)
+        w = self.kv_b_proj.weight.unflatten(0, (heads, nope + self.v_dim))
+        query = torch.cat((torch.einsum("thn,hnr->thr", q[..., :nope], w[:, :nope]),
+                           apply_rope(q[..., nope:], cos, sin)), dim=-1)
+        o = batch.layout.attend(
+            self.kernels, query, cache, cache, batch.context_lens, batch.cu_seqlens_q,
+            self.scale, plan=batch.plan, window=None,
+        )
+        out = torch.einsum("thr,hvr->thv", o[..., :rank], w[:, nope:])
+        return linear(out.reshape(t, heads * self.v_dim), self.o_proj.weight, self.o_packed)
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward."""
 
@@ -242,9 +294,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, preset: ModelPreset, kernels: KernelBackend) -> None:
+    def __init__(self, preset: ModelPreset, kernels: KernelBackend,
+                 window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(preset, kernels)
+        self.self_attn: Attention | LatentAttentionLayer = (
+            Attention(preset, kernels, window) if preset.latent is None
+            else LatentAttentionLayer(preset, kernels))
         self.mlp = MLP(preset)
         self.input_layernorm = RMSNorm(preset.hidden_size, preset.rms_eps, _dtype(preset))
         self.post_attention_layernorm = RMSNorm(
@@ -264,7 +319,8 @@ class LlamaModel(nn.Module):
     def __init__(self, preset: ModelPreset, kernels: KernelBackend) -> None:
         super().__init__()
         self.embed_tokens = Embedding(preset.vocab_size, preset.hidden_size, _dtype(preset))
-        self.layers = nn.ModuleList(DecoderLayer(preset, kernels) for _ in range(preset.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(preset, kernels, window)
+                                    for window in preset.layer_windows)
         self.norm = RMSNorm(preset.hidden_size, preset.rms_eps, _dtype(preset))
 
 
@@ -316,13 +372,18 @@ class LlamaForCausalLM(nn.Module):
         batch: AttentionBatch,
         kv_pool: Tensor,
         logits_rows: Tensor,
+        layers: list[tuple[Tensor, AttentionBatch]] | None = None,
     ) -> Tensor:
         """Run every layer over ``hidden`` ``[T, hidden]`` at ``positions`` ``[T]``, storing
-        K/V into ``kv_pool`` ``[num_layers, 2, num_slots, kv_heads, head_dim]``; return
-        float32 logits ``[N, vocab]`` for rows ``logits_rows`` ``[N]`` only."""
-        cos, sin = rope_cos_sin(positions, self.preset.head_dim, self.preset.rope_theta)
+        K/V into ``kv_pool`` ``[num_layers, 2, num_slots, kv_heads, head_dim]`` (or, with
+        ``layers``, each layer into its own cache and slots); return float32 logits
+        ``[N, vocab]`` for rows ``logits_rows`` ``[N]`` only."""
+        latent = self.preset.latent
+        rope = self.preset.head_dim if latent is None else latent.qk_rope_dim
+        cos, sin = rope_cos_sin(positions, rope, self.preset.rope_theta)
         for i, layer in enumerate(self.model.layers):
-            hidden = layer.forward(hidden, cos, sin, kv_pool[i], batch)
+            kv, layer_batch = (kv_pool[i], batch) if layers is None else layers[i]
+            hidden = layer.forward(hidden, cos, sin, kv, layer_batch)
         last = self.model.norm.forward(hidden[logits_rows])
         return linear(last, self.head_weight, self.head_packed).float()
 

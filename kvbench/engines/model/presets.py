@@ -7,6 +7,7 @@ attention for a Llama-style model, latent attention for DeepSeek's, several for 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -136,6 +137,22 @@ class ModelPreset:
             return (LayerGroup("full", self.num_layers, self.num_kv_heads, self.head_dim),)
         return (LayerGroup("sliding", self.num_layers, self.num_kv_heads, self.head_dim,
                            window=self.sliding_window),)
+
+    @property
+    def layer_group_of(self) -> tuple[int, ...]:
+        """The index in :attr:`layer_groups` of each layer's group, in layer order: the
+        groups interleave in their order, in the smallest repeating unit of their layer
+        counts (Gemma-2: sliding, full, sliding, ...; Qwen3-Next: three state, one full)."""
+        groups = self.layer_groups
+        unit = math.gcd(*(g.layers for g in groups))
+        pattern = [i for i, g in enumerate(groups) for _ in range(g.layers // unit)]
+        return tuple(pattern * unit)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window, in layer order (None: it reads its whole context)."""
+        windows = [g.window if g.kind == "sliding" else None for g in self.layer_groups]
+        return tuple(windows[i] for i in self.layer_group_of)
 
     def mixed_kv(self) -> str | None:
         """Why one pool of per-token KV cannot hold this model's state, or None: it has
@@ -284,6 +301,21 @@ _PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(
         name="tiny", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8,
         num_kv_heads=2, head_dim=32, intermediate_size=688, max_position=4096, dtype="float32",
+    ),
+    # The tiny model with Gemma-2's interleaving: sliding-window (64) and global layers
+    # alternate (the hybrid KV policy runs it, on real compute too).
+    "tiny-swa": ModelPreset(
+        name="tiny-swa", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8,
+        num_kv_heads=2, head_dim=32, intermediate_size=688, max_position=4096, dtype="float32",
+        kv_groups=(LayerGroup("sliding", 2, 2, 32, window=64), LayerGroup("full", 2, 2, 32)),
+    ),
+    # The tiny model with DeepSeek-V2's latent attention in every layer (a 64-dim latent and
+    # 16 RoPE dims cached per token), dense MLPs.
+    "tiny-mla": ModelPreset(
+        name="tiny-mla", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8,
+        num_kv_heads=8, head_dim=48, intermediate_size=688, max_position=4096, dtype="float32",
+        kv_groups=(LayerGroup("latent", 4, latent_dim=64, rope_dim=16),),
+        latent=LatentAttention(None, 64, 32, 16, 32),
     ),
     "llama-2-7b": ModelPreset(
         name="llama-2-7b", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
