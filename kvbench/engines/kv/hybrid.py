@@ -28,7 +28,7 @@ hybrid models lose prefix hits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -280,7 +280,6 @@ class _GroupCounts:
 class _Seq:
     tables: list[_Table]
     committed: int
-    hashes: list[int] = field(default_factory=list)
 
 
 class HybridKVManager(KVManager):
@@ -393,12 +392,6 @@ class HybridKVManager(KVManager):
                    for g, h, n in zip(self.groups, hits, fresh, strict=True))
         if need > self.budget.free():
             return False
-        # Every group's hits are referenced before any fresh block is taken: taking one
-        # may evict a cached block another group is about to hit.
-        revived = [self.pools[g.pool].touch(h) for g, h in zip(self.groups, hits, strict=True)]
-        tables = [self._attach(gi, hits[gi], revived[gi], fresh[gi], k)
-                  for gi in range(len(self.groups))]
-        self._seqs[seq.seq_id] = _Seq(tables, num_cached)
         if self.enable_prefix_caching:
             limit = (seq.num_tokens - 1) // b
             alone = self._hit(self._hashes_upto(seq, limit), limit)[1]
@@ -406,6 +399,12 @@ class HybridKVManager(KVManager):
                 c.hit_tokens += n * b
             self._hit_tokens += num_cached
             self._query_tokens += seq.num_tokens
+        # Every group's hits are referenced before any fresh block is taken: taking one
+        # may evict a cached block another group is about to hit.
+        revived = [self.pools[g.pool].touch(h) for g, h in zip(self.groups, hits, strict=True)]
+        tables = [self._attach(gi, hits[gi], revived[gi], fresh[gi], k)
+                  for gi in range(len(self.groups))]
+        self._seqs[seq.seq_id] = _Seq(tables, num_cached)
         seq.num_computed_tokens = seq.num_cached_tokens = num_cached
         return True
 
