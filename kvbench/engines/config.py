@@ -198,8 +198,8 @@ def _check_model(preset: ModelPreset, device: DeviceSpec, section: EngineSection
     mixed = preset.mixed_kv()
     if mixed and not section.allocates_groups:
         raise KvbenchError(f"{mixed}; run it with the hybrid KV policy, which allocates KV "
-                           "per layer group on simulated devices (--engines hybrid "
-                           "--device sim:GPU), or plan its groups with kvbench capacity")
+                           "per layer group (--engines hybrid), or plan its groups with "
+                           "kvbench capacity")
     if device.kind != "sim" and preset.hf_architecture not in SUPPORTED_ARCHITECTURES:
         raise KvbenchError(
             f"{preset.name} ({preset.hf_architecture}) runs on simulated devices only: the "

@@ -402,6 +402,9 @@ def _add_batch(total: BatchShape, b: BatchShape) -> None:
     total.context_tokens += b.context_tokens
     total.attn_pairs += b.attn_pairs
     total.decode_pairs += b.decode_pairs
+    total.window_context_tokens += b.window_context_tokens
+    total.window_pairs += b.window_pairs
+    total.window_decode_pairs += b.window_decode_pairs
     total.copied_bytes += b.copied_bytes
 
 

@@ -40,6 +40,7 @@ from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.eviction import Eviction
 from kvbench.engines.kv.group_layout import GroupLayout, group_layout
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
+from kvbench.engines.kv.paged import table_slots
 from kvbench.engines.kv.spec import Footprint, KVSpec, LayerPools, kv_bytes_per_token
 from kvbench.engines.sequence import Sequence
 from kvbench.errors import KvbenchError
@@ -525,10 +526,7 @@ class HybridKVManager(KVManager):
         if not table.released * b <= start <= end <= len(table.blocks) * b:
             raise RuntimeError(f"sequence {seq.seq_id}: positions [{start}, {end}) outside "
                                f"its blocks of group {group}")
-        first = start // b
-        blocks = np.array(table.blocks[first : _cdiv(end, b)], dtype=np.int64)
-        slots = (blocks[:, None] * b + np.arange(b, dtype=np.int64)).ravel()
-        return slots[start - first * b : end - first * b]
+        return table_slots(table.blocks, b, start, end)
 
     def attention_layout(self, seqs: list[Sequence], context_lens: np.ndarray,
                          group: int = 0) -> BlockTables:

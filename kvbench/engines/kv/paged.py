@@ -45,6 +45,14 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def table_slots(table: list[int], block_size: int, start: int, end: int) -> np.ndarray:
+    """The slots (int64) of token positions ``[start, end)`` of a block table."""
+    first = start // block_size
+    blocks = np.array(table[first : _cdiv(end, block_size)], dtype=np.int64)
+    slots = (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).ravel()
+    return slots[start - first * block_size : end - first * block_size]
+
+
 def paged_footprint(request: Request, block_size: int, num_blocks: int) -> Footprint:
     """One sample's blocks at its longest: the least a paged cache of ``num_blocks`` blocks
     must hold for ``request`` to run (further samples can wait or be preempted)."""
@@ -439,10 +447,7 @@ class PagedKVManager(KVManager):
             raise RuntimeError(
                 f"sequence {seq.seq_id}: positions [{start}, {end}) outside its {len(table)} blocks"
             )
-        first = start // bs
-        blocks = np.array(table[first : _cdiv(end, bs)], dtype=np.int64)
-        slots = (blocks[:, None] * bs + np.arange(bs, dtype=np.int64)).ravel()
-        return slots[start - first * bs : end - first * bs]
+        return table_slots(table, bs, start, end)
 
     def block_table(self, seq: Sequence) -> list[int]:
         """A copy of ``seq``'s block table (entries released outside the window included)."""
