@@ -7,6 +7,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from helpers import make_workload, run_cli, text_request
 from kvbench.engines.base import BatchShape
@@ -317,3 +319,133 @@ def test_latent_attention_computes_the_same_tokens_under_every_policy(attention)
                                         (NAMED_ENGINES["segmented"], 2048, 64)):
         assert _real_digests(section, kv_tokens, batched=batched, preset="tiny-mla",
                              attention=attention) == reference, section.label()
+
+
+def _driver_seq(i: int, prompt: int, output: int, prefix: tuple[str, int] | None) -> Sequence:
+    from kvbench.workloads.model import Request, Segment
+
+    segments = [Segment("text", prefix[1], prefix[0])] if prefix else []
+    segments.append(Segment("text", prompt, f"own/{i}"))
+    request = Request(f"r{i}", 0.0, tuple(segments), output)
+    return Sequence(i, request, request.prompt_token_ids(97))
+
+
+class _GroupDriver:
+    """A scheduler stand-in: every computed token writes ``(position * 97 + id) * 8 +
+    group`` into its slot of its group's pool, so a slot handed to two sequences or two
+    groups, or a bad prefix hit, reads back wrong."""
+
+    def __init__(self, kv: HybridKVManager) -> None:
+        self.kv, self.running = kv, []
+        self.mem = [np.full(p.num_blocks * kv.block, -1, np.int64) for p in kv.pools]
+
+    def _want(self, seq: Sequence, start: int, end: int, gi: int) -> np.ndarray:
+        return (np.arange(start, end) * 97 + seq.token_ids(start, end)) * 8 + gi
+
+    def compute(self, seq: Sequence, n: int) -> None:
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        for gi, g in enumerate(self.kv.groups):
+            if g.holds_tokens:
+                self.mem[g.pool][self.kv.slots(seq, start, end, group=gi)] = self._want(
+                    seq, start, end, gi)
+        seq.num_computed_tokens = end
+        self.kv.commit(seq)
+        if end == seq.num_tokens:
+            seq.output_ids.append(int(end % 97))
+            if seq.is_finished:
+                self.kv.free(seq)
+                self.running.remove(seq)
+
+    def check(self, chunk_max: int) -> None:
+        kv, b = self.kv, self.kv.block
+        s = kv.stats()
+        assert 0 <= s.used_bytes <= s.reserved_bytes <= s.capacity_bytes
+        assert s.reserved_bytes == sum(g["reserved_bytes"] for g in s.groups.values())
+        assert kv.budget.held() <= kv.budget.budget
+        owner: dict[tuple[int, int], int] = {}  # (pool, block) -> the group holding it
+        for gi, g in enumerate(kv.groups):
+            tables = [kv._seqs[q.seq_id].tables[gi] for q in self.running]
+            held = [t.blocks[t.released:] for t in tables]
+            blocks = {blk for h in held for blk in h}
+            assert len(blocks) == kv._counts[gi].held_blocks
+            for blk in blocks:
+                assert owner.setdefault((g.pool, blk), gi) == gi, "a block in two groups"
+            if not g.holds_tokens:  # one running state each, never shared
+                assert all(len(h) == 1 for h in held)
+                assert len({h[0] for h in held}) == len(held)
+                continue
+            if g.kind == "sliding":
+                most = -(-(g.window - 1) // b) + 1 + -(-chunk_max // b)
+                assert all(len(h) <= most for h in held)
+            for q, t in zip(self.running, tables, strict=True):
+                first, n = t.released * b, q.num_computed_tokens
+                got = self.mem[g.pool][kv.slots(q, first, n, group=gi)]
+                assert np.array_equal(got, self._want(q, first, n, gi))
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), model=st.sampled_from(["swa", "state"]),
+       layout=st.sampled_from(["common-page", "per-group", "uniform"]),
+       blocks=st.integers(8, 30))
+def test_random_operations_keep_every_group_consistent(data, model, layout, blocks):
+    """Arrivals with shared prefixes, chunked admissions, growth with preemption on
+    failure, preemptions: every group's blocks are counted once, window groups hold no
+    more than their window, states are one block a running sequence, no two sequences
+    share a written slot, and everything returns once they are gone."""
+    if model == "swa":
+        preset = replace(_mixed(window=20), name="swa")
+        per_block = 4 * preset.kv_bytes_per_token
+    else:
+        assume(layout != "uniform")  # no uniform layout holds recurrent state
+        preset = get_preset("qwen3-next-80b-a3b")
+        per_block = 544 * 12 * 2 * 2 * 256 * 2
+    policy = HybridPolicy(layout=layout)
+    opts = replace(_settings(preset, blocks * per_block, "sim:h200x2" if model == "state"
+                             else "sim:h200"), block_size=4 if model == "swa" else 16)
+    kv = policy.manager(engine_config("h", policy, opts))
+    scale = 4 if model == "swa" else 544
+    chunk_max = 3 * scale
+    d, waiting = _GroupDriver(kv), []
+    ops = ["new", "admit", "admit", "step", "step", "step", "step", "step", "preempt"]
+    for i in range(data.draw(st.integers(10, 90), label="ops")):
+        op = data.draw(st.sampled_from(ops))
+        if op == "new":
+            prefix = data.draw(st.sampled_from("ab")), data.draw(st.integers(1, 4 * scale))
+            seq = _driver_seq(i, data.draw(st.integers(1, 2 * scale)),
+                              data.draw(st.integers(1, scale)), prefix)
+            if kv.never_fits(seq.request) is None:
+                waiting.append(seq)
+        elif op == "admit" and waiting:
+            seq = waiting[0]
+            cached = kv.lookup_prefix(seq)
+            n = min(data.draw(st.integers(1, chunk_max)), seq.num_tokens - cached)
+            if kv.allocate(seq, cached, n):
+                waiting.pop(0)
+                d.running.append(seq)
+                seq.num_computed_tokens = cached
+                d.compute(seq, n)
+        elif op == "step" and d.running:
+            seq = data.draw(st.sampled_from(d.running))
+            n = min(data.draw(st.integers(1, chunk_max)), seq.num_tokens - seq.num_computed_tokens)
+            if kv.grow(seq, n):
+                d.compute(seq, n)
+            else:
+                victim = d.running.pop()
+                kv.free(victim)
+                victim.num_computed_tokens = 0
+                waiting.append(victim)
+        elif op == "preempt" and d.running:
+            seq = data.draw(st.sampled_from(d.running))
+            d.running.remove(seq)
+            kv.free(seq)
+            seq.num_computed_tokens = 0
+            waiting.append(seq)
+        d.check(chunk_max)
+    for seq in list(d.running):
+        d.running.remove(seq)
+        kv.free(seq)
+    d.check(chunk_max)
+    s = kv.stats()
+    assert s.reserved_bytes == s.used_bytes == 0
+    assert all(c.held_blocks == c.written_tokens == 0 for c in kv._counts)
+    assert all(max(p.ref) == 0 for p in kv.pools)
