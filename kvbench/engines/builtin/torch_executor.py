@@ -107,7 +107,8 @@ class TorchExecutor(Executor):
         # capacity_tokens x bytes_per_token (no per-layer allocator slack), and a slot copy
         # moves every layer's K and V in one indexing op. Layer groups allocated apart
         # share tensors as their pool lays them out.
-        self._layers = kv.layer_pools()
+        layer_pools = getattr(kv, "layer_pools", None)  # as pool_classes, above
+        self._layers = layer_pools() if layer_pools is not None else None
         tensors, slots = ((p.num_layers, kv.capacity_tokens) if self._layers is None
                           else (self._layers.tensors, self._layers.slots))
         # Latent attention caches one vector a token (latent and RoPE key), read as both.
