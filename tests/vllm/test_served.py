@@ -438,7 +438,9 @@ def test_in_process_and_served_vllm_hold_the_same_kv(server, tmp_path) -> None:
         pytest.skip(f"none of the served run's {sc['count']} /metrics readings saw KV held: "
                     "its peak and mean usage are printed, not compared")
     assert abs(peak_a - peak_b) <= missable * BLOCK_BYTES
-    assert abs(mean_a - mean_b) <= MEAN_TOLERANCE
+    # Blocks the readings can miss of the peak, the curve can miss for the whole busy period
+    # (seen on 2 cores: seven readings, the highest before 32 of the 56 blocks were taken).
+    assert abs(mean_a - mean_b) <= MEAN_TOLERANCE + missable / (NUM_BLOCKS - 1)
     # Same dummy weights and greedy decoding; batches may differ, so this is reported only.
     digests = {r.id: r.output_digest for r in inproc.requests}
     same = sum(digests[r.id] == r.output_digest for r in served.requests)
