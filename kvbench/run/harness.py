@@ -331,6 +331,8 @@ def _log_groups(s: StepLog, groups: dict[str, dict[str, Any]]) -> None:
     """Append each kind of layer group's reserved and used bytes and its pool usage, the
     groups of a kind summed (None for a figure not reported now; one first reported now
     reads None at the steps before)."""
+    if not groups and not s.kv_groups:
+        return  # a pool of one kind of KV: every step of most runs
     totals: dict[str, float] = {}
     for g in groups.values():
         for key in ("reserved_bytes", "used_bytes", "usage"):
