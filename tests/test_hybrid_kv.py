@@ -15,6 +15,7 @@ from kvbench.engines.base import BatchShape
 from kvbench.engines.builtin.scheduler import SchedulerConfig
 from kvbench.engines.config import EngineSettings, engine_config
 from kvbench.engines.kv.hybrid import HybridKVManager, HybridPolicy
+from kvbench.engines.kv.large_pages import LargePages
 from kvbench.engines.model.layers import LayerGroup
 from kvbench.engines.model.presets import ModelPreset, get_preset
 from kvbench.engines.registry import NAMED_ENGINES, build_engine
@@ -361,7 +362,8 @@ class _GroupDriver:
         s = kv.stats()
         assert 0 <= s.used_bytes <= s.reserved_bytes <= s.capacity_bytes
         assert s.reserved_bytes == sum(g["reserved_bytes"] for g in s.groups.values())
-        assert kv.budget.held() <= kv.budget.budget
+        if isinstance(kv.budget, LargePages):
+            _check_pages(kv.budget)
         owner: dict[tuple[int, int], int] = {}  # (pool, block) -> the group holding it
         for gi, g in enumerate(kv.groups):
             tables = [kv._seqs[q.seq_id].tables[gi] for q in self.running]
@@ -383,6 +385,32 @@ class _GroupDriver:
                 assert np.array_equal(got, self._want(q, first, n, gi))
 
 
+def _check_pages(pages: LargePages) -> None:
+    """Every block in use (referenced or cached) lies in a large page its pool owns, and
+    the pages' counts are the pools' own."""
+    used: dict[int, int] = {}
+    for i, (pool, per) in enumerate(zip(pages.pools, pages.per, strict=True)):
+        assert pool.num_plain_free == 0  # plain free blocks are kept by page
+        for b in range(pool.num_blocks):
+            if pool.ref[b] or pool._hash[b] is not None:
+                assert used.setdefault(b // per, i) == i, "a large page used by two pools"
+    for p in range(len(pages.owner)):
+        i = pages.owner[p]
+        if i < 0:
+            assert p not in used and p in pages.free_pages
+            continue
+        pool, per = pages.pools[i], pages.per[i]
+        blocks = range(p * per, (p + 1) * per)
+        refd = sum(1 for b in blocks if pool.ref[b])
+        cached = sum(1 for b in blocks if not pool.ref[b] and pool._hash[b] is not None)
+        assert (pages.refd[p], pages.cached[p]) == (refd, cached)
+        assert sorted(pages.plain[p]) == [b for b in blocks if not pool.ref[b]
+                                          and pool._hash[b] is None]
+        assert (p in pages.idle) == (refd == 0) and (refd or cached)
+    assert sum(pages.active) + len(pages.idle) + len(pages.free_pages) == len(pages.owner)
+    assert pages.reserved_bytes() <= pages.budget
+
+
 @settings(max_examples=100, deadline=None)
 @given(data=st.data(), model=st.sampled_from(["swa", "state"]),
        layout=st.sampled_from(["common-page", "per-group", "uniform"]),
@@ -398,7 +426,8 @@ def test_random_operations_keep_every_group_consistent(data, model, layout, bloc
     else:
         assume(layout != "uniform")  # no uniform layout holds recurrent state
         preset = get_preset("qwen3-next-80b-a3b")
-        per_block = 544 * 12 * 2 * 2 * 256 * 2
+        # Per-group pools carve pages of two states (201 attention blocks): give them four.
+        per_block = 544 * 12 * 2 * 2 * 256 * 2 * (3 if layout == "per-group" else 1)
     policy = HybridPolicy(layout=layout)
     opts = replace(_settings(preset, blocks * per_block, "sim:h200x2" if model == "state"
                              else "sim:h200"), block_size=4 if model == "swa" else 16)
@@ -449,3 +478,15 @@ def test_random_operations_keep_every_group_consistent(data, model, layout, bloc
     assert s.reserved_bytes == s.used_bytes == 0
     assert all(c.held_blocks == c.written_tokens == 0 for c in kv._counts)
     assert all(max(p.ref) == 0 for p in kv.pools)
+
+
+def test_per_group_pools_carve_large_pages_of_the_least_common_multiple() -> None:
+    """Qwen3-Next at TP2, 16-token blocks: a state is 39,518,208 bytes and an attention
+    block 393,216, so a large page (their least common multiple, 79,036,416 bytes) holds
+    two states or 201 blocks; a budget of fewer pages than pools is refused."""
+    preset = get_preset("qwen3-next-80b-a3b")
+    kv = _manager(preset, 10 * 79_036_416 + 5, "per-group", "sim:h200x2")
+    assert kv.plan.page_bytes == 79_036_416 and kv.budget.budget == 10 * 79_036_416
+    assert [p.num_blocks for p in kv.pools] == [20, 2010]
+    with pytest.raises(KvbenchError, match="fewer than 2 per-group pages of 79036416 bytes"):
+        _manager(preset, 79_036_416, "per-group", "sim:h200x2")

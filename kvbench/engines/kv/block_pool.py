@@ -101,20 +101,38 @@ class BlockPool:
         out = plain[len(plain) - k :][::-1]
         del plain[len(plain) - k :]
         if k < n:
-            out += self._evict(n - k)
+            out += self.evict(n - k)
         _fill(self.ref, out, 1)
         self.num_allocs += n
         return out
 
-    def evict(self, n: int) -> None:
-        """Drop the cached content of ``n`` free cached blocks (caller checked there are as
-        many), which become plain free blocks: room made ahead of a ``take`` elsewhere."""
-        self._free_plain += self._evict(n)
+    def drop(self, blocks: list[int]) -> None:
+        """Drop the cached content of free cached ``blocks``, which leave every free queue."""
+        for b in blocks:
+            self._free_cached.remove(b)
+        self._forget(blocks)
 
-    def _evict(self, n: int) -> list[int]:
-        """``n`` free cached blocks out of the eviction queue, no longer findable."""
-        hashes, by_hash = self._hash, self._by_hash
+    def drain_plain(self) -> list[int]:
+        """Take every plain free block out of the free queue: a caller that chooses the
+        blocks itself (by large page) holds them and ``claim``s them."""
+        out, self._free_plain = self._free_plain, []
+        return out
+
+    def claim(self, blocks: list[int]) -> None:
+        """Reference ``blocks``, which the caller took out of the free queues."""
+        _fill(self.ref, blocks, 1)
+        self.num_allocs += len(blocks)
+
+    def evict(self, n: int) -> list[int]:
+        """``n`` free cached blocks out of the eviction queue (caller checked there are as
+        many), no longer findable and in no free queue: ``take`` hands them out, another
+        caller ``claim``s them."""
         evicted = self._free_cached.evict(n)
+        self._forget(evicted)
+        return evicted
+
+    def _forget(self, evicted: list[int]) -> None:
+        hashes, by_hash = self._hash, self._by_hash
         if self.on_evict is not None:
             self.on_evict(evicted, list(map(hashes.__getitem__, evicted)),
                           list(map(self.hits.__getitem__, evicted)))
@@ -126,7 +144,6 @@ class BlockPool:
         _fill(hashes, evicted, None)
         _fill(self.hits, evicted, 0)
         self.num_evictions += len(evicted)
-        return evicted
 
     @property
     def num_cached_free(self) -> int:

@@ -8,8 +8,8 @@ The groups come from :mod:`~kvbench.engines.kv.group_layout`:
 
 - ``common-page`` is vLLM's hybrid allocator: one pool of equal blocks, each group (``G``
   layers of one kind, padding included) taking a block per page position;
-- ``per-group`` gives each layer group a pool of its own page size, all drawing on one byte
-  budget (Jenga's per-layer-type pools, without the cost of carving large pages);
+- ``per-group`` gives each layer group a pool of its own page size, the pools carving one
+  budget's large pages (Jenga: :mod:`~kvbench.engines.kv.large_pages`);
 - ``uniform`` keeps every token in every attention layer, windows included (vLLM without
   its hybrid manager), in one pool.
 
@@ -28,6 +28,7 @@ hybrid models lose prefix hits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -40,6 +41,7 @@ from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.eviction import Eviction
 from kvbench.engines.kv.group_layout import GroupLayout, group_layout
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
+from kvbench.engines.kv.large_pages import LargePages, OnePool
 from kvbench.engines.kv.paged import table_slots
 from kvbench.engines.kv.spec import Footprint, KVSpec, LayerPools, kv_bytes_per_token
 from kvbench.engines.sequence import Sequence
@@ -143,6 +145,8 @@ class GroupPlan:
     block_tokens: int
     budget: int
     bytes_per_token: int
+    # The unit pools draw from the budget: the least common multiple of their block bytes.
+    page_bytes: int
     # State is snapshot every this many blocks: common-page's block under either layout,
     # so that both cache state at the same boundaries.
     state_every: int = 1
@@ -188,19 +192,21 @@ class GroupPlan:
                                f"{sorted(tokens)} tokens under {policy}; the hybrid policy "
                                "pages every attention group alike")
         block = tokens.pop() if tokens else layout.block_size
+        # Pools of several block sizes carve large pages of their least common multiple.
+        sizes = {g.pool: g.block_bytes for g in groups}
+        page = math.lcm(*sizes.values())
         budget = config.kv_bytes - config.section.held_back_bytes(config.kv_bytes)
-        if len(groups) == 1 or policy == "common-page":  # one pool of equal blocks
-            budget -= budget % groups[0].block_bytes
-        biggest = max(g.block_bytes for g in groups)
-        if budget < biggest:
-            raise KvbenchError(f"KV budget {budget} bytes holds no {policy} block of "
-                               f"{biggest} bytes; raise --kv-memory")
+        budget -= budget % page
+        if budget < len(sizes) * page:
+            raise KvbenchError(f"KV budget {budget} bytes holds fewer than {len(sizes)} "
+                               f"{policy} pages of {page} bytes (one per pool); raise "
+                               "--kv-memory")
         bpt = max(kv_bytes_per_token(preset, tp), 1)
         every = 1
         if any(not g.holds_tokens for g in groups):
             common = group_layout(preset, "common-page", config.kv.page_tokens, tp)
             every = max(common.block_size // block, 1)
-        return cls(layout, tuple(groups), block, budget, bpt, every, tuple(layer_map),
+        return cls(layout, tuple(groups), block, budget, bpt, page, every, tuple(layer_map),
                    tensors)
 
     def blocks_at(self, group: AllocGroup, context: int, chunk: int) -> int:
@@ -216,46 +222,14 @@ class GroupPlan:
 
     def footprint(self, request: Request, chunk: int) -> Footprint:
         context = request.prompt_tokens + request.output_tokens
-        need = sum(self.blocks_at(g, context, chunk) * g.block_bytes for g in self.groups)
+        per_pool: dict[int, int] = {}
+        for g in self.groups:
+            per_pool[g.pool] = (per_pool.get(g.pool, 0)
+                                + self.blocks_at(g, context, chunk) * g.block_bytes)
+        need = sum(_cdiv(n, self.page_bytes) for n in per_pool.values()) * self.page_bytes
         bpt = self.bytes_per_token
         return Footprint(_cdiv(need, bpt), self.budget // bpt,
                          f"{need} bytes of {self.layout.label} blocks", f"{self.budget} bytes")
-
-
-class _Budget:
-    """Pools of blocks drawing on one byte budget: a pool's plain free blocks are not
-    memory, its referenced and cached ones are; room is made by evicting cached blocks, the
-    asking pool's first."""
-
-    def __init__(self, pools: list[BlockPool], block_bytes: list[int], budget: int) -> None:
-        self.pools, self.block_bytes, self.budget = pools, block_bytes, budget
-
-    def held(self) -> int:
-        """Bytes of blocks referenced or cached."""
-        return sum((p.num_blocks - p.num_plain_free) * b
-                   for p, b in zip(self.pools, self.block_bytes, strict=True))
-
-    def free(self) -> int:
-        """Bytes that can be handed out, evicting cached blocks."""
-        cached = sum(p.num_cached_free * b
-                     for p, b in zip(self.pools, self.block_bytes, strict=True))
-        return self.budget - self.held() + cached
-
-    def take(self, pool: int, n: int) -> list[int]:
-        """``n`` blocks of ``pool`` (the caller checked :meth:`free`)."""
-        if not n:
-            return []
-        short = n * self.block_bytes[pool] - (self.budget - self.held())
-        order = [pool] + [i for i in range(len(self.pools)) if i != pool]
-        for i in order:
-            if short <= 0:
-                break
-            p, b = self.pools[i], self.block_bytes[i]
-            k = min(p.num_cached_free, _cdiv(short, b))
-            if k:
-                p.evict(k)
-                short -= k * b
-        return self.pools[pool].take(n)
 
 
 @dataclass(slots=True)
@@ -302,7 +276,9 @@ class HybridKVManager(KVManager):
         sizes = [next(g.block_bytes for g in self.groups if g.pool == i)
                  for i in range(num_pools)]
         self.pools = [BlockPool(plan.budget // s, b, eviction) for s in sizes]
-        self.budget = _Budget(self.pools, sizes, plan.budget)
+        self.budget: OnePool | LargePages = (
+            OnePool(self.pools[0], sizes[0]) if num_pools == 1
+            else LargePages(self.pools, sizes, plan.page_bytes))
         # Each group's keys differ from every other's in a shared pool; the first group's
         # are the plain chained hashes.
         self._salts = [(i * 0xD1B54A32D192ED03) & _MASK for i in range(len(self.groups))]
@@ -389,9 +365,7 @@ class HybridKVManager(KVManager):
             if None in found:
                 raise RuntimeError("prefix lookup is stale: cached blocks were evicted since")
             hits.append(found)
-        need = sum((n + self.pools[g.pool].count_free(h)) * g.block_bytes
-                   for g, h, n in zip(self.groups, hits, fresh, strict=True))
-        if need > self.budget.free():
+        if not self.budget.room(*self._per_pool(fresh, hits)):
             return False
         if self.enable_prefix_caching:
             limit = (seq.num_tokens - 1) // b
@@ -402,21 +376,32 @@ class HybridKVManager(KVManager):
             self._query_tokens += seq.num_tokens
         # Every group's hits are referenced before any fresh block is taken: taking one
         # may evict a cached block another group is about to hit.
-        revived = [self.pools[g.pool].touch(h) for g, h in zip(self.groups, hits, strict=True)]
+        revived = [self.budget.touch(g.pool, h) for g, h in zip(self.groups, hits, strict=True)]
         tables = [self._attach(gi, hits[gi], revived[gi], fresh[gi], k)
                   for gi in range(len(self.groups))]
         self._seqs[seq.seq_id] = _Seq(tables, num_cached)
         seq.num_computed_tokens = seq.num_cached_tokens = num_cached
         return True
 
+    def _per_pool(self, fresh: list[int], hits: list[list[int]]
+                  ) -> tuple[list[int], list[list[int]]]:
+        """Groups' fresh blocks and hits, summed per pool."""
+        needs: list[int] = [0] * len(self.pools)
+        found: list[list[int]] = [[] for _ in self.pools]
+        for gi, g in enumerate(self.groups):
+            needs[g.pool] += fresh[gi]
+            if hits:
+                found[g.pool] += hits[gi]
+        return needs, found
+
     def _attach(self, gi: int, hits: list[int], revived: int, fresh: int, k: int) -> _Table:
         """Group ``gi``'s table of a sequence admitted with ``k`` cached blocks: its hits
         (``revived`` of them taken from the free queue) and ``fresh`` blocks."""
-        g, pool, c = self.groups[gi], self.pools[self.groups[gi].pool], self._counts[gi]
+        g, c = self.groups[gi], self._counts[gi]
         c.held_blocks += revived
         if not g.holds_tokens:
             if hits:  # the snapshot is copied into the running state, and stays cached
-                pool.release(hits, 0)
+                self.budget.release(g.pool, hits, 0)
                 c.held_blocks -= 1
             c.held_blocks += 1
             c.written_tokens += 1
@@ -424,21 +409,23 @@ class HybridKVManager(KVManager):
         c.written_tokens += revived * self.block
         first = k - len(hits)
         c.held_blocks += fresh
-        return _Table([-1] * first + hits + self.budget.take(g.pool, fresh), first, k)
+        near = hits[-1] if hits else -1
+        return _Table([-1] * first + hits + self.budget.take(g.pool, fresh, near), first, k)
 
     def grow(self, seq: Sequence, num_new: int) -> bool:
         state = self._seqs[seq.seq_id]
         end = _cdiv(seq.num_computed_tokens + num_new, self.block)
         want = [end - len(t.blocks) if g.holds_tokens else 0
                 for g, t in zip(self.groups, state.tables, strict=True)]
-        need = sum(max(n, 0) * g.block_bytes for g, n in zip(self.groups, want, strict=True))
-        if not need:
+        want = [max(n, 0) for n in want]
+        if not any(want):
             return True
-        if need > self.budget.free():
+        if not self.budget.room(*self._per_pool(want, [])):
             return False
         for gi, (g, n) in enumerate(zip(self.groups, want, strict=True)):
             if n > 0:
-                state.tables[gi].blocks += self.budget.take(g.pool, n)
+                blocks = state.tables[gi].blocks
+                blocks += self.budget.take(g.pool, n, blocks[-1] if blocks else -1)
                 self._counts[gi].held_blocks += n
         return True
 
@@ -475,11 +462,12 @@ class HybridKVManager(KVManager):
         g = self.groups[gi]
         pool = self.pools[g.pool]
         salted = key ^ self._salts[gi]
-        if pool.cached([salted])[0] is not None or self.budget.free() < g.block_bytes:
+        one = [int(i == gi) for i in range(len(self.groups))]
+        if pool.cached([salted])[0] is not None or not self.budget.room(*self._per_pool(one, [])):
             return
         block = self.budget.take(g.pool, 1)
         pool.cache(block, [salted], 0, 1)
-        pool.release(block, 0)
+        self.budget.release(g.pool, block, 0)
         self._counts[gi].snapshots += 1
 
     def _release_outside(self, gi: int, table: _Table, n: int) -> None:
@@ -490,9 +478,10 @@ class HybridKVManager(KVManager):
             table.released = out
 
     def _drop(self, gi: int, blocks: list[int], filled: int) -> None:
-        pool, c = self.pools[self.groups[gi].pool], self._counts[gi]
-        c.held_blocks -= sum(1 for blk in blocks if pool.ref[blk] == 1)
-        dead = pool.release(blocks, filled)
+        g, c = self.groups[gi], self._counts[gi]
+        ref = self.pools[g.pool].ref
+        c.held_blocks -= sum(1 for blk in blocks if ref[blk] == 1)
+        dead = self.budget.release(g.pool, blocks, filled)
         c.written_tokens -= dead if self.groups[gi].holds_tokens else len(blocks)
 
     def free(self, seq: Sequence) -> None:
@@ -546,17 +535,17 @@ class HybridKVManager(KVManager):
 
     def stats(self) -> KVStats:
         """Reserved: blocks referenced, padding included; used: what the real layers' tokens
-        and states need of them."""
-        reserved = sum((p.num_blocks - p.num_free) * s
-                       for p, s in zip(self.pools, self.budget.block_bytes, strict=True))
-        free = self.budget.free()
+        and states need of them. Largest free: what every group can take (carved pools:
+        the free and idle large pages)."""
+        free = self.budget.free_bytes()
         caching = self.enable_prefix_caching
         groups = {g.name: self._group_stats(g, c)
                   for g, c in zip(self.groups, self._counts, strict=True)}
         return KVStats(
             capacity_bytes=self.budget.budget,
             used_bytes=sum(v["used_bytes"] for v in groups.values()),
-            reserved_bytes=reserved, free_bytes=free, largest_free_bytes=free,
+            reserved_bytes=self.budget.reserved_bytes(), free_bytes=free,
+            largest_free_bytes=self.budget.largest_free_bytes(),
             prefix_hit_tokens=self._hit_tokens if caching else None,
             prefix_query_tokens=self._query_tokens if caching else None,
             block_allocs=sum(p.num_allocs for p in self.pools),
@@ -593,6 +582,7 @@ class HybridKVManager(KVManager):
                         "block_bytes": g.block_bytes, "token_bytes": g.token_bytes,
                         "state_bytes": g.state_bytes} for g in self.groups],
             "pool_blocks": [p.num_blocks for p in self.pools],
+            "page_bytes": self.plan.page_bytes,
             "max_model_len": self.max_model_len,
             "enable_prefix_caching": self.enable_prefix_caching,
             "eviction": self.eviction,
