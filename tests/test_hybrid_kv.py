@@ -490,3 +490,26 @@ def test_per_group_pools_carve_large_pages_of_the_least_common_multiple() -> Non
     assert [p.num_blocks for p in kv.pools] == [20, 2010]
     with pytest.raises(KvbenchError, match="fewer than 2 per-group pages of 79036416 bytes"):
         _manager(preset, 79_036_416, "per-group", "sim:h200x2")
+
+
+def test_memory_stranded_in_other_groups_pages_shows_as_fragmentation():
+    """Qwen3-Next in 1 GiB (13 large pages): per-group requests wait while enough memory
+    is free in total, stranded in pages of the other group; common-page's never do. Once
+    drained, every page can be taken again."""
+    preset = get_preset("qwen3-next-80b-a3b")
+    opts = _settings(preset, GiB, "sim:h200x2")
+    wl = make_workload([text_request(f"r{i}", 200 + 397 * (i % 7), 10 + 37 * (i % 5),
+                                     arrival=0.05 * i) for i in range(80)])
+    waits = {}
+    for layout in ("common-page", "per-group"):
+        engine = build_engine(engine_config("h", HybridPolicy(layout=layout), opts))
+        run = run_engine(engine, wl, VirtualClock(CostModel(preset, opts.device.hardware,
+                                                            opts.device.tp)))
+        assert run.status == "ok", run.error
+        s = summarize(run)
+        waits[layout] = s["fragmentation_wait_s"], s["min_frag_index"]
+        last = run.last_kv
+        assert last.reserved_bytes == 0
+        assert last.largest_free_bytes == last.free_bytes == last.capacity_bytes
+    assert waits["common-page"] == (0.0, 1.0)
+    assert waits["per-group"][0] > 0 and waits["per-group"][1] < 1
