@@ -102,5 +102,5 @@ def _check(pages: LargePages) -> None:
                 assert owner.setdefault(b // per, i) == i, "a page used by two pools"
                 assert pages.owner[b // per] == i
         assert pages.cached_active[i] + sum(pages.cached[p] for p in pages.idle
-                                             if pages.owner[p] == i) == pool.num_cached_free
+                                             if pages.owner[p] == i) == len(pool._free_cached)
     assert sum(pages.active) + len(pages.idle) + len(pages.free_pages) == len(pages.owner)

@@ -145,11 +145,6 @@ class BlockPool:
         _fill(self.hits, evicted, 0)
         self.num_evictions += len(evicted)
 
-    @property
-    def num_cached_free(self) -> int:
-        """Free blocks still holding cached content (taking them evicts it)."""
-        return len(self._free_cached)
-
     def cached(self, hashes: Iterable[int]) -> list[int | None]:
         """The block caching each of ``hashes``, None where none does."""
         return list(map(self._by_hash.get, hashes))
