@@ -76,7 +76,6 @@ class LargePages:
         self.free_pages = list(range(n - 1, -1, -1))
         self.idle: dict[int, None] = {}  # least recently idle first
         self.open: list[dict[int, None]] = [{} for _ in pools]  # active pages with plain
-        self.active = [0] * len(pools)
         self.plain_active = [0] * len(pools)
         self.cached_active = [0] * len(pools)
         for p in pools:
@@ -162,7 +161,6 @@ class LargePages:
         self.owner[p] = i
         self.plain[p] = list(range((p + 1) * per - 1, p * per - 1, -1))
         self.open[i][p] = None
-        self.active[i] += 1
         self.plain_active[i] += per
 
     def _reclaim(self) -> int:
@@ -190,7 +188,6 @@ class LargePages:
 
     def _wake(self, i: int, p: int) -> None:
         del self.idle[p]
-        self.active[i] += 1
         self.cached_active[i] += self.cached[p]
         if self.plain[p]:
             self.open[i][p] = None
@@ -223,7 +220,6 @@ class LargePages:
         return dead
 
     def _sleep(self, i: int, p: int) -> None:
-        self.active[i] -= 1
         self.open[i].pop(p, None)
         self.plain_active[i] -= len(self.plain[p])
         self.cached_active[i] -= self.cached[p]
