@@ -240,6 +240,37 @@ def test_offload_records_are_the_same_stepping(tmp_path: Path) -> None:
         jumped["offload_used_bytes"]
 
 
+def test_swap_preemption_copies_preempted_kv_out_and_back(tmp_path: Path) -> None:
+    recompute = _summary(tmp_path, kv_offload="cpu:16GiB")
+    swap = _summary(tmp_path, kv_offload="cpu:16GiB", kv_preemption="swap")
+    assert recompute["preemptions"] > 0 and recompute["offload_swapped_out_bytes"] == 0
+    out, back = swap["offload_swapped_out_bytes"], swap["offload_swapped_in_bytes"]
+    # Leading blocks still cached on the device when a sequence resumes are not copied.
+    assert 0 < back < out
+    assert swap["offload_cpu_stored_bytes"] - out == pytest.approx(
+        recompute["offload_cpu_stored_bytes"], rel=0.01)
+    # Both copies stall the step at the link's rate (PCIe 4.0 x16 on an A100); the loads'
+    # seconds include the copies back.
+    assert swap["offload_stall_s"] == pytest.approx(swap["offload_load_s"] + out / 31.5e9)
+    assert swap["offload_load_s"] > recompute["offload_load_s"]
+    stepped = _summary(tmp_path, kv_offload="cpu:16GiB", kv_preemption="swap",
+                       fast_forward=False)
+    assert stepped.pop("curves") == swap.pop("curves")
+    for name, value in swap.items():
+        if "wall" not in name and "rss" not in name and "overhead" not in name:
+            assert stepped[name] == value, name
+
+
+def test_swap_preemption_needs_a_tier(tmp_path: Path) -> None:
+    with pytest.raises(KvbenchError, match=r"--kv-offload cpu:SIZE"):
+        _summary(tmp_path, kv_preemption="swap")
+    suite = Suite(name="swap", workload=WorkloadSection(preset="shared-prefix", num_requests=2),
+                  run=RunSection(device="sim:a100-80gb", engines=["paged", "contiguous"],
+                                 kv_offload="cpu:1GiB", kv_preemption="swap"))
+    plan = plan_run(suite, None, tmp_path, "test", force=True)
+    assert any("--kv-preemption swap: engine contiguous" in w for w in plan.warnings)
+
+
 def test_real_compute_offloads_to_one_cpu_tier(tmp_path: Path) -> None:
     suite = Suite(
         name="offload", workload=WorkloadSection(preset="shared-prefix", num_requests=2),
@@ -316,3 +347,87 @@ def test_real_offload_reads_back_the_same_kv(device: str) -> None:
     assert warm["offload_loaded_bytes"] > 0 and warm["offload_loaded_bytes"] % block_bytes == 0
     assert warm["offload_load_gbps"] > 0 and warm["offload_store_gbps"] > 0  # measured copies
     assert warm["tokens"] == cold["tokens"] == plain["tokens"]
+
+
+def _check_swaps(kv: PagedKVManager) -> None:
+    """Swapped blocks are held in the first tier beside its keys, within its size, and
+    real ones each in a slot of their own."""
+    offload = kv.offload
+    tier = offload.tiers[0]
+    held = offload._swapped.values()
+    assert tier.pinned == sum(n if isinstance(n, int) else len(n) for n in held)
+    assert len(tier) == len(tier.queue) + tier.pinned <= tier.capacity_blocks
+    if offload.host is not None:
+        slots = [*offload.host.slot.values(), *(s for n in held for s in n)]
+        assert len(set(slots)) == len(slots) <= offload.host.count
+
+
+@pytest.mark.parametrize("tiers, host", [
+    ("cpu:384B", False), ("cpu:192B,disk:320B:lfu", False), ("cpu:384B", True),
+])
+def test_swapped_sequences_come_back_whole(tiers: str, host: bool) -> None:
+    rng = random.Random(11)
+    prefixes = [[rng.randrange(1000) for _ in range(48)] for _ in range(3)]
+    spec = OffloadSpec.model_validate(tiers)
+    offload = OffloadTiers(spec, BS, BS * 8, None, lambda depth: 1e-3,
+                           host_in_flight=4096 // BS if host else None)
+    kv = PagedKVManager(16, BS, 8, 4096, offload=offload, swap=True)
+    contents = _Contents(kv) if host else None
+    live: list[Sequence] = []
+    swapped: dict[int, tuple[Sequence, list[object]]] = {}
+    out = fallbacks = 0
+    for i in range(600):
+        op = rng.random()
+        if live and op < 0.3:  # preempted: swapped out, or freed where the tier is full
+            seq = live.pop(rng.randrange(len(live)))
+            before = [contents.device[b] for b in kv._seqs[seq.seq_id].table] if contents \
+                else []
+            if kv.swap_out(seq):
+                out += 1
+                swapped[seq.seq_id] = (seq, before)
+            else:
+                fallbacks += 1
+                kv.free(seq)
+        elif swapped and op < 0.6:  # resumed where it stopped, nothing recomputed
+            seq, before = swapped[rng.choice(list(swapped))]
+            cached = kv.lookup_prefix(seq)
+            assert cached == seq.num_computed_tokens == seq.num_tokens
+            if kv.allocate(seq, cached, 0):
+                del swapped[seq.seq_id]
+                live.append(seq)
+                if contents is not None:
+                    table = kv._seqs[seq.seq_id].table
+                    contents.step(seq, len(table) * BS)  # copies only: nothing to compute
+                    assert [contents.device[b] for b in table] == before
+        elif live and op < 0.75:
+            seq = live.pop(rng.randrange(len(live)))
+            seq.output_ids = [0] * seq.request.output_tokens  # finished
+            kv.free(seq)
+        elif len(live) < 4:
+            seq = _seq(rng, i, prefixes)
+            cached = kv.lookup_prefix(seq)
+            if kv.allocate(seq, cached, seq.num_tokens - cached):
+                if contents is not None:
+                    contents.step(seq, cached)
+                    # The unhashed tail block: content only its sequence knows.
+                    table = kv._seqs[seq.seq_id].table
+                    if seq.num_tokens % BS:
+                        contents.device[table[-1]] = ("tail", seq.seq_id)
+                seq.num_computed_tokens = seq.num_tokens
+                kv.commit(seq)
+                live.append(seq)
+        _check_tiers(kv)
+        _check_swaps(kv)
+        if contents is not None:
+            contents.check()
+    for seq, _ in swapped.values():  # drain: the rest come back, then everyone finishes
+        assert kv.allocate(seq, kv.lookup_prefix(seq), 0)
+        live.append(seq)
+    for seq in live:
+        kv.free(seq)
+    tier = kv.offload.tiers[0]
+    assert out > 20 and fallbacks > 0 and tier.swapped_in_blocks > 0
+    assert tier.pinned == 0 and not kv.offload._swapped
+    assert kv.pool.num_free == kv.num_blocks
+    if host:
+        assert len(kv.offload.host._free) == kv.offload.host.count - len(kv.offload.host.slot)

@@ -18,6 +18,7 @@ from kvbench.engines.builtin.scheduler import SchedulerConfig
 from kvbench.engines.config import EngineSection, EngineSettings, engine_config
 from kvbench.engines.kv.contiguous import ContiguousPolicy
 from kvbench.engines.kv.modal import ModalPolicy
+from kvbench.engines.kv.offload import OffloadSpec
 from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.kv.paged_mixed import PagedMixedPolicy
 from kvbench.engines.kv.segmented import SegmentedPolicy
@@ -112,6 +113,17 @@ def test_preemption_and_recompute_match(reference) -> None:
     # 640 slots hold about two of these requests at a time: the scheduler must preempt.
     digests, summary = _outputs("paged", 640, batched=128)
     assert summary["preemptions"] > 0
+    assert digests == reference
+
+
+@pytest.mark.parametrize("tier", ["cpu:1MiB", "cpu:64KiB"])
+def test_swap_preemption_matches(reference, tier) -> None:
+    # The same pressure; the preempted sequences' KV is copied to host memory and back
+    # (a tier too small for it: recomputed instead).
+    digests, summary = _outputs("paged-swap", 640, batched=128, section=PagedPolicy(
+        offload=OffloadSpec(tiers=tier), preemption="swap"))
+    assert summary["preemptions"] > 0
+    assert (summary["offload_swapped_in_bytes"] > 0) == (tier == "cpu:1MiB")
     assert digests == reference
 
 

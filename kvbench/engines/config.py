@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar, Self
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvbench.engines.builtin.scheduler import SchedulerConfig
-from kvbench.engines.kv.offload import OffloadSpec
+from kvbench.engines.kv.offload import OffloadSpec, Preemption
 from kvbench.engines.kv.spec import Footprint, KVSpec, kv_bytes_per_token, never_runs
 from kvbench.engines.model.hf_config import SUPPORTED_ARCHITECTURES
 from kvbench.engines.model.presets import ModelPreset
@@ -47,6 +47,8 @@ class EngineSettings:
     memory: MemoryOptions = field(default_factory=MemoryOptions)
     # Offload tiers for the paged engines that set none (kvbench.engines.kv.offload).
     offload: OffloadSpec | None = None
+    # What a preempted sequence's KV becomes in the paged engines that set none.
+    preemption: Preemption | None = None
 
 
 @dataclass(frozen=True, slots=True)

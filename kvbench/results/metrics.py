@@ -317,6 +317,8 @@ def oracle_metrics(run: EngineRun) -> dict[str, float | None]:
 TIER_METRICS = ("hit_rate", "loaded_bytes", "stored_bytes")
 OFFLOAD_TOTALS = ("offload_hit_tokens", "offload_loaded_bytes", "offload_stored_bytes",
                   "offload_used_bytes")
+# Preempted sequences' KV copied out and back (swap preemption): part of the bytes moved.
+SWAP_TOTALS = ("offload_swapped_out_bytes", "offload_swapped_in_bytes")
 
 
 def offload_metrics(run: EngineRun) -> dict[str, Any]:
@@ -327,7 +329,8 @@ def offload_metrics(run: EngineRun) -> dict[str, Any]:
     loads spared, net of the loads."""
     kv = run.last_kv
     out: dict[str, Any] = dict.fromkeys(
-        ("offload_hit_rate", *OFFLOAD_TOTALS, "offload_load_gbps", "offload_store_gbps",
+        ("offload_hit_rate", *OFFLOAD_TOTALS, *SWAP_TOTALS, "offload_load_gbps",
+         "offload_store_gbps",
          "offload_load_s", "offload_stall_s", "offload_prefill_saved_s",
          *(f"offload_{k}_{m}" for k in TIER_KINDS for m in TIER_METRICS)))
     if kv is None:
@@ -338,6 +341,9 @@ def offload_metrics(run: EngineRun) -> dict[str, Any]:
     tiers = kv.offload_tiers or {}
     if tiers and run.offload_stall_s is not None:
         out["offload_stall_s"] = run.offload_stall_s
+    if tiers:
+        for name in SWAP_TOTALS:
+            out[name] = sum(t[name.removeprefix("offload_")] for t in tiers.values())
     saved = [t.get("saved_s") for t in tiers.values()]
     if saved and None not in saved:
         out["offload_prefill_saved_s"] = sum(saved)

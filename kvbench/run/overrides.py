@@ -77,6 +77,11 @@ class RunFlags:
         "(kinds cpu|cxl|disk; links pcie4|pcie5|cxl|nvme-gen4|nvme-gen5|NGBps; real compute "
         "takes one cpu tier)."
     )
+    kv_preemption: str | None = _flag(
+        "run.kv_preemption", "Paged engines: what a preempted sequence's KV becomes, "
+        "recompute (freed, computed again) or swap (copied to the first offload tier and "
+        "back)."
+    )
     slo: str | None = _flag(
         "run.slo", "Goodput SLO in ms, e.g. ttft:500,tpot:50[,e2el:MS]."
     )

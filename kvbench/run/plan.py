@@ -187,7 +187,10 @@ def _engine_settings(
         attention=run.attention,
         memory=memory,
         offload=_offload(run.kv_offload, sections, warnings),
+        preemption=run.kv_preemption,
     )
+    if run.kv_preemption == "swap":
+        _paged_only("--kv-preemption swap", "swaps no KV; it recomputes", sections, warnings)
     return settings, sections, warnings
 
 
@@ -198,13 +201,19 @@ def _offload(text: str | None, sections: list[tuple[str, EngineSection]],
     if text is None:
         return None
     spec = OffloadSpec.model_validate(text)
+    _paged_only("--kv-offload", "has no offload tiers; it runs without them", sections,
+                warnings)
+    return spec
+
+
+def _paged_only(flag: str, instead: str, sections: list[tuple[str, EngineSection]],
+                warnings: list[str]) -> None:
+    """A warning for each engine a paged-only run flag leaves out."""
     from kvbench.engines.kv.paged import PagedPolicy
 
     for name, section in sections:
         if not isinstance(section, PagedPolicy):
-            warnings.append(f"--kv-offload: engine {name} ({section.kind}) has no offload "
-                            "tiers; it runs without them")
-    return spec
+            warnings.append(f"{flag}: engine {name} ({section.kind}) {instead}")
 
 
 def _workload(suite: Suite, base: Path | None) -> tuple[Workload, bool]:

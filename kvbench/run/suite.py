@@ -26,6 +26,7 @@ from kvbench.engines.builtin.scheduler import (
 )
 from kvbench.engines.cluster.engine import ClusterSection
 from kvbench.engines.config import EngineSection
+from kvbench.engines.kv.offload import Preemption
 from kvbench.engines.registry import NAMED_ENGINES, AnyEngineSection
 from kvbench.engines.sim.activations import AttentionImpl
 from kvbench.engines.sim.device_memory import KVAllocation
@@ -91,6 +92,9 @@ class RunSection(_Strict):
     # Tiers below device memory for the paged engines, as `cpu:64GiB,disk:1TiB`
     # (kvbench.engines.kv.offload); an engine's own `offload` table wins.
     kv_offload: str | None = None
+    # What a preempted sequence's KV becomes in the paged engines: "recompute", or "swap"
+    # (copied to the first offload tier); an engine's own `preemption` wins.
+    kv_preemption: Preemption | None = None
     engines: list[str] = Field(default_factory=lambda: ["paged", "contiguous"])
     slo: SLO | None = None
     # Intra-op threads of real compute on a CPU (None: torch's default). Small models gain

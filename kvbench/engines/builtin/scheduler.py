@@ -5,7 +5,8 @@ computes KV for positions ``[num_computed_tokens, num_tokens)`` of each schedule
 possibly a chunk of them, and samples a token once a sequence is fully computed. Running
 sequences go first, in admission order; then waiting ones are admitted FCFS while
 ``max_num_seqs``, the token budget and the KV manager allow. When a running sequence cannot
-grow, the most recently admitted one is preempted (its KV freed, recomputed later). A
+grow, the most recently admitted one is preempted: its KV is freed and recomputed later, or
+swapped out and back where the KV manager does that. A
 manager that reserves everything at admission (contiguous) never needs to preempt: its
 requests wait for an extent instead.
 """
@@ -259,9 +260,10 @@ class Scheduler:
                        snapshot.free_bytes, snapshot.largest_free_bytes)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.kv.free(seq)
-        seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
+        if not self.kv.swap_out(seq):
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.num_cached_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         state = self._requests[seq.request.id]

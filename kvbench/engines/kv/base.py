@@ -92,6 +92,13 @@ class KVManager(ABC):
     def free(self, seq: Sequence) -> None:
         """Release everything ``seq`` holds (finish or preemption)."""
 
+    def swap_out(self, seq: Sequence) -> bool:
+        """Preempt ``seq`` by moving its KV out of device memory (freeing it there) so that
+        it resumes without recomputing; False, changing nothing, where it is freed and
+        recomputed instead. A swapped sequence's :meth:`lookup_prefix` is its computed
+        tokens and :meth:`allocate` brings them back."""
+        return False
+
     @abstractmethod
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give ``child`` the same KV as ``parent`` (parallel samples)."""

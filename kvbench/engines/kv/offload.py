@@ -18,6 +18,11 @@ Each tier evicts by ``lru``, ``lfu`` (prefix hits its content served, then age) 
 (prefill FLOPs of the block at its depth, attention included, on the simulated device),
 weighted by hits + 1.
 
+With ``preemption = "swap"`` a preempted sequence's blocks are copied to the first tier,
+where they stay (their room taken from its cached blocks, which go down) until the
+sequence resumes and they are copied back; both copies stall the step, as vLLM's swaps
+did. Leading blocks still cached on the device when it resumes are not copied back.
+
 On real compute the one ``cpu`` tier is real: :class:`HostSlots` gives each block it holds a
 slot of a host buffer the executor allocates, and queues the copies (device to host as a
 block is evicted, host to device as it is loaded) that the executor makes, in order, before
@@ -44,6 +49,9 @@ TIER_KINDS: tuple[str, ...] = ("cpu", "cxl", "disk")
 TierEviction = Literal["lru", "lfu", "cost"]
 TIER_EVICTIONS: tuple[str, ...] = ("lru", "lfu", "cost")
 Overlap = Literal["none", "layerwise"]
+# What a preempted sequence's KV becomes: freed and computed again, or copied to a tier.
+Preemption = Literal["recompute", "swap"]
+PREEMPTIONS: tuple[str, ...] = ("recompute", "swap")
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,12 +196,14 @@ class Tier:
         self._recompute_s = recompute_s
         # Each tensor-parallel rank moves its share of a block over a link of its own.
         self.load_block_s = block_bytes / (ranks * self.link.load_bytes_per_s)
-        self._store_block_s = block_bytes / (ranks * self.link.store_bytes_per_s)
+        self.store_block_s = block_bytes / (ranks * self.link.store_bytes_per_s)
         # The heap queue reads a key's rank once, as it joins: lfu ranks by hits, cost by
         # (hits + 1) x (recompute - load) seconds.
         self._rank: dict[int, float] = {}
         self.queue = LRUQueue() if spec.eviction == "lru" else LFUQueue(self._rank)  # type: ignore[arg-type]
         self.loaded_blocks = self.stored_blocks = self.dropped_blocks = 0
+        # Blocks of swapped-out sequences held here (never evicted), and blocks swapped.
+        self.pinned = self.swapped_out_blocks = self.swapped_in_blocks = 0
         self.load_s = self.store_s = 0.0
         # Prefill seconds the loads spared (recomputing those blocks), less the loads'.
         self.saved_s = 0.0
@@ -201,7 +211,7 @@ class Tier:
         self.priced = True
 
     def __len__(self) -> int:
-        return len(self.queue)
+        return len(self.queue) + self.pinned
 
     def add(self, keys: list[int], hits: list[int], depth: dict[int, int]) -> None:
         """Take ``keys`` with their hit counts (``depth``: the block depths the cost rule
@@ -232,7 +242,7 @@ class Tier:
 
     def overflow(self) -> tuple[list[int], list[int]]:
         """Keys, and their hit counts, evicted to bring the tier within its capacity."""
-        n = len(self.queue) - self.capacity_blocks
+        n = len(self) - self.capacity_blocks
         if n <= 0:
             return [], []
         keys = self.queue.evict(n)
@@ -240,17 +250,21 @@ class Tier:
         return keys, [pop(key, 0) for key in keys]
 
     def stats(self) -> dict[str, Any]:
+        bb = self.block_bytes
+        stored = self.stored_blocks + self.swapped_out_blocks
         return {
-            "capacity_bytes": self.capacity_blocks * self.block_bytes,
-            "used_bytes": len(self.queue) * self.block_bytes,
+            "capacity_bytes": self.capacity_blocks * bb,
+            "used_bytes": len(self) * bb,
             "hit_tokens": self.loaded_blocks * self.block_tokens,
-            "loaded_bytes": self.loaded_blocks * self.block_bytes,
-            "stored_bytes": self.stored_blocks * self.block_bytes,
+            "loaded_bytes": (self.loaded_blocks + self.swapped_in_blocks) * bb,
+            "stored_bytes": stored * bb,
+            "swapped_out_bytes": self.swapped_out_blocks * bb,
+            "swapped_in_bytes": self.swapped_in_blocks * bb,
+            "swap_held_bytes": self.pinned * bb,
             "dropped_blocks": self.dropped_blocks,
             "load_s": self.load_s,
             # Priced stores all move at the link's rate; real ones were measured.
-            "store_s": self.stored_blocks * self._store_block_s if self.priced
-            else self.store_s,
+            "store_s": stored * self.store_block_s if self.priced else self.store_s,
             "saved_s": self.saved_s if self.priced else None,
         }
 
@@ -288,6 +302,18 @@ class HostSlots:
             self._free.append(slot)
         self._loading = []
 
+    def swap_out(self, blocks: list[int]) -> list[int]:
+        """Slots for a swapped-out sequence's ``blocks``, copied there."""
+        slots = [self._free.pop() for _ in blocks]
+        self.moves += zip(blocks, slots, repeat(True))
+        return slots
+
+    def swap_in(self, slots: list[int], blocks: list[int]) -> None:
+        """Swapped ``slots`` freed, their last ``len(blocks)`` copied into ``blocks``."""
+        skip = len(slots) - len(blocks)
+        self.moves += zip(blocks, slots[skip:], repeat(False))
+        self._free += slots
+
     def take_moves(self) -> list[tuple[int, int, bool]]:
         moves, self.moves = self.moves, []
         return moves
@@ -314,6 +340,8 @@ class OffloadTiers:
         self.tracks_depth = any(t.spec.eviction == "cost" for t in self.tiers)
         self._depth: dict[int, int] = {}
         self._pending_load_s = 0.0
+        # Per swapped-out sequence: its blocks held (simulated) or their host slots (real).
+        self._swapped: dict[int, int | list[int]] = {}
 
     def note_depths(self, keys: list[int], start: int, end: int) -> None:
         """Keys ``keys[start:end]`` sit at those block depths of their sequence (the
@@ -324,21 +352,66 @@ class OffloadTiers:
     def store(self, blocks: list[int], keys: list[int], hits: list[int]) -> None:
         """Device ``blocks`` evicted, caching ``keys``: into the first tier, cascading
         overflow down."""
-        where, depth = self.where, self._depth
-        moving, moving_hits = keys, hits
-        for tier in self.tiers:
-            tier.add(moving, moving_hits, depth)
-            where.update(zip(moving, repeat(tier)))
-            moving, moving_hits = tier.overflow()
-            if not moving:
-                break
-        else:
-            self.tiers[-1].dropped_blocks += len(moving)
-            for key in moving:
-                del where[key]
-                depth.pop(key, None)
+        dropped = self._cascade(keys, hits)
         if self.host is not None:
-            self._copy_out(blocks, keys, moving)
+            self._copy_out(blocks, keys, dropped)
+
+    def _cascade(self, keys: list[int], hits: list[int]) -> list[int]:
+        """``keys`` into the first tier and each tier's overflow into the next: the keys
+        the last tier drops."""
+        where, depth = self.where, self._depth
+        for tier in self.tiers:
+            if keys:
+                tier.add(keys, hits, depth)
+                where.update(zip(keys, repeat(tier)))
+            keys, hits = tier.overflow()
+            if not keys:
+                return []
+        self.tiers[-1].dropped_blocks += len(keys)
+        for key in keys:
+            del where[key]
+            depth.pop(key, None)
+        return keys
+
+    def swapped(self, seq_id: int) -> bool:
+        return seq_id in self._swapped
+
+    def swap_out(self, seq_id: int, blocks: list[int]) -> bool:
+        """Copy preempted sequence ``seq_id``'s ``blocks`` to the first tier, whose cached
+        blocks make room by going down; False, changing nothing, where the blocks already
+        swapped leave too little room."""
+        tier = self.tiers[0]
+        n = len(blocks)
+        if tier.pinned + n > tier.capacity_blocks:
+            return False
+        tier.pinned += n
+        tier.swapped_out_blocks += n
+        dropped = self._cascade([], [])
+        if tier.priced:
+            self._pending_load_s += n * tier.store_block_s
+            self._swapped[seq_id] = n
+        else:
+            assert self.host is not None
+            for key in dropped:
+                self.host.release(key)
+            self._swapped[seq_id] = self.host.swap_out(blocks)
+        return True
+
+    def swap_in(self, seq_id: int, blocks: list[int]) -> None:
+        """Copy swapped sequence ``seq_id``'s last blocks back into device ``blocks`` (the
+        ones before them were found still cached on the device)."""
+        tier = self.tiers[0]
+        held = self._swapped.pop(seq_id)
+        n = held if isinstance(held, int) else len(held)
+        tier.pinned -= n
+        tier.swapped_in_blocks += len(blocks)
+        if isinstance(held, int):
+            s = len(blocks) * tier.load_block_s
+            tier.load_s += s
+            self._pending_load_s += s
+        else:
+            assert self.host is not None
+            self.host.swap_in(held, blocks)
 
     def _copy_out(self, blocks: list[int], keys: list[int], dropped: list[int]) -> None:
         """Slots for the stored blocks the (only) tier kept, after freeing the dropped."""

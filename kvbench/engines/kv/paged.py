@@ -30,7 +30,7 @@ from kvbench.engines.kv.base import KVManager, steps_within
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.eviction import EVICTIONS, Eviction
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
-from kvbench.engines.kv.offload import OffloadSpec, OffloadTiers
+from kvbench.engines.kv.offload import OffloadSpec, OffloadTiers, Preemption
 from kvbench.engines.kv.oracle import BlockTrace, PrefixOracle
 from kvbench.engines.kv.spec import Footprint, KVSpec
 from kvbench.engines.sequence import Sequence
@@ -68,8 +68,10 @@ class PagedPolicy(Paging, KVPolicy):
     """Fixed-size blocks with per-sequence block tables; prefix caching (``eviction`` of
     cached free blocks: ``lru`` or ``lfu``) and fork + CoW. ``offload`` keeps evicted cached
     blocks in tiers below device memory (:mod:`~kvbench.engines.kv.offload`; the run's
-    ``kv_offload`` unless set). ``leak_finished`` is a deliberate fault: finished sequences'
-    blocks are never returned."""
+    ``kv_offload`` unless set); with them, ``preemption = "swap"`` copies a preempted
+    sequence's KV to the first tier instead of recomputing it (the run's ``kv_preemption``
+    unless set). ``leak_finished`` is a deliberate fault: finished sequences' blocks are
+    never returned."""
 
     kind: Literal["paged"] = "paged"
     summary = "fixed-size blocks + block tables, prefix caching (LRU | LFU), fork + copy-on-write"
@@ -77,20 +79,29 @@ class PagedPolicy(Paging, KVPolicy):
     eviction: Eviction = "lru"
     sliding_window_release: bool = False
     offload: OffloadSpec | None = None
+    preemption: Preemption | None = None
 
     def resolved(self, settings: EngineSettings) -> PagedPolicy:
         out = super().resolved(settings)
         if out.offload is None and settings.offload is not None:
             out = out.model_copy(update={"offload": settings.offload})
+        if out.preemption is None and settings.preemption is not None:
+            out = out.model_copy(update={"preemption": settings.preemption})
         return out
 
     def label(self) -> str:
         base = f"paged/bs{self.block_size}" if self.block_size else "paged"
         return base + ("/lfu" if self.eviction == "lfu" else "") + (
             "/swa-release" if self.sliding_window_release else "") + (
-            f"/offload:{self.offload.label()}" if self.offload else "")
+            f"/offload:{self.offload.label()}" if self.offload else "") + (
+            "/swap" if self.preemption == "swap" else "")
 
     def check(self, config: EngineConfig) -> list[str]:
+        if self.preemption == "swap" and (self.offload is None or self.sliding_window_release):
+            raise KvbenchError(
+                "preemption = \"swap\" copies a preempted sequence's KV to the first offload "
+                "tier: give it one (--kv-offload cpu:SIZE), and keep every block it holds "
+                "(no sliding_window_release)")
         if self.offload is not None:
             if config.device.kind != "sim":
                 _check_real_offload(self.offload)
@@ -115,6 +126,7 @@ class PagedPolicy(Paging, KVPolicy):
             leak_finished=self.leak_finished, dtype=config.kv.dtype, eviction=self.eviction,
             sliding_window=config.preset.sliding_window if self.sliding_window_release else None,
             offload=offload_tiers(self.offload, config) if self.offload else None,
+            swap=self.preemption == "swap",
         )
 
 
@@ -210,6 +222,7 @@ class PagedKVManager(KVManager):
         eviction: Eviction = "lru",
         sliding_window: int | None = None,
         offload: OffloadTiers | None = None,
+        swap: bool = False,
     ) -> None:
         for name, value in (
             ("num_blocks", num_blocks),
@@ -238,6 +251,11 @@ class PagedKVManager(KVManager):
         if offload is not None:
             self.pool.on_evict = offload.store
             self.load_layerwise = offload.spec.overlap == "layerwise"
+        if swap and (offload is None or sliding_window is not None):
+            raise KvbenchError(
+                "swap preemption keeps preempted KV in an offload tier, and needs every "
+                "block of a sequence held (no sliding-window release)")
+        self.swaps = swap
         self._hasher = BlockHasher(block_size)
         # What the prefix cache looked up and made findable, for prefix_oracle.
         self.trace = BlockTrace()
@@ -266,6 +284,8 @@ class PagedKVManager(KVManager):
         return _cdiv(prompt + n * output, self.block_size) * self.block_size
 
     def lookup_prefix(self, seq: Sequence) -> int:
+        if self._is_swapped(seq):
+            return seq.num_computed_tokens  # resumes where it stopped
         if not self.enable_prefix_caching:
             return 0
         hashes = self._hashes_upto(seq, seq.num_tokens // self.block_size)
@@ -284,6 +304,8 @@ class PagedKVManager(KVManager):
     def allocate(self, seq: Sequence, num_cached: int, num_new: int) -> bool:
         if seq.seq_id in self._seqs:
             raise RuntimeError(f"sequence {seq.seq_id} is already allocated")
+        if self._is_swapped(seq):
+            return self._swap_in(seq, num_new)
         bs = self.block_size
         hits: list[int] = []
         want = num_cached // bs
@@ -317,6 +339,51 @@ class PagedKVManager(KVManager):
             # Loaded blocks are findable in device memory again, as if written.
             self.trace.write(below)
         seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+        return True
+
+    def _is_swapped(self, seq: Sequence) -> bool:
+        return self.swaps and self.offload.swapped(seq.seq_id)  # type: ignore[union-attr]
+
+    def swap_out(self, seq: Sequence) -> bool:
+        """Preempt ``seq`` by copying the blocks of its computed KV to the first offload
+        tier and freeing them; False, changing nothing, where it is to be recomputed
+        instead (no swap preemption, nothing computed, or no room left in the tier)."""
+        if not self.swaps:
+            return False
+        assert self.offload is not None
+        state = self._seqs[seq.seq_id]
+        blocks = state.table[: _cdiv(state.num_committed, self.block_size)]
+        if not blocks or not self.offload.swap_out(seq.seq_id, blocks):
+            return False
+        self.free(seq)
+        return True
+
+    def _swap_in_need(self, seq: Sequence, num_new: int) -> tuple[list[int], int]:
+        """The device blocks still caching swapped ``seq``'s leading full blocks, and the
+        fresh blocks it takes besides to resume with room for ``num_new`` more tokens."""
+        bs, committed = self.block_size, seq.num_computed_tokens
+        full = committed // bs
+        hits = self.pool.lookup(islice(self._hashes_upto(seq, full), full))
+        return hits, _cdiv(committed + num_new, bs) - len(hits)
+
+    def _swap_in(self, seq: Sequence, num_new: int) -> bool:
+        """Resume swapped ``seq``: its blocks still cached on the device attached, the rest
+        copied back from the tier into fresh blocks, its computed KV as it was."""
+        assert self.offload is not None
+        hits, num_fresh = self._swap_in_need(seq, num_new)
+        pool, bs, committed = self.pool, self.block_size, seq.num_computed_tokens
+        if num_fresh + pool.count_free(hits) > pool.num_free:
+            return False
+        self._used_tokens += pool.touch(hits) * bs + committed - len(hits) * bs
+        table = hits + pool.take(num_fresh)
+        self.offload.swap_in(seq.seq_id, table[len(hits) : _cdiv(committed, bs)])
+        state = _SeqBlocks(table, committed, len(hits), seq.max_tokens - 1)
+        self._seqs[seq.seq_id] = state
+        self._table_entries += len(table)
+        self._sum_limit += self._limit(state)
+        self._sum_committed += committed
+        # Blocks copied back are findable again (superseding copies below).
+        self._index(seq, state, committed // bs)
         return True
 
     def _found(self, hashes: list[int], limit: int) -> int:
@@ -542,6 +609,7 @@ class PagedKVManager(KVManager):
             "sliding_window_release": self.sliding_window,
             "leak_finished": self.leak_finished,
             "offload": self.offload.describe() if self.offload is not None else None,
+            "preemption": "swap" if self.swaps else "recompute",
         }
 
     def _release_outside_window(self, state: _SeqBlocks, num_computed: int) -> None:
@@ -679,6 +747,9 @@ class PagedKVManager(KVManager):
         if seq.seq_id in self._seqs:
             return None
         bs, pool = self.block_size, self.pool
+        if self._is_swapped(seq):
+            found, fresh = self._swap_in_need(seq, num_new)
+            return fresh + pool.count_free(found) <= pool.num_free
         hits: list[int] = []
         if num_cached:
             if not self.enable_prefix_caching or num_cached % bs:
