@@ -163,3 +163,10 @@ def test_more_requests_at_once_without_more_service_is_no_gain() -> None:
         "TTFT p50 30.0 s vs 26.6 s, so requests were held longer, not served more.")
     # Faster service keeps the sentence as it was.
     assert _about(run_findings(_run()), "paged ran").endswith("at most 8 vs 2).")
+
+
+def test_preemptions_say_what_swap_copied_out() -> None:
+    f = run_findings(_run(paged={"offload_swapped_out_bytes": 3 << 30}))
+    assert ("Running requests were preempted when KV memory ran out (paged 8 times): each gave "
+            "up its KV and computed it again later, or where it fit in the first offload tier, "
+            "copied it out and back (paged 3.0 GiB copied out).") in f

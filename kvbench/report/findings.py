@@ -183,8 +183,14 @@ def _preemptions(records: Sequence[RunRecord]) -> str | None:
     counts = [f"{r.engine} {n:.0f} times" for r in records if (n := _num(r, "preemptions"))]
     if not counts:
         return None
-    return (f"Running requests were preempted when KV memory ran out ({', '.join(counts)}): "
-            f"each gave up its KV and computed it again later.")
+    text = (f"Running requests were preempted when KV memory ran out ({', '.join(counts)}): "
+            f"each gave up its KV and computed it again later")
+    swapped = [f"{r.engine} {format_bytes(n)}" for r in records
+               if (n := _num(r, "offload_swapped_out_bytes"))]
+    if swapped:
+        text += (f", or where it fit in the first offload tier, copied it out and back "
+                 f"({', '.join(swapped)} copied out)")
+    return text + "."
 
 
 def _arrival_shares(records: Sequence[RunRecord]) -> list[tuple[float, float, float, RunRecord]]:
