@@ -100,3 +100,11 @@ def test_concurrency_limit_steps_one_at_a_time(tmp_path: Path) -> None:
     slow = _record(tmp_path, False, MIXED, "llama-2-7b", "paged", cluster, max_concurrency=4)
     assert fast["engine_config"]["fast_forward"]["mode"].startswith("unsupported")
     assert _strip(fast) == _strip(slow)
+
+
+def test_replicas_with_offload_tiers_and_swap(tmp_path: Path) -> None:
+    record = _check(tmp_path, MIXED, ClusterSection(replicas=2, router="least-kv"),
+                    kv_memory="2GiB", kv_offload="cpu:4GiB", kv_preemption="swap", **FAST)
+    summary = record["summary"]
+    assert summary["preemptions"] > 0 and summary["offload_swapped_out_bytes"] > 0
+    assert summary["offload_stored_bytes"] >= summary["offload_swapped_out_bytes"]

@@ -88,6 +88,9 @@ class KVStats:
     offload_store_s: float | None = None
     offload_load_s: float | None = None
     offload_used_bytes: int | None = None
+    # Of the bytes moved: preempted sequences' KV swapped out and back (swap preemption).
+    offload_swapped_out_bytes: int | None = None
+    offload_swapped_in_bytes: int | None = None
     # Per tier of the built-in engine's offload (kvbench.engines.kv.offload): capacity and
     # used bytes, blocks hit and dropped, bytes moved each way and the seconds they took.
     offload_tiers: dict[str, dict[str, Any]] | None = None

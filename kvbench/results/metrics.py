@@ -335,15 +335,12 @@ def offload_metrics(run: EngineRun) -> dict[str, Any]:
          *(f"offload_{k}_{m}" for k in TIER_KINDS for m in TIER_METRICS)))
     if kv is None:
         return out
-    for name in OFFLOAD_TOTALS:
+    for name in (*OFFLOAD_TOTALS, *SWAP_TOTALS):
         out[name] = getattr(kv, name)
     out["offload_load_s"] = kv.offload_load_s
     tiers = kv.offload_tiers or {}
     if tiers and run.offload_stall_s is not None:
         out["offload_stall_s"] = run.offload_stall_s
-    if tiers:
-        for name in SWAP_TOTALS:
-            out[name] = sum(t[name.removeprefix("offload_")] for t in tiers.values())
     saved = [t.get("saved_s") for t in tiers.values()]
     if saved and None not in saved:
         out["offload_prefill_saved_s"] = sum(saved)

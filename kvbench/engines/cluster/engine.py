@@ -256,7 +256,11 @@ class _Totals:
 
     def values(self) -> list[Any]:
         """The sums in field order (None where any replica has None)."""
-        return [None if k else v for v, k in zip(self._sums, self._nones, strict=True)]
+        out = [None if k else v for v, k in zip(self._sums, self._nones, strict=True)]
+        for j, v in enumerate(out):
+            if type(v) is float:  # a running float sum's rounding follows the updates' order
+                out[j] = sum(vals[j] for vals in self._vals)
+        return out
 
     def column_max(self, j: int) -> int | None:
         vals = [v[j] for v in self._vals]
@@ -744,9 +748,9 @@ class ClusterEngine(Engine):
         # One KV snapshot for the run: the columns that stay put set once, the others at
         # each step; device memory read once when every step's is alike.
         stats = dataclasses.replace(done.last_kv)
-        # Per-modality figures are not summed over replicas (see _KV_FIELDS).
+        # Per-modality and per-tier figures are not summed over replicas (see _KV_FIELDS).
         columns = {k: v.tolist() if isinstance(v, np.ndarray) else v
-                   for k, v in done.kv.items() if not k.startswith("modality:")}
+                   for k, v in done.kv.items() if ":" not in k}
         encoder = done.device.get("encoder")
         if encoder is not None:
             columns["encoder_cache_bytes"] = encoder.tolist()

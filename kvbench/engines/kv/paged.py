@@ -580,6 +580,8 @@ class PagedKVManager(KVManager):
             "offload_load_s": sum(t["load_s"] for t in tiers.values()),
             "offload_store_s": sum(t["store_s"] for t in tiers.values()),
             "offload_used_bytes": sum(t["used_bytes"] for t in tiers.values()),
+            "offload_swapped_out_bytes": sum(t["swapped_out_bytes"] for t in tiers.values()),
+            "offload_swapped_in_bytes": sum(t["swapped_in_bytes"] for t in tiers.values()),
             "offload_tiers": tiers,
         }
 
