@@ -80,8 +80,8 @@ def test_every_builtin_engine_preemption_heavy(tmp_path: Path, engine: str) -> N
     """A KV budget small enough that paged preempts and contiguous waits for extents."""
     fast = _check(tmp_path, MIXED, "llama-2-7b", [engine], kv_memory="3GiB")
     mode = fast[engine]["engine_config"]["fast_forward"]["mode"]
-    # vattention-prewarm maps pages between steps; modal and hybrid define no decode_room.
-    if engine == "vattention-prewarm" or engine.startswith(("modal", "hybrid")):
+    # vattention-prewarm maps pages between steps; hybrid defines no decode_room.
+    if engine == "vattention-prewarm" or engine.startswith("hybrid"):
         assert mode.startswith("unsupported")
     else:
         assert mode == "on"
@@ -107,6 +107,18 @@ def test_the_replay_without_a_c_compiler(tmp_path: Path, monkeypatch: Any,
     workload = WorkloadSection(trace="mooncake", path=str(MOONCAKE), num_requests=24)
     _check(tmp_path, workload, "qwen2.5-7b", ["paged"], kv_memory=kv_memory,
            max_model_len=32768)
+
+
+@pytest.mark.parametrize("preset", ["multimodal-reuse", "mixed-multimodal"])
+def test_modal_page_classes_with_images_and_reuse(tmp_path: Path, preset: str) -> None:
+    """Text and vision page classes (int8 vision, 512-token vision pages, split pools) with
+    cached images and preemption: decoded text pages split off the buddy pool's blocks."""
+    engines = ["modal-int8", "modal-pages", "modal-pages-split"]
+    workload = WorkloadSection(preset=preset, num_requests=40)
+    fast = _check(tmp_path, workload, "qwen2.5-7b", engines, kv_memory="512MiB",
+                  request_rate=40.0)
+    assert sum(fast[e]["summary"]["preemptions"] for e in engines) > 0
+    assert all(fast[e]["engine_config"]["fast_forward"]["steps"] > 0 for e in engines)
 
 
 @pytest.mark.parametrize("preset", ["multi-turn", "shared-prefix", "parallel-sampling"])

@@ -388,6 +388,8 @@ def _log_decode(run: EngineRun, out: DecodeSteps, clock: Clock) -> None:
     for key, values in out.kv.items():
         if key.startswith("offload:"):
             column_of(s.offload_bytes, key.removeprefix("offload:")).extend(values)
+        elif key.startswith("class:"):
+            column_of(s.kv_class_bytes, key.removeprefix("class:")).extend(values)
     _modality_facts(s, out.last_kv)
     # Decode steps encode nothing: the encoder outputs held are the modelled device's.
     encoder = out.device.get("encoder") if out.device else None

@@ -54,7 +54,8 @@ class DecodeSteps:
     """What ``steps`` decode steps taken in one go report, as one step after another would:
     every step emits ``tokens`` (by request) with the same queue sizes; ``kv`` and
     ``device`` hold each step's values of the KVStats fields (``modality:<m>``: the used
-    bytes of modality ``m``; ``offload:<kind>``: the bytes an offload tier holds; int64
+    bytes of modality ``m``; ``offload:<kind>``: the bytes an offload tier holds;
+    ``class:<name>_<figure>``: a page class's bytes; int64
     arrays, or lists where some are None) and device-memory
     components; ``last_kv`` is the last step's snapshot; ``ends`` the clock before the first
     step and at each step's end."""
@@ -281,7 +282,7 @@ class BuiltinEngine(Engine):
         for name in _KV_COLUMNS:
             col = columns.get(name)
             kv_cols[name] = col if col is not None else _steady(getattr(last, name), steps)
-        kv_cols.update((k, v) for k, v in columns.items() if k.startswith("offload:"))
+        kv_cols.update((k, v) for k, v in columns.items() if k.startswith(("offload:", "class:")))
         if need is None:
             zeros = np.zeros(steps, dtype=np.int64)
             kv_cols["refused_bytes"] = zeros
@@ -320,7 +321,7 @@ class BuiltinEngine(Engine):
             known = np.zeros(steps, dtype=bool)
             known[-1] = True
         else:
-            known = (t + image + audio) * bpt["text"] == used
+            known = t * bpt["text"] + image * bpt["image"] + audio * bpt["audio"] == used
         out: dict[str, np.ndarray | list[int | None]] = {}
         every = bool(known.all())
         for m, n in (("text", t), ("image", image), ("audio", audio)):

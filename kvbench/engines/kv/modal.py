@@ -31,7 +31,7 @@ from pydantic import Field, field_validator
 
 from kvbench.engines.base import KVStats
 from kvbench.engines.config import EngineConfig, KVPolicy, Paging
-from kvbench.engines.kv.base import KVManager
+from kvbench.engines.kv.base import KVManager, steps_within
 from kvbench.engines.kv.buddy import BuddyPool
 from kvbench.engines.kv.eviction import LRUQueue
 from kvbench.engines.kv.hashing import ROOT_HASH, BlockHasher
@@ -49,6 +49,10 @@ from kvbench.kernels.slot_copy import SlotCopy
 from kvbench.workloads.model import Request
 
 Modality = Literal["text", "image", "audio"]
+# KVStats fields a decode step can change, and the per-class figures records log by step.
+_STEP_FIELDS = ("used_bytes", "reserved_bytes", "free_bytes", "largest_free_bytes",
+                "shared_bytes", "block_allocs", "block_frees", "page_table_entries")
+_CLASS_FIGURES = ("reserved_bytes", "used_bytes", "capacity_bytes")
 
 
 def capacity_gain(vision_share: float, text_bytes: float, vision_bytes: float) -> float:
@@ -291,6 +295,13 @@ class _Positions:
 class _SeqState:
     vision_before: np.ndarray  # [n_prompt + 1]: vision positions before each prompt position
     pages: tuple[_ClassPages, _ClassPages]
+    # Prompt positions, and the vision ones among them: every later position is text.
+    prompt: int = field(init=False)
+    vision: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt = len(self.vision_before) - 1
+        self.vision = int(self.vision_before[-1])
 
 
 class ModalKVManager(KVManager):
@@ -376,8 +387,7 @@ class ModalKVManager(KVManager):
     @staticmethod
     def _counts(state: _SeqState, end: int) -> tuple[int, int]:
         """Text and vision positions among ``[0, end)``."""
-        vb = state.vision_before
-        vision = int(vb[min(end, len(vb) - 1)])
+        vision = state.vision if end >= state.prompt else int(state.vision_before[end])
         return end - vision, vision
 
     def _room(self, state: _SeqState, k: int) -> int:
@@ -611,12 +621,13 @@ class ModalKVManager(KVManager):
     def _index(self, seq: Sequence, state: _SeqState) -> None:
         """Offer ``seq``'s newly full pages to the prefix cache (a key already cached by
         another page keeps that page; this one stays unindexed)."""
-        info = self._where(seq)
+        info = None
         for k, c in enumerate(self.classes):
             pages = state.pages[k]
             full = pages.committed // c.page_tokens
             if full <= pages.indexed:
                 continue
+            info = info or self._where(seq)
             keys = self._page_keys(seq, info, k, pages.indexed, full)
             index, hashes = self._by_hash[k], self._hash[k]
             for j, key in zip(range(pages.indexed, full), keys, strict=True):
@@ -656,6 +667,8 @@ class ModalKVManager(KVManager):
     def grow(self, seq: Sequence, num_new: int) -> bool:
         state = self._state(seq)
         pos = seq.num_computed_tokens
+        if num_new == 1 and pos >= state.prompt and self._has_slot(state, pos - state.vision):
+            return True  # the common decode step
         # A class's page written next that forked samples share: copied first.
         cow = []
         if num_new > 0:
@@ -695,6 +708,14 @@ class ModalKVManager(KVManager):
             self._copied_bytes += c.page_bytes
         # Without room for the rest the copies still stand: the pages are this sample's.
         return self._take(state, pos + num_new)
+
+    def _has_slot(self, state: _SeqState, rank: int) -> bool:
+        """Whether text position ``rank`` of the class has a slot that is its own (or starts
+        a page, which is never copied)."""
+        pt = self.classes[0].page_tokens
+        starts = state.pages[0].starts
+        return rank < len(starts) * pt and (
+            not rank % pt or self._ref[0][starts[rank // pt] // pt] == 1)
 
     def commit(self, seq: Sequence) -> None:
         state = self._state(seq)
@@ -843,6 +864,54 @@ class ModalKVManager(KVManager):
             merges=sum(p.coalesces for p in pools),
             classes=self.class_stats(),
         )
+
+    # --- decode fast-forward ---------------------------------------------------------------
+
+    def decode_room(self, seqs: list[Sequence], max_steps: int, keep_cached: bool = False) -> int:
+        """Steps before a grow could fail, copy or evict: decoded tokens are text, and the
+        text pages the sequences take at page boundaries come from the text pool's free
+        pages (a page of a larger free block splits off it; cached pages are never evicted
+        in a jump). A shared page being written is an event of its own."""
+        if self._copies:
+            return 0
+        pt, ref = self.classes[0].page_tokens, self._ref[0]
+        firsts = []
+        for seq in seqs:
+            state = self._seqs[seq.seq_id]
+            pages, rank = state.pages[0], seq.num_computed_tokens - state.vision
+            if seq.num_computed_tokens < state.prompt or pages.committed != rank or (
+                    self.enable_prefix_caching and pages.indexed != rank // pt):
+                return 0
+            left = len(pages.starts) * pt - rank
+            if left > 0 and rank % pt and ref[pages.starts[rank // pt] // pt] > 1:
+                return 0
+            firsts.append(left)
+        pool, order = self._pools[0], self._orders[0]
+        free = sum(pool.free_pages(k) << (k - order) for k in range(order, pool.top + 1))
+        return steps_within(firsts, pt, max_steps, free)
+
+    def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
+        """The grow and commit rounds of ``steps`` decode steps, as the scheduler makes
+        them, and the stats after each (``class:<name>_<figure>``: a class's bytes)."""
+        starts = [seq.num_computed_tokens for seq in seqs]
+        snaps = []
+        for _ in range(steps):
+            for seq in seqs:
+                if not self.grow(seq, 1):
+                    raise RuntimeError(f"sequence {seq.seq_id}: no room within decode_room")
+            for seq in seqs:
+                seq.num_computed_tokens += 1
+                self.commit(seq)
+            snaps.append(self.stats())
+        for seq, start in zip(seqs, starts, strict=True):
+            seq.num_computed_tokens = start
+        columns = {name: np.array([getattr(s, name) for s in snaps], dtype=np.int64)
+                   for name in _STEP_FIELDS}
+        for c in self.classes:
+            for figure in _CLASS_FIGURES:
+                columns[f"class:{c.name}_{figure}"] = np.array(
+                    [s.classes[c.name][figure] for s in snaps], dtype=np.int64)
+        return columns
 
     def _cached_free_bytes(self) -> int:
         """Bytes of the free pages still holding cached KV (an eviction frees them)."""
