@@ -868,10 +868,12 @@ class ModalKVManager(KVManager):
     # --- decode fast-forward ---------------------------------------------------------------
 
     def decode_room(self, seqs: list[Sequence], max_steps: int, keep_cached: bool = False) -> int:
-        """Steps before a grow could fail, copy or evict: decoded tokens are text, and the
-        text pages the sequences take at page boundaries come from the text pool's free
-        pages (a page of a larger free block splits off it; cached pages are never evicted
-        in a jump). A shared page being written is an event of its own."""
+        """Steps before a grow could fail or copy: decoded tokens are text, and the text
+        pages the sequences take at page boundaries come from the text pool's free pages (a
+        page of a larger free block splits off it) or, unless ``keep_cached``, from its
+        cached free text pages (evicting one frees at least one text page; cached vision
+        pages evicted on the way only add to that). A shared page being written is an event
+        of its own."""
         if self._copies:
             return 0
         pt, ref = self.classes[0].page_tokens, self._ref[0]
@@ -888,29 +890,52 @@ class ModalKVManager(KVManager):
             firsts.append(left)
         pool, order = self._pools[0], self._orders[0]
         free = sum(pool.free_pages(k) << (k - order) for k in range(order, pool.top + 1))
+        if not keep_cached:
+            free += self._cached_free[0]
         return steps_within(firsts, pt, max_steps, free)
 
     def advance_decode(self, seqs: list[Sequence], steps: int) -> dict[str, np.ndarray]:
-        """The grow and commit rounds of ``steps`` decode steps, as the scheduler makes
-        them, and the stats after each (``class:<name>_<figure>``: a class's bytes)."""
-        starts = [seq.num_computed_tokens for seq in seqs]
-        snaps = []
-        for _ in range(steps):
-            for seq in seqs:
-                if not self.grow(seq, 1):
-                    raise RuntimeError(f"sequence {seq.seq_id}: no room within decode_room")
-            for seq in seqs:
-                seq.num_computed_tokens += 1
-                self.commit(seq)
+        """``steps`` decode steps: at each step where a sequence crosses into a new text
+        page (a take, in running order) or fills one (prefix-cache entries, after every
+        take, as commits follow grows), the state and stats as a step leaves them; between
+        those only the written text grows (``class:<name>_<figure>``: a class's bytes)."""
+        pt, n, text = self.classes[0].page_tokens, len(seqs), self.classes[0]
+        states = [self._seqs[s.seq_id] for s in seqs]
+        ranks = [s.num_computed_tokens - st.vision for s, st in zip(seqs, states, strict=True)]
+        takes: dict[int, list[int]] = {}
+        fills: dict[int, list[int]] = {}
+        for i, (state, rank) in enumerate(zip(states, ranks, strict=True)):
+            for j in range(len(state.pages[0].starts) * pt - rank, steps, pt):
+                takes.setdefault(j, []).append(i)
+            if self.enable_prefix_caching:
+                for j in range((-(rank + 1)) % pt, steps, pt):
+                    fills.setdefault(j, []).append(i)
+        used = self._used[0]
+        events, snaps = [-1], [self.stats()]
+        for j in sorted(takes.keys() | fills.keys()):
+            for i in takes.get(j, ()):
+                if not self._take(states[i], seqs[i].num_computed_tokens + j + 1):
+                    raise RuntimeError(f"sequence {seqs[i].seq_id}: no room within decode_room")
+            for i in fills.get(j, ()):
+                states[i].pages[0].committed = ranks[i] + j + 1
+                self._index(seqs[i], states[i])
+            self._used[0] = used + n * (j + 1)
+            events.append(j)
             snaps.append(self.stats())
-        for seq, start in zip(seqs, starts, strict=True):
-            seq.num_computed_tokens = start
-        columns = {name: np.array([getattr(s, name) for s in snaps], dtype=np.int64)
+        for state, rank in zip(states, ranks, strict=True):
+            state.pages[0].committed = rank + steps
+        self._used[0] = used + n * steps
+        # Each step reads the stats of the last event at or before it, its text grown since.
+        at = np.searchsorted(np.array(events), np.arange(steps), side="right") - 1
+        grown = n * (np.arange(steps) - np.array(events)[at]) * text.bytes_per_token
+        columns = {name: np.array([getattr(s, name) for s in snaps], dtype=np.int64)[at]
                    for name in _STEP_FIELDS}
+        columns["used_bytes"] += grown
         for c in self.classes:
             for figure in _CLASS_FIGURES:
                 columns[f"class:{c.name}_{figure}"] = np.array(
-                    [s.classes[c.name][figure] for s in snaps], dtype=np.int64)
+                    [s.classes[c.name][figure] for s in snaps], dtype=np.int64)[at]
+        columns[f"class:{text.name}_used_bytes"] += grown
         return columns
 
     def _cached_free_bytes(self) -> int:
