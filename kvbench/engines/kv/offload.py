@@ -51,7 +51,6 @@ TIER_EVICTIONS: tuple[str, ...] = ("lru", "lfu", "cost")
 Overlap = Literal["none", "layerwise"]
 # What a preempted sequence's KV becomes: freed and computed again, or copied to a tier.
 Preemption = Literal["recompute", "swap"]
-PREEMPTIONS: tuple[str, ...] = ("recompute", "swap")
 
 
 @dataclass(frozen=True, slots=True)
