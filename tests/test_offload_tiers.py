@@ -354,11 +354,12 @@ def _check_swaps(kv: PagedKVManager) -> None:
     real ones each in a slot of their own."""
     offload = kv.offload
     tier = offload.tiers[0]
-    held = offload._swapped.values()
-    assert tier.pinned == sum(n if isinstance(n, int) else len(n) for n in held)
+    assert tier.pinned == sum(offload._swapped.values())
     assert len(tier) == len(tier.queue) + tier.pinned <= tier.capacity_blocks
     if offload.host is not None:
-        slots = [*offload.host.slot.values(), *(s for n in held for s in n)]
+        held = offload.host.swapped
+        assert {k: len(s) for k, s in held.items()} == offload._swapped
+        slots = [*offload.host.slot.values(), *(s for n in held.values() for s in n)]
         assert len(set(slots)) == len(slots) <= offload.host.count
 
 

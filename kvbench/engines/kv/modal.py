@@ -876,7 +876,7 @@ class ModalKVManager(KVManager):
         of its own."""
         if self._copies:
             return 0
-        pt, ref = self.classes[0].page_tokens, self._ref[0]
+        pt = self.classes[0].page_tokens
         firsts = []
         for seq in seqs:
             state = self._seqs[seq.seq_id]
@@ -885,7 +885,7 @@ class ModalKVManager(KVManager):
                     self.enable_prefix_caching and pages.indexed != rank // pt):
                 return 0
             left = len(pages.starts) * pt - rank
-            if left > 0 and rank % pt and ref[pages.starts[rank // pt] // pt] > 1:
+            if left > 0 and not self._has_slot(state, rank):
                 return 0
             firsts.append(left)
         pool, order = self._pools[0], self._orders[0]

@@ -276,6 +276,7 @@ class HostSlots:
     def __init__(self, capacity_blocks: int, in_flight_blocks: int) -> None:
         self.count = capacity_blocks + in_flight_blocks
         self.slot: dict[int, int] = {}
+        self.swapped: dict[int, list[int]] = {}  # a swapped-out sequence's slots
         self._free = list(range(self.count - 1, -1, -1))
         self._loading: list[int] = []
         self.moves: list[tuple[int, int, bool]] = []
@@ -301,14 +302,15 @@ class HostSlots:
             self._free.append(slot)
         self._loading = []
 
-    def swap_out(self, blocks: list[int]) -> list[int]:
-        """Slots for a swapped-out sequence's ``blocks``, copied there."""
-        slots = [self._free.pop() for _ in blocks]
+    def swap_out(self, seq_id: int, blocks: list[int]) -> None:
+        """Slots for swapped-out sequence ``seq_id``'s ``blocks``, copied there."""
+        slots = self.swapped[seq_id] = [self._free.pop() for _ in blocks]
         self.moves += zip(blocks, slots, repeat(True))
-        return slots
 
-    def swap_in(self, slots: list[int], blocks: list[int]) -> None:
-        """Swapped ``slots`` freed, their last ``len(blocks)`` copied into ``blocks``."""
+    def swap_in(self, seq_id: int, blocks: list[int]) -> None:
+        """Sequence ``seq_id``'s slots freed, the last ``len(blocks)`` copied into
+        ``blocks``."""
+        slots = self.swapped.pop(seq_id)
         skip = len(slots) - len(blocks)
         self.moves += zip(blocks, slots[skip:], repeat(False))
         self._free += slots
@@ -339,8 +341,7 @@ class OffloadTiers:
         self.tracks_depth = any(t.spec.eviction == "cost" for t in self.tiers)
         self._depth: dict[int, int] = {}
         self._pending_load_s = 0.0
-        # Per swapped-out sequence: its blocks held (simulated) or their host slots (real).
-        self._swapped: dict[int, int | list[int]] = {}
+        self._swapped: dict[int, int] = {}  # blocks each swapped-out sequence holds
 
     def note_depths(self, keys: list[int], start: int, end: int) -> None:
         """Keys ``keys[start:end]`` sit at those block depths of their sequence (the
@@ -385,32 +386,30 @@ class OffloadTiers:
             return False
         tier.pinned += n
         tier.swapped_out_blocks += n
+        self._swapped[seq_id] = n
         dropped = self._cascade([], [])
         if tier.priced:
             self._pending_load_s += n * tier.store_block_s
-            self._swapped[seq_id] = n
         else:
             assert self.host is not None
             for key in dropped:
                 self.host.release(key)
-            self._swapped[seq_id] = self.host.swap_out(blocks)
+            self.host.swap_out(seq_id, blocks)
         return True
 
     def swap_in(self, seq_id: int, blocks: list[int]) -> None:
         """Copy swapped sequence ``seq_id``'s last blocks back into device ``blocks`` (the
         ones before them were found still cached on the device)."""
         tier = self.tiers[0]
-        held = self._swapped.pop(seq_id)
-        n = held if isinstance(held, int) else len(held)
-        tier.pinned -= n
+        tier.pinned -= self._swapped.pop(seq_id)
         tier.swapped_in_blocks += len(blocks)
-        if isinstance(held, int):
+        if tier.priced:
             s = len(blocks) * tier.load_block_s
             tier.load_s += s
             self._pending_load_s += s
         else:
             assert self.host is not None
-            self.host.swap_in(held, blocks)
+            self.host.swap_in(seq_id, blocks)
 
     def _copy_out(self, blocks: list[int], keys: list[int], dropped: list[int]) -> None:
         """Slots for the stored blocks the (only) tier kept, after freeing the dropped."""

@@ -326,11 +326,7 @@ class PagedKVManager(KVManager):
         table = hits + self.pool.take(num_fresh)
         if loaded is not None:
             self._attach_loaded(seq, table, len(hits), want, loaded)
-        self._table_entries += len(table)
-        state = _SeqBlocks(table, num_cached, want, seq.max_tokens - 1)
-        self._seqs[seq.seq_id] = state
-        self._sum_limit += self._limit(state)
-        self._sum_committed += num_cached
+        self._hold(seq.seq_id, _SeqBlocks(table, num_cached, want, seq.max_tokens - 1))
         if self.enable_prefix_caching:
             self._hit_tokens += num_cached
             self._query_tokens += seq.num_tokens
@@ -378,13 +374,17 @@ class PagedKVManager(KVManager):
         table = hits + pool.take(num_fresh)
         self.offload.swap_in(seq.seq_id, table[len(hits) : _cdiv(committed, bs)])
         state = _SeqBlocks(table, committed, len(hits), seq.max_tokens - 1)
-        self._seqs[seq.seq_id] = state
-        self._table_entries += len(table)
-        self._sum_limit += self._limit(state)
-        self._sum_committed += committed
+        self._hold(seq.seq_id, state)
         # Blocks copied back are findable again (superseding copies below).
         self._index(seq, state, committed // bs)
         return True
+
+    def _hold(self, seq_id: int, state: _SeqBlocks) -> None:
+        """``state`` becomes ``seq_id``'s blocks, counted in the running sums."""
+        self._seqs[seq_id] = state
+        self._table_entries += len(state.table) - state.released
+        self._sum_limit += self._limit(state)
+        self._sum_committed += state.num_committed
 
     def _found(self, hashes: list[int], limit: int) -> int:
         """Leading blocks of ``hashes[:limit]`` cached in device memory or below it."""
@@ -494,14 +494,10 @@ class PagedKVManager(KVManager):
         # Share only blocks holding computed KV; any room reserved beyond stays the parent's.
         shared = state.table[: _cdiv(state.num_committed, self.block_size)]
         self.pool.share(shared[state.released :])
-        child_state = _SeqBlocks(
+        self._hold(child.seq_id, _SeqBlocks(
             shared, state.num_committed, min(state.num_indexed, len(shared)), state.final_len,
             state.released,
-        )
-        self._seqs[child.seq_id] = child_state
-        self._table_entries += len(shared) - state.released
-        self._sum_limit += self._limit(child_state)
-        self._sum_committed += child_state.num_committed
+        ))
         self._forked.update((parent.seq_id, child.seq_id))
         hashes = self._hashes.get(parent.seq_id)
         if hashes is not None:
