@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 from kvbench.engines.base import BatchShape
+from kvbench.engines.kv import key_queue
 from kvbench.engines.kv.paged import PagedPolicy
 from kvbench.engines.model.presets import get_preset
 from kvbench.engines.registry import KINDS, NAMED_ENGINES
 from kvbench.engines.sim.costmodel import CostModel
 from kvbench.engines.sim.hardware import CostCoefficients, get_gpu
+from kvbench.engines.sim.replay import EventReplay
 from kvbench.engines.sim.replay import pool as replay_pool
 from kvbench.results import stepstats
 from kvbench.run.execute import record_of, start_and_run
@@ -214,3 +216,32 @@ def test_offload_tiers_fill_during_decode_jumps(tmp_path: Path) -> None:
                   kv_offload="cpu:4GiB")
     held = fast["paged"]["curves"]["offload_cpu_used_bytes"]
     assert len(set(held)) > 2
+
+
+@pytest.mark.parametrize(("offload", "native"), [
+    ("cpu:1GiB", True), ("cpu:512MiB@pcie5,disk:1GiB", True), ("cpu:512MiB,disk:1GiB", False),
+    ("cpu:1GiB/layerwise", True),
+])
+def test_offload_tiers_in_the_event_replay(tmp_path: Path, monkeypatch: Any, offload: str,
+                                           native: bool) -> None:
+    """The event replay keeps LRU offload tiers: blocks evicted (at admissions and along
+    quiet stretches) go down, lookups find them there, admissions load them and stall on
+    the loads; the records are those of steps taken one at a time."""
+    if not native:  # the numpy pool and the Python key queue
+        monkeypatch.setattr(replay_pool, "_library", lambda: None)
+        monkeypatch.setattr(key_queue, "_library", lambda: None)
+    advanced = []
+    advance = EventReplay.advance
+    monkeypatch.setattr(EventReplay, "advance",
+                        lambda self, *a: advanced.append(1) or advance(self, *a))
+    tiers, _, overlap = offload.partition("/")
+    sections = {"tiered": {"kind": "paged", "offload": {
+        "tiers": tiers, "overlap": overlap or "none"}}}
+    workload = WorkloadSection(trace="mooncake", path=str(MOONCAKE), num_requests=60)
+    fast = _check(tmp_path, workload, "qwen2.5-7b", ["tiered"], kv_memory="6GiB",
+                  max_model_len=32768, sections=sections)
+    assert advanced
+    summary = fast["tiered"]["summary"]
+    assert summary["offload_cpu_hit_rate"] > 0
+    assert summary["offload_stall_s"] > 0
+    assert len(set(fast["tiered"]["curves"]["offload_cpu_used_bytes"])) > 2

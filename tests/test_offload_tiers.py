@@ -73,10 +73,10 @@ def _check_tiers(kv: PagedKVManager) -> None:
     assert offload is not None
     device = set(kv.pool._by_hash)
     held = [set(t.queue) for t in offload.tiers]
-    assert sum(map(len, held)) == len(offload.where)
     for tier, keys in zip(offload.tiers, held, strict=True):
-        assert len(keys) <= tier.capacity_blocks
-        assert all(offload.where[k] is tier for k in keys)
+        assert len(keys) == len(tier.queue) <= tier.capacity_blocks - tier.pinned
+        assert all(k in tier.queue for k in keys)
+        assert offload.run(list(keys)[:1]) == min(len(keys), 1)
         assert not keys & device
     for a in range(len(held)):
         for b in range(a + 1, len(held)):
@@ -145,7 +145,7 @@ def test_blocks_are_conserved_across_tiers(tiers: str, host: bool) -> None:
     assert (kv.take_load_s() == 0) == host
     assert kv.pool.num_free == kv.num_blocks  # everything returned after drain
     stats = kv.stats()
-    assert stats.offload_used_bytes == len(kv.offload.where) * BS * 8
+    assert stats.offload_used_bytes == sum(len(t.queue) for t in kv.offload.tiers) * BS * 8
     assert stats.offload_hit_tokens == sum(
         t["hit_tokens"] for t in stats.offload_tiers.values())
 

@@ -465,8 +465,15 @@ def _log_block(run: EngineRun, block: StepBlock, clock: VirtualClock) -> int:
     if block.first_step != len(s):
         raise RuntimeError(f"replayed steps start at {block.first_step}, the log at {len(s)}")
     if block.steps:
+        logged = len(s.kv_used_bytes)
         for column, name in zip(_block_columns(s), COLUMNS, strict=True):
             column.extend(block.columns[name])
+        for kind in block.tiers:
+            if kind not in s.offload_bytes:
+                column_of(s.offload_bytes, kind).repeat(None, logged)
+            s.offload_bytes[kind].extend(block.columns[f"offload:{kind}"])
+    for stall in block.stalls:  # one step after another, as the clock adds them
+        clock.load_stall_s += stall
     timings = run.timings
     for request in block.sent:
         # Sent later than it arrived (the concurrency limit held it): its record says when.

@@ -32,15 +32,16 @@ the next step's compute. Their seconds are measured instead of priced.
 from __future__ import annotations
 
 import re
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from itertools import repeat, takewhile
-from operator import itemgetter
+from itertools import accumulate, repeat
+from operator import itemgetter, sub
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from kvbench.engines.kv.eviction import LFUQueue, LRUQueue
+from kvbench.engines.kv.key_queue import Keys, PyKeyQueue, as_ints, key_queue
 from kvbench.errors import KvbenchError
 from kvbench.units import parse_bytes
 
@@ -199,7 +200,7 @@ class Tier:
         # The heap queue reads a key's rank once, as it joins: lfu ranks by hits, cost by
         # (hits + 1) x (recompute - load) seconds.
         self._rank: dict[int, float] = {}
-        self.queue = LRUQueue() if spec.eviction == "lru" else LFUQueue(self._rank)  # type: ignore[arg-type]
+        self.queue = key_queue(spec.eviction == "lru", self._rank)
         self.loaded_blocks = self.stored_blocks = self.dropped_blocks = 0
         # Blocks of swapped-out sequences held here (never evicted), and blocks swapped.
         self.pinned = self.swapped_out_blocks = self.swapped_in_blocks = 0
@@ -212,41 +213,60 @@ class Tier:
     def __len__(self) -> int:
         return len(self.queue) + self.pinned
 
-    def add(self, keys: list[int], hits: list[int], depth: dict[int, int]) -> None:
-        """Take ``keys`` with their hit counts (``depth``: the block depths the cost rule
-        prices recomputing by)."""
-        self.hits.update(filter(itemgetter(1), zip(keys, hits, strict=True)))
+    def add(self, keys: Keys, hits: list[int] | None, depth: dict[int, int]) -> None:
+        """Take ``keys`` with their hit counts (None: none; ``depth``: the block depths the
+        cost rule prices recomputing by)."""
+        if hits is not None and any(hits):
+            self.hits.update(filter(itemgetter(1), zip(keys, hits, strict=True)))
         rule = self.spec.eviction
         if rule == "lru":
             self.queue.add_many(keys)
         else:
             rank, queue = self._rank, self.queue
-            for key, h in zip(keys, hits, strict=True):
+            assert isinstance(queue, PyKeyQueue)
+            for key, h in zip(keys, hits or repeat(0), strict=hits is not None):
                 rank[key] = h if rule == "lfu" else (h + 1) * (
                     self._recompute_s(depth.get(key, 0)) - self.load_block_s)
                 queue.add(key)
                 del rank[key]
         self.stored_blocks += len(keys)
 
-    def priced_load(self, depth: int) -> float:
-        """A block at ``depth`` of its sequence loaded over the link: its seconds."""
-        self.load_s += self.load_block_s
-        self.saved_s += self._recompute_s(depth) - self.load_block_s
-        return self.load_block_s
+    def priced_loads(self, first_depth: int, n: int, pending_s: float) -> float:
+        """Blocks at depths ``first_depth ..`` of their sequence, ``n`` of them, loaded over
+        the link: ``pending_s`` with their seconds added. Sums go one block at a time, as
+        loads made one by one add up."""
+        s = self.load_block_s
+        self.load_s = _sum_onto(self.load_s, repeat(s, n))
+        self.saved_s = _sum_onto(self.saved_s, map(
+            sub, map(self._recompute_s, range(first_depth, first_depth + n)), repeat(s)))
+        return _sum_onto(pending_s, repeat(s, n))
 
-    def take(self, key: int) -> int:
-        """Remove ``key`` (held here); its hit count."""
-        self.queue.remove(key)
-        return self.hits.pop(key, 0)
+    def take(self, keys: Keys) -> list[int]:
+        """Remove ``keys`` (held here); their hit counts."""
+        self.queue.remove_many(keys)
+        return self._hits_of(keys)
 
-    def overflow(self) -> tuple[list[int], list[int]]:
-        """Keys, and their hit counts, evicted to bring the tier within its capacity."""
+    def discard(self, keys: Keys) -> list[int]:
+        """Remove those of ``keys`` held here: them."""
+        gone = self.queue.discard(keys)
+        self._hits_of(gone)
+        return gone
+
+    def overflow(self) -> tuple[Keys, list[int] | None]:
+        """Keys, and their hit counts (None: none), evicted to bring the tier within its
+        capacity."""
         n = len(self) - self.capacity_blocks
         if n <= 0:
-            return [], []
+            return [], None
         keys = self.queue.evict(n)
+        return keys, self._hits_of(keys) if self.hits else None
+
+    def _hits_of(self, keys: Keys) -> list[int]:
+        """The hit counts of ``keys``, leaving (zeros where none is kept)."""
+        if not self.hits:
+            return [0] * len(keys)
         pop = self.hits.pop
-        return keys, [pop(key, 0) for key in keys]
+        return [pop(key, 0) for key in as_ints(keys)]
 
     def stats(self) -> dict[str, Any]:
         bb = self.block_bytes
@@ -321,7 +341,7 @@ class HostSlots:
 
 
 class OffloadTiers:
-    """The tiers below a paged pool, in order; ``where`` maps each held key to its tier."""
+    """The tiers below a paged pool, in order (each holds keys no other does)."""
 
     def __init__(self, spec: OffloadSpec, block_tokens: int, block_bytes: int, gpu: str | None,
                  recompute_s: Callable[[int], float], ranks: int = 1,
@@ -337,7 +357,6 @@ class OffloadTiers:
                 raise KvbenchError("real compute keeps one cpu offload tier in host memory")
             self.tiers[0].priced = False
             self.host = HostSlots(self.tiers[0].capacity_blocks, host_in_flight)
-        self.where: dict[int, Tier] = {}
         self.tracks_depth = any(t.spec.eviction == "cost" for t in self.tiers)
         self._depth: dict[int, int] = {}
         self._pending_load_s = 0.0
@@ -349,28 +368,25 @@ class OffloadTiers:
         if self.tracks_depth:
             self._depth.update(zip(keys[start:end], range(start, end), strict=True))
 
-    def store(self, blocks: list[int], keys: list[int], hits: list[int]) -> None:
-        """Device ``blocks`` evicted, caching ``keys``: into the first tier, cascading
-        overflow down."""
+    def store(self, blocks: list[int], keys: Keys, hits: list[int] | None) -> None:
+        """Device ``blocks`` evicted, caching ``keys`` (with ``hits``, their hit counts;
+        None: none): into the first tier, cascading overflow down."""
         dropped = self._cascade(keys, hits)
         if self.host is not None:
-            self._copy_out(blocks, keys, dropped)
+            self._copy_out(blocks, as_ints(keys), dropped)
 
-    def _cascade(self, keys: list[int], hits: list[int]) -> list[int]:
+    def _cascade(self, keys: Keys, hits: list[int] | None) -> Keys:
         """``keys`` into the first tier and each tier's overflow into the next: the keys
         the last tier drops."""
-        where, depth = self.where, self._depth
         for tier in self.tiers:
-            if keys:
-                tier.add(keys, hits, depth)
-                where.update(zip(keys, repeat(tier)))
+            if len(keys):
+                tier.add(keys, hits, self._depth)
             keys, hits = tier.overflow()
             if not keys:
                 return []
         self.tiers[-1].dropped_blocks += len(keys)
-        for key in keys:
-            del where[key]
-            depth.pop(key, None)
+        if self.tracks_depth:
+            deque(map(self._depth.pop, keys, repeat(None)), maxlen=0)
         return keys
 
     def swapped(self, seq_id: int) -> bool:
@@ -413,33 +429,57 @@ class OffloadTiers:
 
     def _copy_out(self, blocks: list[int], keys: list[int], dropped: list[int]) -> None:
         """Slots for the stored blocks the (only) tier kept, after freeing the dropped."""
-        host, where = self.host, self.where
+        host, tier = self.host, self.tiers[0]
         assert host is not None
         for key in dropped:
             host.release(key)
         for block, key in zip(blocks, keys, strict=True):
-            if key in where:
+            if key in tier.queue:
                 host.store(block, key)
 
-    def run(self, keys: Iterable[int]) -> int:
+    def run(self, keys: Keys) -> int:
         """How many leading ``keys`` some tier holds."""
-        return len(list(takewhile(self.where.__contains__, keys)))
+        runs = self._runs(keys)
+        return runs[-1][2] if runs else 0
 
-    def load(self, keys: list[int], first_depth: int = 0) -> list[int]:
+    def _runs(self, keys: Keys) -> list[tuple[Tier, int, int]]:
+        """The leading ``keys`` the tiers hold, as runs held by one tier each: (tier,
+        start, end), in order."""
+        tiers, out = self.tiers, []
+        n = idle = i = 0
+        while idle < len(tiers):
+            tier = tiers[i % len(tiers)]
+            i += 1
+            r = tier.queue.run(keys, n)
+            if r:
+                out.append((tier, n, n + r))
+                n += r
+                idle = 1  # the key now first is not this tier's
+            else:
+                idle += 1
+        return out
+
+    def load(self, keys: Keys, first_depth: int = 0) -> list[int]:
         """Move ``keys`` (all held; blocks ``first_depth``, ``first_depth`` + 1, ... of
         their sequence) up to the device: their hit counts. The transfer time waits for the
         next step (:meth:`take_load_s`)."""
-        out = []
-        for depth, key in enumerate(keys, first_depth):
-            tier = self.where.pop(key)
-            self._depth.pop(key, None)
-            out.append(tier.take(key))
-            tier.loaded_blocks += 1
+        out: list[int] = []
+        if self.tracks_depth:
+            deque(map(self._depth.pop, as_ints(keys), repeat(None)), maxlen=0)
+        runs = self._runs(keys)
+        if not runs or runs[-1][2] != len(keys):
+            raise RuntimeError("loading blocks the offload tiers do not hold")
+        for tier, a, b in runs:
+            ks = keys[a:b]
+            out += tier.take(ks)
+            tier.loaded_blocks += b - a
             if tier.priced:
-                self._pending_load_s += tier.priced_load(depth)
+                self._pending_load_s = tier.priced_loads(first_depth + a, b - a,
+                                                         self._pending_load_s)
             else:
                 assert self.host is not None
-                self.host.load(key)
+                for key in as_ints(ks):
+                    self.host.load(key)
         return out
 
     def measured(self, store_s: float, load_s: float) -> None:
@@ -447,13 +487,10 @@ class OffloadTiers:
         self.tiers[0].store_s += store_s
         self.tiers[0].load_s += load_s
 
-    def discard(self, keys: Iterable[int]) -> None:
+    def discard(self, keys: Keys) -> None:
         """Drop copies of ``keys`` the device now holds afresh."""
-        where = self.where
-        for key in keys:
-            tier = where.pop(key, None)
-            if tier is not None:
-                tier.take(key)
+        for tier in self.tiers:
+            for key in tier.discard(keys):
                 self._depth.pop(key, None)
                 if self.host is not None:
                     self.host.release(key)
@@ -465,9 +502,31 @@ class OffloadTiers:
     def stats(self) -> dict[str, dict[str, Any]]:
         return {t.kind: t.stats() for t in self.tiers}
 
+    def kv_fields(self) -> dict[str, Any]:
+        """The tiers' KVStats fields: each tier's figures, and their sums."""
+        tiers = self.stats()
+        out: dict[str, Any] = {f"offload_{name}": sum(t[name] for t in tiers.values())
+                               for name in _SUMMED}
+        out["offload_tiers"] = tiers
+        return out
+
+    def held_bytes(self) -> tuple[int, ...]:
+        """The bytes each tier holds now, in order."""
+        return tuple(len(t) * t.block_bytes for t in self.tiers)
+
     def describe(self) -> dict[str, Any]:
         return {"overlap": self.spec.overlap, "real_copies": self.host is not None, "tiers": [
             {"kind": t.kind, "capacity_blocks": t.capacity_blocks, "link": t.link.name,
              "load_bytes_per_s": t.link.load_bytes_per_s,
              "store_bytes_per_s": t.link.store_bytes_per_s, "link_source": t.link.source,
              "eviction": t.spec.eviction} for t in self.tiers]}
+
+
+# The per-tier figures whose sums over the tiers are KVStats fields (offload_<name>).
+_SUMMED = ("hit_tokens", "loaded_bytes", "stored_bytes", "load_s", "store_s", "used_bytes",
+           "swapped_out_bytes", "swapped_in_bytes")
+
+
+def _sum_onto(start: float, values: Iterable[float]) -> float:
+    """``start`` plus ``values``, added one after another."""
+    return deque(accumulate(values, initial=start), maxlen=1)[0]

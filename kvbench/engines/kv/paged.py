@@ -390,7 +390,7 @@ class PagedKVManager(KVManager):
         """Leading blocks of ``hashes[:limit]`` cached in device memory or below it."""
         n = len(self.pool.lookup(islice(hashes, limit)))
         if self.offload is not None and n < limit:
-            n += self.offload.run(islice(hashes, n, limit))
+            n += self.offload.run(hashes[n:limit])
         return n
 
     def _attachable(self, seq: Sequence, want: int) -> tuple[list[int], int | None]:
@@ -400,7 +400,7 @@ class PagedKVManager(KVManager):
         hits = self.pool.lookup(islice(hashes, want))
         below = want - len(hits)
         if below and (self.offload is None
-                      or self.offload.run(islice(hashes, len(hits), want)) < below):
+                      or self.offload.run(hashes[len(hits) : want]) < below):
             return hits, None
         return hits, below
 
@@ -561,25 +561,8 @@ class PagedKVManager(KVManager):
             copied_bytes=self._copied_bytes,
             page_table_entries=self._table_entries,
             evictions=pool.num_evictions if caching else None,
-            **self._offload_stats(),
+            **(self.offload.kv_fields() if self.offload is not None else {}),
         )
-
-    def _offload_stats(self) -> dict[str, Any]:
-        """The KVStats fields of the tiers below device memory (none without them)."""
-        if self.offload is None:
-            return {}
-        tiers = self.offload.stats()
-        return {
-            "offload_hit_tokens": sum(t["hit_tokens"] for t in tiers.values()),
-            "offload_loaded_bytes": sum(t["loaded_bytes"] for t in tiers.values()),
-            "offload_stored_bytes": sum(t["stored_bytes"] for t in tiers.values()),
-            "offload_load_s": sum(t["load_s"] for t in tiers.values()),
-            "offload_store_s": sum(t["store_s"] for t in tiers.values()),
-            "offload_used_bytes": sum(t["used_bytes"] for t in tiers.values()),
-            "offload_swapped_out_bytes": sum(t["swapped_out_bytes"] for t in tiers.values()),
-            "offload_swapped_in_bytes": sum(t["swapped_in_bytes"] for t in tiers.values()),
-            "offload_tiers": tiers,
-        }
 
     def take_load_s(self) -> float:
         return self.offload.take_load_s() if self.offload is not None else 0.0

@@ -59,8 +59,11 @@ def _book_blocker(kv: KVManager) -> str | None:
             return "finished sequences' blocks leak"
         if kv.eviction != "lru":
             return f"{kv.eviction} eviction of cached blocks"
-        if kv.offload is not None:
-            return "offload tiers below device memory"
+        if kv.swaps:
+            return "swap preemption"
+        offload = kv.offload
+        if offload is not None and any(t.spec.eviction != "lru" for t in offload.tiers):
+            return "offload tiers that evict by hits or cost"
     return None
 
 

@@ -69,12 +69,15 @@ class StepBlock:
     its values; a stretch of decode steps (:meth:`stretch`) is its values before its first
     step and what changes along it, from which every column is built for the whole block
     at once. The block starts at ``t_start``; ``token_bytes`` and ``page_bytes`` are the KV
-    bytes of a token and of a page."""
+    bytes of a token and of a page. With offload tiers (``tiers``, their kinds), each step
+    also has the bytes each tier holds (``offload:<kind>`` columns) and ``stalls`` has the
+    seconds each step that loaded blocks from them waited, in step order."""
 
     first_step: int
     t_start: float
     token_bytes: int = 1
     page_bytes: int = 1
+    tiers: tuple[str, ...] = ()
     t_end: float = 0.0
     steps: int = 0
     bulk_steps: int = 0
@@ -89,7 +92,12 @@ class StepBlock:
     last_kv: KVStats | None = None
     device_ranks: int = 1
     error: BaseException | None = None
+    stalls: list[float] = field(default_factory=list)
     _rows: list[tuple[Any, ...]] = field(default_factory=list)
+    # Per segment, what each tier held at its first step; and stretches' per-step holdings
+    # (tiers by steps) where blocks went down along them, by offset.
+    _held: list[tuple[int, ...]] = field(default_factory=list)
+    _held_given: list[tuple[int, np.ndarray]] = field(default_factory=list)
     _lengths: list[int] = field(default_factory=list)
     # Per segment: tokens its decoders write a step (0 for a single step), whether its text
     # KV grows with them, whether its refusal's free memory follows the free memory.
@@ -103,9 +111,10 @@ class StepBlock:
     _limits: list[tuple[int, np.ndarray]] = field(default_factory=list)
     _given: dict[int, tuple[list[int], list[np.ndarray]]] = field(default_factory=dict)
 
-    def row(self, values: tuple[Any, ...]) -> None:
-        """One step's values, in :data:`COLUMNS` order."""
+    def row(self, values: tuple[Any, ...], held: tuple[int, ...] = ()) -> None:
+        """One step's values, in :data:`COLUMNS` order, and what each tier holds after it."""
         self._rows.append(values)
+        self._held.append(held)
         self._lengths.append(1)
         self._ramps.append(0)
         self._text.append(False)
@@ -115,16 +124,21 @@ class StepBlock:
 
     def stretch(self, before: tuple[Any, ...], ends: np.ndarray, tokens: int, text: bool,
                 refused: bool, taken: np.ndarray | None, limits: np.ndarray | None,
-                device: dict[int, np.ndarray]) -> None:
+                device: dict[int, np.ndarray], held: tuple[int, ...] = (),
+                held_steps: np.ndarray | None = None) -> None:
         """Decode steps ending at ``ends``, each writing ``tokens`` KV slots: ``before`` holds
         the values before the first (those that stay put hold at every step). Along it, used
         KV (and text KV where ``text``) grows by ``tokens`` a step and the slots still to be
         written shrink by as many, grown by ``limits`` (cumulative); ``taken`` pages
         (cumulative) come out of free memory (and out of the refusal's free memory where
         ``refused``) into reserved memory, allocations and page-table entries; ``device``
-        components (by column index) that vary, per step."""
+        components (by column index) that vary, per step; ``held``: what each tier holds
+        along it, or per step in ``held_steps`` (tiers by steps) where that varies."""
         start, k = self.steps, len(ends)
         self._rows.append(before)
+        self._held.append(held)
+        if held_steps is not None:
+            self._held_given.append((start, held_steps))
         self._lengths.append(k)
         self._ramps.append(tokens)
         self._text.append(text)
@@ -191,7 +205,13 @@ class StepBlock:
             out[_DT][stretch] = t[stretch] - before[stretch]
         self.columns = {name: col.tolist() if col.dtype == object else col
                         for name, col in zip(COLUMNS, out, strict=True)}
-        self._rows, self._lengths = [], []
+        if self.tiers:
+            held = np.repeat(np.asarray(self._held, dtype=np.int64), lengths, axis=0).T
+            for start, steps in self._held_given:
+                held[:, start : start + steps.shape[1]] = steps
+            self.columns.update((f"offload:{kind}", held[i])
+                                for i, kind in enumerate(self.tiers))
+        self._rows, self._lengths, self._held = [], [], []
         return self
 
 

@@ -20,6 +20,8 @@ from kvbench.kernels.slot_copy import SlotCopy
 
 
 class ContiguousBook:
+    tier_kinds: tuple[str, ...] = ()
+
     def __init__(self, manager: ContiguousKVManager) -> None:
         m = manager
         self.bpt = m.bytes_per_token
@@ -134,6 +136,12 @@ class ContiguousBook:
             self.allocs - self.frees,
         )
 
+    def take_load_s(self) -> float:
+        return 0.0
+
+    def held(self) -> tuple[int, ...]:
+        return ()
+
     def mark(self) -> tuple[int | None, ...]:
         """What :meth:`stats` reads, as it is now."""
         return self.values()
@@ -170,10 +178,10 @@ class ContiguousBook:
         return steps
 
     def quiet(self, step: int, steps: int, n: int
-              ) -> tuple[np.ndarray | None, np.ndarray | None]:
+              ) -> tuple[np.ndarray | None, np.ndarray | None, None]:
         """Decoders write into their extents: nothing is taken."""
         self.used += n * steps
-        return None, None
+        return None, None, None
 
     # --- compaction ----------------------------------------------------------------------
 

@@ -73,6 +73,7 @@ class Book(Protocol):
     page_bytes: int
     page_tokens: int
     footprint: Any
+    tier_kinds: tuple[str, ...]
 
     def join(self, seq: Seq) -> None: ...
     def leave(self, seq: Seq) -> None: ...
@@ -92,6 +93,8 @@ class Book(Protocol):
     def free(self, seq: Seq, finished: bool, committed: int, step: int) -> None: ...
     def take_copies(self) -> list[SlotCopy]: ...
     def copies_pending(self) -> bool: ...
+    def take_load_s(self) -> float: ...
+    def held(self) -> tuple[int, ...]: ...
     def values(self) -> tuple[Any, ...]: ...
     def mark(self) -> tuple[Any, ...]: ...
     def stats(self, mark: tuple[Any, ...] | None = None) -> KVStats: ...
@@ -103,7 +106,7 @@ class Book(Protocol):
              plan: list[tuple[int, list[Seq]]], before: np.ndarray | None) -> int: ...
     def fill_stop(self, step: int, steps: int, avoid: set[int]) -> int: ...
     def quiet(self, step: int, steps: int, n: int
-              ) -> tuple[np.ndarray | None, np.ndarray | None]: ...
+              ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]: ...
 
 
 _NO_REFUSAL = (0, 0, 0)
@@ -123,6 +126,7 @@ class EventReplay:
         self.chunked = config.chunked_prefill
         self.window = engine.preset.sliding_window
         self.cost = cost
+        self.load_layerwise = engine.kv.load_layerwise
         self.memory = engine.executor.memory  # type: ignore[attr-defined]
         self.acts = self.memory.activations
         self.book = book
@@ -200,7 +204,7 @@ class EventReplay:
         and while nothing is left to run the clock waits for the next one), until the wave
         has drained or a block's wall time is up; at least one step unless the wave has
         nothing left."""
-        block = StepBlock(self.step, t, self.bpt, self.book.page_bytes)
+        block = StepBlock(self.step, t, self.bpt, self.book.page_bytes, self.book.tier_kinds)
         deadline = time.perf_counter() + BLOCK_WALL_S
         before: tuple[Any, ...] | None = None
         requests, n = arrivals.requests, len(arrivals.requests)
@@ -254,7 +258,9 @@ class EventReplay:
         scheduled: list[str] = []
         refusal = self._schedule(s, items, preempted, runs, scheduled)
         copies = self.book.take_copies()
-        dt, device, num_tokens = self._batch(s, items, copies)
+        dt, device, num_tokens, stall = self._batch(s, items, copies, self.book.take_load_s())
+        if stall is not None:
+            block.stalls.append(stall)
         t1 = t0 + dt
         first_tokens, finished = self._computed(s, items, t1, runs)
         values = self.book.values()
@@ -265,7 +271,7 @@ class EventReplay:
             t1, t1 - t0, num_tokens, n_run, len(self.waiting), len(preempted), *values, *refusal,
             encoder, text, *((0, 0) if text is not None else (None, None)),
             *device.row(),
-        ))
+        ), self.book.held())
         block.runs += runs
         block.scheduled += [(rid, t0) for rid in scheduled]
         block.first_tokens += first_tokens
@@ -315,10 +321,11 @@ class EventReplay:
             return _NO_REFUSAL
         return self._admit(s, budget, items, scheduled)
 
-    def _batch(self, s: int, items: list[tuple[Seq, int, int, bool]], copies: list[SlotCopy]
-               ) -> tuple[float, Any, int]:
-        """Step ``s``'s batch (every decoder, then the prefill chunks): its time, the device
-        memory it takes, and its tokens."""
+    def _batch(self, s: int, items: list[tuple[Seq, int, int, bool]], copies: list[SlotCopy],
+               load_s: float) -> tuple[float, Any, int, float | None]:
+        """Step ``s``'s batch (every decoder, then the prefill chunks) after ``load_s`` of
+        loads from offload tiers: its time, the device memory it takes, its tokens, and the
+        time it stalls on the loads (None without loads)."""
         running, n_dec, window = self.running, self.n_dec, self.window
         decode, prefill, num_tokens, sampled = n_dec, 0, n_dec, n_dec
         if window is None:
@@ -344,16 +351,18 @@ class EventReplay:
             pairs += item_pairs
         copied = sum(c.num_slots for c in copies) * self.bpt if copies else 0
         num_seqs = n_dec + len(items)
-        dt = self.cost.step_time_s(BatchShape(
+        batch = BatchShape(
             num_seqs=num_seqs, prefill_tokens=prefill, decode_tokens=decode,
             context_tokens=context, attn_pairs=pairs, decode_pairs=decode_pairs,
-            copied_bytes=copied))
+            copied_bytes=copied, load_s=load_s, load_layerwise=self.load_layerwise)
+        dt = self.cost.step_time_s(batch)
+        stall = self.cost.load_stall_s(batch) if load_s else None
         if not (num_seqs or copies):
-            return dt, self.memory.idle(), num_tokens
+            return dt, self.memory.idle(), num_tokens, stall
         if n_dec and self.acts.attention != "fused":
             longest = max(longest, s + 1 + max(q.c for q in running if q.decoding))
         shape = ForwardShape(num_tokens, sampled, tuple(chunks), decode, longest)
-        return dt, self.memory.step_shape(shape), num_tokens
+        return dt, self.memory.step_shape(shape), num_tokens, stall
 
     def _computed(self, s: int, items: list[tuple[Seq, int, int, bool]], t1: float,
                   runs: list[tuple[str, int, int]]
@@ -684,7 +693,8 @@ class EventReplay:
         # the used KV, both grow alike along it.
         text = (n * (s + a) + self.sum_c - book.shared_tokens()) * self.bpt
         known = text == before[2]
-        taken, limits = book.quiet(s + a, b - a + 1, n)
+        held = book.held()
+        taken, limits, held_steps = book.quiet(s + a, b - a + 1, n)
         refusal = _NO_REFUSAL if need is None else (need, before[4], before[5])
         first, last, varying = [], [], {}
         for name, col in device.items():
@@ -702,7 +712,8 @@ class EventReplay:
                 text if known else None, *((0, 0) if known else (None, None)), *first,
             ), ends[a + 1 : a + k + 1], n, known, need is not None,
                 None if taken is None else taken[:k], None if limits is None else limits[:k],
-                {i: col[:k] for i, col in varying.items()})
+                {i: col[:k] for i, col in varying.items()}, held,
+                None if held_steps is None else held_steps[:, :k])
         t1 = float(ends[b + 1])
         if finishing is None:
             after = book.values()
@@ -719,7 +730,7 @@ class EventReplay:
             t1, t1 - float(ends[b]), n, len(self.running), len(self.waiting), 0, *values,
             *_NO_REFUSAL, last[_ENCODER], text, *((0, 0) if text is not None else (None, None)),
             *last,
-        ))
+        ), book.held())
         block.runs += runs
         block.finished += finished
         block.ended.append((s + b, len(finished)))

@@ -36,6 +36,9 @@ typedef struct {
     int8_t *state;
     uint64_t *key;
     int64_t c[NCOUNTERS];
+    /* the key the next evicted placeholder goes down to offload tiers under: counting down
+     * from the top of the key space */
+    uint64_t placeholder;
     /* the key table: entries key -> block, block < 0 where empty */
     int64_t hbits, hmask, hcount;
     Entry *h;
@@ -140,6 +143,7 @@ Pool *kvp_new(int64_t n, int64_t bs) {
     for (int64_t i = 0; i < p->qcap; i++) p->q[i] = -1;
     for (int64_t i = 0; i < hsize; i++) p->h[i].block = -1;
     p->c[TOP] = n;
+    p->placeholder = UINT64_MAX;
     return p;
 }
 
@@ -154,8 +158,6 @@ int64_t *kvp_counters(Pool *p) {
     return p->c;
 }
 
-/* Hand out m blocks into out, each with one reference: plain ones first, then the least
- * recently freed cached ones, evicted (-1, nothing done, where fewer are free). */
 /* Block ids from Python outside the pool: refused (-1) before anything is touched. */
 static int outside(const Pool *p, const int64_t *blocks, int64_t m) {
     for (int64_t i = 0; i < m; i++)
@@ -163,7 +165,11 @@ static int outside(const Pool *p, const int64_t *blocks, int64_t m) {
     return 0;
 }
 
-int64_t kvp_take(Pool *p, int64_t m, int64_t *out) {
+/* Hand out m blocks into out, each with one reference: plain ones first, then the least
+ * recently freed cached ones, evicted (-1, nothing done, where fewer are free). Unless
+ * ev_keys is NULL, the key each evicted block cached goes there, in eviction order, for
+ * offload tiers (a placeholder's: one of its own); returns how many were evicted. */
+int64_t kvp_take(Pool *p, int64_t m, int64_t *out, uint64_t *ev_keys) {
     int64_t *c = p->c, top = c[TOP];
     if (m < 0 || m > top + c[QTAIL] - c[QHEAD] - c[QHOLES]) return -1;
     int64_t k = m < top ? m : top;
@@ -177,6 +183,7 @@ int64_t kvp_take(Pool *p, int64_t m, int64_t *out) {
             b = p->q[head++];
         }
         p->qpos[b] = -1;
+        if (ev_keys) ev_keys[i - k] = p->state[b] == KEYED ? p->key[b] : p->placeholder--;
         if (p->state[b] == KEYED) del(p, p->key[b]);
         p->state[b] = NONE;
         out[i] = b;
@@ -185,7 +192,7 @@ int64_t kvp_take(Pool *p, int64_t m, int64_t *out) {
     c[EVICTIONS] += m - k;
     for (int64_t i = 0; i < m; i++) p->ref[out[i]] = 1;
     c[ALLOCS] += m;
-    return 0;
+    return m - k;
 }
 
 /* The blocks caching the longest leading run of keys, into out; returns how many. */

@@ -15,12 +15,20 @@ id, negated: unique and never looked up) and gets its content's key when its seq
 preempted, before anyone can look it up; hashing every generated block would cost more than
 the rest of its bookkeeping.
 
+Offload tiers (:mod:`kvbench.engines.kv.offload`) are the manager's own: evicted blocks go
+down to them, a lookup goes on through them, and an admission loads what it found there.
+A placeholder-keyed block goes down under a key of its own (the pool's, which no lookup
+asks for), where it takes its room as the block it stands for would. The
+replay keeps tiers that evict by ``lru``: hit counts, which the other rules rank by, are
+not kept here.
+
 Only what the replay supports is kept: one sample per request (no forks, so no
 copy-on-write and a block is shared only through a prefix hit), no sliding-window release,
-no leaking fault."""
+no leaking fault, no swap preemption."""
 
 from __future__ import annotations
 
+from array import array
 from itertools import accumulate
 from typing import Any
 
@@ -56,6 +64,8 @@ class PagedBook:
         self.pool = new_pool(manager.num_blocks, bs)
         self.hasher = BlockHasher(bs)
         self.trace = manager.trace
+        self.offload = manager.offload
+        self.tier_kinds = tuple(t.kind for t in self.offload.tiers) if self.offload else ()
         self.used = self.sum_limit = self.sum_committed = self.entries = 0
         self.hit_tokens = self.query_tokens = 0
         self.groups: list[dict[Seq, None]] = [{} for _ in range(bs)]
@@ -78,7 +88,7 @@ class PagedBook:
     def grow_decoders(self, seqs: list[Seq]) -> None:
         """One block each (the caller checked they are free)."""
         bs = self.bs
-        for seq, block in zip(seqs, self.pool.take(len(seqs)), strict=True):
+        for seq, block in zip(seqs, self._take_blocks(len(seqs)), strict=True):
             table = seq.table
             assert table is not None
             m = len(table)
@@ -112,8 +122,10 @@ class PagedBook:
             seq.indexed = b + 1
         if known:
             # A block its own earlier run filled before a preemption: its key is known.
-            self.pool.cache([b for b, _ in known], [k for _, k in known], 0, len(known))
-            self.trace.write([k for _, k in known])
+            keys = [k for _, k in known]
+            self._discard(keys)
+            self.pool.cache([b for b, _ in known], keys, 0, len(known))
+            self.trace.write(keys)
         if blocks:
             self.pool.cache_placeholders(blocks)
 
@@ -136,7 +148,7 @@ class PagedBook:
             return False
         f = seq.final_len
         before = min(len(table) * bs, f)
-        table += self.pool.take(num_fresh)
+        table += self._take_blocks(num_fresh)
         self.entries += num_fresh
         self.sum_limit += min(len(table) * bs, f) - before
         return True
@@ -148,8 +160,12 @@ class PagedBook:
             return 0, []
         n = seq.num_tokens
         hashes = self._hashes_upto(seq, n // self.bs)
-        hits = self.pool.lookup(hashes[: (n - 1) // self.bs])
-        return len(hits) * self.bs, hits
+        limit = (n - 1) // self.bs
+        hits = self.pool.lookup(hashes[:limit])
+        found = len(hits)
+        if self.offload is not None and found < limit:
+            found += self.offload.run(hashes[found:limit].tolist())
+        return found * self.bs, hits
 
     def would_admit(self, seq: Seq, cached: int, hits: list[int], num_new: int) -> bool:
         num_fresh = _cdiv(cached + num_new, self.bs) - len(hits)
@@ -161,10 +177,18 @@ class PagedBook:
         if num_fresh + pool.count_free(hits) > pool.num_free:
             return False
         self.used += pool.touch(hits) * bs
-        fresh = pool.take(num_fresh)
+        # Blocks found below device memory move up into fresh blocks, findable again.
+        want = cached // bs
+        below = seq.hashes[len(hits) : want] if want > len(hits) else None  # type: ignore[index]
+        if below is not None:
+            self.offload.load(below.tolist(), len(hits))  # type: ignore[union-attr]
+        fresh = self._take_blocks(num_fresh)
         table = hits + fresh if hits else fresh
+        if below is not None:
+            pool.cache(table, seq.hashes, len(hits), want)  # type: ignore[arg-type]
+            self.used += len(below) * bs
         seq.table = table
-        seq.indexed = len(hits)
+        seq.indexed = want
         self.entries += len(table)
         self.sum_limit += min(len(table) * bs, seq.final_len)
         self.sum_committed += cached
@@ -174,6 +198,8 @@ class PagedBook:
             if self._findable(seq):
                 limit = (seq.num_tokens - 1) // bs
                 self.trace.lookup(self._hashes_upto(seq, limit)[:limit])
+            if below is not None:
+                self.trace.write(below)
         return True
 
     def commit(self, seq: Seq, before: int, after: int) -> None:
@@ -189,12 +215,14 @@ class PagedBook:
                     # under placeholders: only its own lookup could find them.
                     known = min(len(seq.hashes) if seq.hashes is not None else 0, full)
                     if known > indexed:
+                        self._discard(seq.hashes[indexed:known])  # type: ignore[index]
                         self.pool.cache(seq.table, seq.hashes, indexed,  # type: ignore[arg-type]
                                         known)
                         self.trace.write(seq.hashes[indexed:known])  # type: ignore[index]
                     self.pool.cache_placeholders(seq.table[max(known, indexed) : full])  # type: ignore[index]
                 else:
                     hashes = self._hashes_upto(seq, full)
+                    self._discard(hashes[indexed:full])
                     self.pool.cache(seq.table, hashes, indexed, full)  # type: ignore[arg-type]
                     self.trace.write(hashes[indexed:full])
                 seq.indexed = full
@@ -221,6 +249,35 @@ class PagedBook:
     def take_copies(self) -> list[SlotCopy]:
         return []
 
+    def take_load_s(self) -> float:
+        return self.offload.take_load_s() if self.offload is not None else 0.0
+
+    # --- offload tiers -------------------------------------------------------------------
+
+    def _take_blocks(self, n: int) -> list[int]:
+        """``n`` blocks from the pool, the cached blocks it evicts going down to the
+        tiers."""
+        if self.offload is None or n <= self.pool.num_plain_free:
+            return self.pool.take(n)
+        evicted = array("Q")
+        blocks = self.pool.take(n, evicted)
+        self._store(evicted)
+        return blocks
+
+    def _store(self, evicted: array) -> None:
+        """Evicted blocks' keys into the first tier."""
+        if evicted:
+            self.offload.store([], evicted, None)  # type: ignore[union-attr]
+
+    def _discard(self, keys: np.ndarray | list[int]) -> None:
+        """Keys cached on the device afresh: copies held below are superseded."""
+        if self.offload is not None and len(keys):
+            self.offload.discard(keys.tolist() if isinstance(keys, np.ndarray) else keys)
+
+    def held(self) -> tuple[int, ...]:
+        """The bytes each tier holds now (none without tiers)."""
+        return self.offload.held_bytes() if self.offload is not None else ()
+
     def copies_pending(self) -> bool:
         return False
 
@@ -239,7 +296,8 @@ class PagedBook:
 
     def mark(self) -> tuple[Any, ...]:
         """What :meth:`stats` reads, as it is now."""
-        return *self.values(), self.query_tokens, self.pool.num_evictions
+        tiers = self.offload.kv_fields() if self.offload is not None else {}
+        return *self.values(), self.query_tokens, self.pool.num_evictions, tiers
 
     def stats(self, mark: tuple[Any, ...] | None = None) -> KVStats:
         """The KV snapshot now, or as ``mark`` found it."""
@@ -251,7 +309,7 @@ class PagedBook:
             shared_bytes=v[6], prefix_hit_tokens=v[7],
             prefix_query_tokens=v[12] if caching else None,
             block_allocs=v[8], block_frees=v[9], copied_bytes=v[10], page_table_entries=v[11],
-            evictions=v[13] if caching else None,
+            evictions=v[13] if caching else None, **v[14],
         )
 
     def free_now(self) -> tuple[int, int]:
@@ -362,10 +420,11 @@ class PagedBook:
         return steps
 
     def quiet(self, step: int, steps: int, n: int
-              ) -> tuple[np.ndarray | None, np.ndarray | None]:
+              ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
         """Apply ``steps`` steps of ``n`` decoders (within :meth:`room`). Returns the blocks
         taken and the slots their sequences will write added, through each step
-        (cumulative; None when no block is taken)."""
+        (cumulative; None when no block is taken), and the bytes each tier holds after each
+        step (tiers by steps; None where blocks evicted on the way changed none)."""
         bs, groups = self.bs, self.groups
         takers: list[Seq] = []
         fills: list[Seq] = []
@@ -384,33 +443,54 @@ class PagedBook:
         if not takers:
             if fills:
                 self._cache_fills(fills)
-            return None, None
+            return None, None, None
         delta = np.zeros(steps, dtype=np.int64)
+        held = _HeldSeries(self.held(), steps)
         if fills and any(s.hashes is not None and s.indexed < len(s.hashes) for s in fills):
             # A block filled here has its content's key, which a cached block might hold
-            # that a take evicts first: keep each step's takes before its fills.
+            # that a take evicts first (or a tier): each step's takes before its fills.
             for j in range(steps):
-                self._take(list(groups[-(step + j) % bs]), delta, j)
+                self._take(list(groups[-(step + j) % bs]), delta, j, held)
                 self.fill_decoders(step + j)
+                held.mark(j, self.held())
         else:
-            self._take(takers, delta, at)
+            self._take(takers, delta, at, held)
             if fills:
                 self._cache_fills(fills)
         counts = np.bincount(at, minlength=steps)
         limits = delta.cumsum()
         self.sum_limit += int(limits[-1])
         self.entries += len(takers)
-        return counts.cumsum(), limits
+        return counts.cumsum(), limits, held.columns()
 
-    def _take(self, seqs: list[Seq], delta: np.ndarray, steps: list[int] | int) -> None:
+    def _take(self, seqs: list[Seq], delta: np.ndarray, steps: list[int] | int,
+              held: _HeldSeries) -> None:
         """A block for each of ``seqs`` (taking blocks in a row hands them out exactly as
         one take of them all), adding to ``delta`` at each one's step what its sequence's
-        slots to be written grow by (a whole block, but where its final length ends)."""
+        slots to be written grow by (a whole block, but where its final length ends). The
+        blocks evicted go down to the tiers step by step, as steps taken one at a time
+        send them (``held`` marks what the tiers hold after each)."""
         if not seqs:
             return
         bs = self.bs
         at = [steps] * len(seqs) if isinstance(steps, int) else steps
-        for seq, block, j in zip(seqs, self.pool.take(len(seqs)), at, strict=True):
+        plain = self.pool.num_plain_free
+        if self.offload is None or len(seqs) <= plain:
+            blocks = self.pool.take(len(seqs))
+        else:
+            evicted = array("Q")
+            blocks = self.pool.take(len(seqs), evicted)
+            # Plain blocks go first: the evicted ones are the last takers', in step order.
+            i = plain
+            while i < len(seqs):
+                j = at[i]
+                e = i + 1
+                while e < len(seqs) and at[e] == j:
+                    e += 1
+                self._store(evicted[i - plain : e - plain])
+                held.mark(j, self.held())
+                i = e
+        for seq, block, j in zip(seqs, blocks, at, strict=True):
             table = seq.table
             m = len(table)  # type: ignore[arg-type]
             table.append(block)  # type: ignore[union-attr]
@@ -436,3 +516,28 @@ class PagedBook:
                 have * bs, num_blocks * bs, self.vocab)), dtype=np.uint64)
             hashes = seq.hashes = new if hashes is None else np.concatenate((hashes, new))
         return hashes
+
+
+class _HeldSeries:
+    """The bytes each tier holds after each of ``steps`` steps taken in one go, from what
+    they held before and what they held after the steps that sent blocks down."""
+
+    def __init__(self, before: tuple[int, ...], steps: int) -> None:
+        self.before, self.steps = before, steps
+        self.at: list[int] = []
+        self.values: list[tuple[int, ...]] = []
+
+    def mark(self, step: int, held: tuple[int, ...]) -> None:
+        """After ``step`` (in order), the tiers hold ``held``."""
+        last = self.values[-1] if self.values else self.before
+        if held != last:
+            self.at.append(step)
+            self.values.append(held)
+
+    def columns(self) -> np.ndarray | None:
+        """Tiers by steps, or None when nothing changed."""
+        if not self.values:
+            return None
+        rows = np.asarray([self.before, *self.values], dtype=np.int64)
+        where = np.searchsorted(np.asarray(self.at), np.arange(self.steps), side="right")
+        return rows[where].T

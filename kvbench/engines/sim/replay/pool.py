@@ -19,7 +19,7 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 from functools import cache, partial
-from itertools import takewhile
+from itertools import count, takewhile
 from operator import is_not
 from pathlib import Path
 
@@ -34,7 +34,7 @@ class ArrayPool:
         "_by_key", "_hit", "_key", "_keys", "_plain", "_plains", "_q", "_qhead", "_qholes",
         "_qpos", "_qposs", "_qs", "_qtail", "_refs", "_state", "_states", "_top",
         "block_size", "num_allocs", "num_blocks", "num_evictions", "num_frees", "num_shared",
-        "ref",
+        "placeholder_keys", "ref",
     )
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -62,6 +62,7 @@ class ArrayPool:
         self._qposs, self._qpos = _ints(n, -1)
         self._qhead = self._qtail = self._qholes = 0
         self.num_shared = self.num_allocs = self.num_evictions = self.num_frees = 0
+        self.placeholder_keys = count(_TOP_KEY, -1)
 
     @property
     def num_free(self) -> int:
@@ -71,28 +72,35 @@ class ArrayPool:
     def num_plain_free(self) -> int:
         return self._top
 
-    def take(self, n: int) -> list[int]:
-        """Hand out ``n`` blocks (the caller checked ``num_free``), each with one reference."""
+    def take(self, n: int, evicted: array | None = None) -> list[int]:
+        """Hand out ``n`` blocks (the caller checked ``num_free``), each with one reference.
+        With ``evicted``, the key each evicted block cached is appended to it, in eviction
+        order: a placeholder's is a key of its own, counting down from the top of the key
+        space (so the C pool's are the same)."""
         if n <= _FEW:
-            return self._take_few(n)
+            return self._take_few(n, evicted)
         k = min(n, self._top)
         top = self._top
         out = self._plain[top - k : top][::-1]
         self._top = top - k
         if k < n:
-            evicted = self._evict(n - k)
-            keyed = self._state[evicted] == _KEYED
+            evicted_blocks = self._evict(n - k)
+            keyed = self._state[evicted_blocks] == _KEYED
+            if evicted is not None:
+                ph = self.placeholder_keys
+                evicted.extend([key if kd else next(ph) for key, kd in zip(
+                    self._key[evicted_blocks].tolist(), keyed.tolist(), strict=True)])
             if keyed.any():
-                keys = self._key[evicted[keyed]].tolist()
+                keys = self._key[evicted_blocks[keyed]].tolist()
                 deque(map(self._by_key.__delitem__, keys), maxlen=0)
-            self._state[evicted] = _NONE
-            self.num_evictions += len(evicted)
-            out = np.concatenate([out, evicted]) if k else evicted
+            self._state[evicted_blocks] = _NONE
+            self.num_evictions += len(evicted_blocks)
+            out = np.concatenate([out, evicted_blocks]) if k else evicted_blocks
         self.ref[out] = 1
         self.num_allocs += n
         return out.tolist()
 
-    def _take_few(self, n: int) -> list[int]:
+    def _take_few(self, n: int, evicted: array | None) -> list[int]:
         """:meth:`take` of a few blocks, one at a time."""
         top, plains = self._top, self._plains
         k = min(n, top)
@@ -110,6 +118,9 @@ class ArrayPool:
                     b = q[head]
                     head += 1
                 qpos[b] = -1
+                if evicted is not None:
+                    evicted.append(keys[b] if states[b] == _KEYED else next(
+                        self.placeholder_keys))
                 if states[b] == _KEYED:
                     del by_key[keys[b]]
                 states[b] = _NONE
@@ -262,6 +273,9 @@ class ArrayPool:
 
 
 _NONE, _PLACEHOLDER, _KEYED = 0, 1, 2
+# Evicted placeholders' keys count down from here: a content's key equals one as rarely as
+# two contents' keys collide.
+_TOP_KEY = (1 << 64) - 1
 # Up to this many blocks, one at a time in Python beats numpy's cost per call.
 _FEW = 8
 
@@ -311,9 +325,16 @@ class NativePool:
     num_evictions = property(lambda self: self._c[6])
     num_frees = property(lambda self: self._c[7])
 
-    def take(self, n: int) -> array:
+    def take(self, n: int, evicted: array | None = None) -> array:
         out = array("q", bytes(8 * n))
-        if _LIB.kvp_take(self._p, n, out.buffer_info()[0]) < 0:
+        if evicted is None or n <= self._c[0]:
+            got = _LIB.kvp_take(self._p, n, out.buffer_info()[0], None)
+        else:
+            keys = array("Q", bytes(8 * n))
+            got = _LIB.kvp_take(self._p, n, out.buffer_info()[0], keys.buffer_info()[0])
+            if got > 0:
+                evicted += keys[:got]
+        if got < 0:
             raise RuntimeError(f"take({n}) with {self.num_free} blocks free")
         return out
 
@@ -411,7 +432,7 @@ def _library() -> ctypes.CDLL | None:
     signatures = {
         "kvp_free": (None, [ptr]),
         "kvp_counters": (ptr, [ptr]),
-        "kvp_take": (i64, [ptr, i64, ptr]),
+        "kvp_take": (i64, [ptr, i64, ptr, ptr]),
         "kvp_lookup": (i64, [ptr, ptr, i64, ptr]),
         "kvp_count_refs": (i64, [ptr, ptr, i64, i64]),
         "kvp_touch": (i64, [ptr, ptr, i64]),

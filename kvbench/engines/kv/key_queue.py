@@ -1,0 +1,194 @@
+"""The queues of block keys an offload tier evicts from (:mod:`~kvbench.engines.kv.offload`).
+
+An ``lru`` tier keeps its keys in :class:`KeyQueue`, in C (``key_queue.c``, built on first
+use as the native attention kernel is), where a Python ``OrderedDict`` would cost about a
+microsecond a key: a Mooncake replay sends a million evicted blocks through a tier. Where
+there is no C compiler, and for the ``lfu`` and ``cost`` rules, :class:`PyKeyQueue` keeps
+them in the eviction queues of :mod:`~kvbench.engines.kv.eviction`; both evict in the same
+order.
+
+Keys are 64-bit block hashes, given as a list of ints, an ``array("Q")`` or a numpy
+``uint64`` array.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from array import array
+from collections.abc import Iterator, Sequence
+from functools import cache
+from itertools import islice, takewhile
+from pathlib import Path
+
+import numpy as np
+
+from kvbench.engines.kv.eviction import LFUQueue, LRUQueue
+from kvbench.kernels import cpu_native
+
+Keys = Sequence[int] | array | np.ndarray
+
+
+class KeyQueue:
+    """Keys in the order they joined, the least recent evicted first (C)."""
+
+    __slots__ = ("_n", "_q")
+
+    def __init__(self) -> None:
+        lib = _library()
+        if lib is None:
+            raise RuntimeError("the C key queue did not build")
+        q = lib.kvq_new()
+        if not q:
+            raise MemoryError("no memory for a key queue")
+        self._q = q
+        self._n = 0  # kept here too: a tier asks for it at every step
+
+    def __del__(self) -> None:
+        lib = _library()
+        if lib is not None and getattr(self, "_q", None):
+            lib.kvq_free(self._q)
+            self._q = None
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __contains__(self, key: object) -> bool:
+        return self.run([key], 0) == 1  # type: ignore[list-item]
+
+    def __iter__(self) -> Iterator[int]:
+        """The keys held, least recently added first."""
+        out = array("Q", bytes(8 * len(self)))
+        _LIB.kvq_keys(self._q, out.buffer_info()[0])
+        return iter(out.tolist())
+
+    def add_many(self, keys: Keys) -> None:
+        """Append ``keys`` (a key held already stays where it is)."""
+        k = _buffer(keys)
+        if k:
+            n = _LIB.kvq_add(self._q, k.buffer_info()[0], len(k))
+            if n < 0:
+                raise MemoryError("an offload tier's key queue could not grow")
+            self._n = n
+
+    def remove_many(self, keys: Keys) -> None:
+        """Take out ``keys``, all held."""
+        k = _buffer(keys)
+        if k:
+            self._n -= _LIB.kvq_remove(self._q, k.buffer_info()[0], len(k), None)
+
+    def discard(self, keys: Keys) -> list[int]:
+        """Take out those of ``keys`` held: them, in order."""
+        k = _buffer(keys)
+        if not k:
+            return []
+        gone = bytearray(len(k))
+        n = _LIB.kvq_remove(self._q, k.buffer_info()[0], len(k),
+                            (ctypes.c_char * len(k)).from_buffer(gone))
+        if not n:
+            return []
+        self._n -= n
+        return [key for key, g in zip(k, gone, strict=True) if g]
+
+    def evict(self, n: int) -> array:
+        """Take out the ``n`` least recently added keys (the caller checked there are)."""
+        out = array("Q", bytes(8 * n))
+        if _LIB.kvq_evict(self._q, n, out.buffer_info()[0]) < 0:
+            raise RuntimeError(f"evict({n}) from a queue of {len(self)} keys")
+        self._n -= n
+        return out
+
+    def run(self, keys: Keys, start: int) -> int:
+        """How many of ``keys`` from ``start`` on, one after another, are held."""
+        k = _buffer(keys)
+        if start >= len(k):
+            return 0
+        return _LIB.kvq_run(self._q, k.buffer_info()[0] + 8 * start, len(k) - start)
+
+
+class PyKeyQueue:
+    """:class:`KeyQueue`'s operations over an eviction queue of
+    :mod:`~kvbench.engines.kv.eviction` (LRU, or LFU by a rank read as a key joins)."""
+
+    __slots__ = ("queue",)
+
+    def __init__(self, queue: LRUQueue | LFUQueue) -> None:
+        self.queue = queue
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.queue
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.queue)
+
+    def add(self, key: int) -> None:
+        self.queue.add(key)
+
+    def add_many(self, keys: Keys) -> None:
+        self.queue.add_many(as_ints(keys))
+
+    def remove_many(self, keys: Keys) -> None:
+        for key in as_ints(keys):
+            self.queue.remove(key)
+
+    def discard(self, keys: Keys) -> list[int]:
+        held = [key for key in as_ints(keys) if key in self.queue]
+        self.remove_many(held)
+        return held
+
+    def evict(self, n: int) -> list[int]:
+        return self.queue.evict(n)
+
+    def run(self, keys: Keys, start: int) -> int:
+        return len(list(takewhile(self.queue.__contains__, islice(as_ints(keys), start, None))))
+
+
+def key_queue(lru: bool, rank: dict[int, float]) -> KeyQueue | PyKeyQueue:
+    """A tier's queue: LRU (in C where it builds), else LFU by ``rank``."""
+    if not lru:
+        return PyKeyQueue(LFUQueue(rank))  # type: ignore[arg-type]
+    return KeyQueue() if _library() is not None else PyKeyQueue(LRUQueue())
+
+
+def as_ints(keys: Keys) -> Sequence[int]:
+    return keys.tolist() if isinstance(keys, array | np.ndarray) else keys
+
+
+def _buffer(keys: Keys) -> array:
+    """``keys`` as 64-bit unsigned integers in memory C can read."""
+    if type(keys) is array and keys.typecode == "Q":
+        return keys
+    if isinstance(keys, np.ndarray):
+        out = array("Q")
+        out.frombytes(np.ascontiguousarray(keys, dtype=np.uint64).tobytes())
+        return out
+    return array("Q", keys)
+
+
+_LIB: ctypes.CDLL
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    """``key_queue.c`` built and loaded, or None where it cannot be built here."""
+    global _LIB
+    lib = cpu_native.optional_library(Path(__file__).with_name("key_queue.c"))
+    if lib is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    signatures = {
+        "kvq_new": (ptr, []),
+        "kvq_free": (None, [ptr]),
+        "kvq_add": (i64, [ptr, ptr, i64]),
+        "kvq_remove": (i64, [ptr, ptr, i64, ptr]),
+        "kvq_evict": (i64, [ptr, i64, ptr]),
+        "kvq_run": (i64, [ptr, ptr, i64]),
+        "kvq_keys": (i64, [ptr, ptr]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        f = getattr(lib, name)
+        f.restype, f.argtypes = restype, argtypes
+    _LIB = lib
+    return lib
