@@ -250,6 +250,42 @@ class SimTraces:
     track_realtime_factor.unit = "x real time (higher is better)"  # type: ignore[attr-defined]
 
 
+class OffloadReplay:
+    """The Mooncake trace replayed with offload tiers below HBM (the ``offload`` suite:
+    Qwen2.5-7B on a simulated H200; paged alone, a 64 GiB cpu tier, and 256 GiB cpu + 2 TiB
+    disk): simulated seconds per wall second of the replay, median of three rounds, the
+    engines in turn within each. The goal is at least 500x real time."""
+
+    params = (["paged", "cpu64-pcie5", "cpu256-disk2t"],)
+    param_names = ("engine",)
+    timeout = 900
+    REPEATS = 3
+
+    def setup_cache(self) -> dict[str, float] | None:
+        if not (TRACES / TRACE_CASES["mooncake"][1]).is_file():
+            return None
+        suite, base = load_suite("offload")
+        plan = plan_run(suite, base, None, "asv offload replay")
+        speed: dict[str, list[float]] = {e: [] for e in self.params[0]}
+        for _ in range(self.REPEATS):
+            for engine in speed:
+                eng = _engine(plan, engine)
+                t0 = time.perf_counter()
+                run = run_engine(eng, plan.workload, VirtualClock(
+                    CostModel(plan.preset, plan.device.hardware, plan.device.tp)))
+                speed[engine].append(run.duration_s / (time.perf_counter() - t0))
+        return {e: statistics.median(v) for e, v in speed.items()}
+
+    def setup(self, cache, engine: str) -> None:
+        if cache is None:
+            raise NotImplementedError(f"{TRACES / TRACE_CASES['mooncake'][1]} is not there")
+
+    def track_realtime_factor(self, cache, engine):
+        return cache[engine]
+
+    track_realtime_factor.unit = "x real time (higher is better)"  # type: ignore[attr-defined]
+
+
 class PrefixOracleCost:
     """What the prefix-cache oracle (Belady's MIN over the run's block accesses) costs after a
     replay of the Mooncake trace with paged KV: its time as a share of the replay's wall

@@ -63,7 +63,7 @@ class KeyQueue:
 
     def add_many(self, keys: Keys) -> None:
         """Append ``keys`` (a key held already stays where it is)."""
-        k = _buffer(keys)
+        k = key_array(keys)
         if k:
             n = _LIB.kvq_add(self._q, k.buffer_info()[0], len(k))
             if n < 0:
@@ -72,13 +72,13 @@ class KeyQueue:
 
     def remove_many(self, keys: Keys) -> None:
         """Take out ``keys``, all held."""
-        k = _buffer(keys)
+        k = key_array(keys)
         if k:
             self._n -= _LIB.kvq_remove(self._q, k.buffer_info()[0], len(k), None)
 
     def discard(self, keys: Keys) -> list[int]:
         """Take out those of ``keys`` held: them, in order."""
-        k = _buffer(keys)
+        k = key_array(keys)
         if not k:
             return []
         gone = bytearray(len(k))
@@ -99,7 +99,7 @@ class KeyQueue:
 
     def run(self, keys: Keys, start: int) -> int:
         """How many of ``keys`` from ``start`` on, one after another, are held."""
-        k = _buffer(keys)
+        k = key_array(keys)
         if start >= len(k):
             return 0
         return _LIB.kvq_run(self._q, k.buffer_info()[0] + 8 * start, len(k) - start)
@@ -156,8 +156,8 @@ def as_ints(keys: Keys) -> Sequence[int]:
     return keys.tolist() if isinstance(keys, array | np.ndarray) else keys
 
 
-def _buffer(keys: Keys) -> array:
-    """``keys`` as 64-bit unsigned integers in memory C can read."""
+def key_array(keys: Keys) -> array:
+    """``keys`` as 64-bit unsigned integers in memory C can read (itself if it is)."""
     if type(keys) is array and keys.typecode == "Q":
         return keys
     if isinstance(keys, np.ndarray):

@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from kvbench.engines.kv.key_queue import Keys, PyKeyQueue, as_ints, key_queue
+from kvbench.engines.kv.key_queue import Keys, PyKeyQueue, as_ints, key_array, key_queue
 from kvbench.errors import KvbenchError
 from kvbench.units import parse_bytes
 
@@ -439,7 +439,7 @@ class OffloadTiers:
 
     def run(self, keys: Keys) -> int:
         """How many leading ``keys`` some tier holds."""
-        runs = self._runs(keys)
+        runs = self._runs(key_array(keys))
         return runs[-1][2] if runs else 0
 
     def _runs(self, keys: Keys) -> list[tuple[Tier, int, int]]:
@@ -466,6 +466,7 @@ class OffloadTiers:
         out: list[int] = []
         if self.tracks_depth:
             deque(map(self._depth.pop, as_ints(keys), repeat(None)), maxlen=0)
+        keys = key_array(keys)
         runs = self._runs(keys)
         if not runs or runs[-1][2] != len(keys):
             raise RuntimeError("loading blocks the offload tiers do not hold")
@@ -489,6 +490,7 @@ class OffloadTiers:
 
     def discard(self, keys: Keys) -> None:
         """Drop copies of ``keys`` the device now holds afresh."""
+        keys = key_array(keys)
         for tier in self.tiers:
             for key in tier.discard(keys):
                 self._depth.pop(key, None)

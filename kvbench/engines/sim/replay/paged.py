@@ -164,7 +164,7 @@ class PagedBook:
         hits = self.pool.lookup(hashes[:limit])
         found = len(hits)
         if self.offload is not None and found < limit:
-            found += self.offload.run(hashes[found:limit].tolist())
+            found += self.offload.run(hashes[found:limit])
         return found * self.bs, hits
 
     def would_admit(self, seq: Seq, cached: int, hits: list[int], num_new: int) -> bool:
@@ -181,7 +181,7 @@ class PagedBook:
         want = cached // bs
         below = seq.hashes[len(hits) : want] if want > len(hits) else None  # type: ignore[index]
         if below is not None:
-            self.offload.load(below.tolist(), len(hits))  # type: ignore[union-attr]
+            self.offload.load(below, len(hits))  # type: ignore[union-attr]
         fresh = self._take_blocks(num_fresh)
         table = hits + fresh if hits else fresh
         if below is not None:
@@ -272,7 +272,7 @@ class PagedBook:
     def _discard(self, keys: np.ndarray | list[int]) -> None:
         """Keys cached on the device afresh: copies held below are superseded."""
         if self.offload is not None and len(keys):
-            self.offload.discard(keys.tolist() if isinstance(keys, np.ndarray) else keys)
+            self.offload.discard(keys)
 
     def held(self) -> tuple[int, ...]:
         """The bytes each tier holds now (none without tiers)."""
