@@ -220,13 +220,15 @@ def test_offload_tiers_fill_during_decode_jumps(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("offload", "native"), [
     ("cpu:1GiB", True), ("cpu:512MiB@pcie5,disk:1GiB", True), ("cpu:512MiB,disk:1GiB", False),
-    ("cpu:1GiB/layerwise", True),
+    ("cpu:1GiB/layerwise", True), ("cpu:512MiB:lfu,disk:1GiB:cost", True),
+    ("cpu:512MiB:cost,disk:1GiB:lfu", False),
 ])
 def test_offload_tiers_in_the_event_replay(tmp_path: Path, monkeypatch: Any, offload: str,
                                            native: bool) -> None:
-    """The event replay keeps LRU offload tiers: blocks evicted (at admissions and along
-    quiet stretches) go down, lookups find them there, admissions load them and stall on
-    the loads; the records are those of steps taken one at a time."""
+    """The event replay keeps offload tiers of every eviction rule: blocks evicted (at
+    admissions and along quiet stretches) go down, ranked by their hits and depth where a
+    tier asks, lookups find them there, admissions load them and stall on the loads; the
+    records are those of steps taken one at a time."""
     if not native:  # the numpy pool and the Python key queue
         monkeypatch.setattr(replay_pool, "_library", lambda: None)
         monkeypatch.setattr(key_queue, "_library", lambda: None)

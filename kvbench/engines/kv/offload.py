@@ -368,9 +368,13 @@ class OffloadTiers:
         if self.tracks_depth:
             self._depth.update(zip(keys[start:end], range(start, end), strict=True))
 
-    def store(self, blocks: list[int], keys: Keys, hits: list[int] | None) -> None:
+    def store(self, blocks: list[int], keys: Keys, hits: list[int] | None,
+              depths: list[int] | None = None) -> None:
         """Device ``blocks`` evicted, caching ``keys`` (with ``hits``, their hit counts;
-        None: none): into the first tier, cascading overflow down."""
+        None: none; and their depths where :meth:`note_depths` did not give them): into the
+        first tier, cascading overflow down."""
+        if depths is not None and self.tracks_depth:
+            self._depth.update(zip(as_ints(keys), depths, strict=True))
         dropped = self._cascade(keys, hits)
         if self.host is not None:
             self._copy_out(blocks, as_ints(keys), dropped)

@@ -413,6 +413,7 @@ class PagedKVManager(KVManager):
             self.offload.host.place(table[start:end])
         hashes = self._hashes[seq.seq_id]
         self.pool.cache(table, hashes, start, end)
+        self.offload.note_depths(hashes, start, end)
         pool_hits = self.pool.hits
         for b, h in zip(table[start:end], hits, strict=True):
             pool_hits[b] = h + 1

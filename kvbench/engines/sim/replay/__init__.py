@@ -61,9 +61,6 @@ def _book_blocker(kv: KVManager) -> str | None:
             return f"{kv.eviction} eviction of cached blocks"
         if kv.swaps:
             return "swap preemption"
-        offload = kv.offload
-        if offload is not None and any(t.spec.eviction != "lru" for t in offload.tiers):
-            return "offload tiers that evict by hits or cost"
     return None
 
 

@@ -18,9 +18,9 @@ the rest of its bookkeeping.
 Offload tiers (:mod:`kvbench.engines.kv.offload`) are the manager's own: evicted blocks go
 down to them, a lookup goes on through them, and an admission loads what it found there.
 A placeholder-keyed block goes down under a key of its own (the pool's, which no lookup
-asks for), where it takes its room as the block it stands for would. The
-replay keeps tiers that evict by ``lru``: hit counts, which the other rules rank by, are
-not kept here.
+asks for), where it takes its room as the block it stands for would. For tiers that rank
+blocks (``lfu`` by prefix hits, ``cost`` by depth too), :class:`_BlockRanks` keeps what
+``BlockPool`` and the tiers keep on the step path: each block's hits and depth.
 
 Only what the replay supports is kept: one sample per request (no forks, so no
 copy-on-write and a block is shared only through a prefix hit), no sliding-window release,
@@ -66,6 +66,9 @@ class PagedBook:
         self.trace = manager.trace
         self.offload = manager.offload
         self.tier_kinds = tuple(t.kind for t in self.offload.tiers) if self.offload else ()
+        ranked = self.offload is not None and any(
+            t.spec.eviction != "lru" for t in self.offload.tiers)
+        self.ranks = _BlockRanks(self.num_blocks) if ranked else None
         self.used = self.sum_limit = self.sum_committed = self.entries = 0
         self.hit_tokens = self.query_tokens = 0
         self.groups: list[dict[Seq, None]] = [{} for _ in range(bs)]
@@ -112,6 +115,7 @@ class PagedBook:
         """Cache the next block of each of ``seqs`` (full now), under a placeholder key
         unless its content's key is already known."""
         blocks, known = [], []
+        ranks = self.ranks
         for seq in seqs:
             b, hashes = seq.indexed, seq.hashes
             block = seq.table[b]  # type: ignore[index]
@@ -119,6 +123,8 @@ class PagedBook:
                 known.append((block, hashes[b]))
             else:
                 blocks.append(block)
+            if ranks is not None:
+                ranks.depth[block] = b
             seq.indexed = b + 1
         if known:
             # A block its own earlier run filled before a preemption: its key is known.
@@ -177,16 +183,21 @@ class PagedBook:
         if num_fresh + pool.count_free(hits) > pool.num_free:
             return False
         self.used += pool.touch(hits) * bs
+        ranks = self.ranks
+        if ranks is not None and hits:
+            ranks.hits[np.asarray(hits)] += 1
         # Blocks found below device memory move up into fresh blocks, findable again.
         want = cached // bs
         below = seq.hashes[len(hits) : want] if want > len(hits) else None  # type: ignore[index]
         if below is not None:
-            self.offload.load(below, len(hits))  # type: ignore[union-attr]
+            loaded = self.offload.load(below, len(hits))  # type: ignore[union-attr]
         fresh = self._take_blocks(num_fresh)
         table = hits + fresh if hits else fresh
         if below is not None:
             pool.cache(table, seq.hashes, len(hits), want)  # type: ignore[arg-type]
             self.used += len(below) * bs
+            if ranks is not None:
+                ranks.cached(table[len(hits) : want], len(hits), loaded)
         seq.table = table
         seq.indexed = want
         self.entries += len(table)
@@ -210,6 +221,8 @@ class PagedBook:
             full = after // self.bs
             indexed = seq.indexed
             if full > indexed:
+                if self.ranks is not None:
+                    self.ranks.cached(seq.table[indexed:full], indexed)  # type: ignore[index]
                 if seq.private:
                     # Keyed where its keys are known (from a run before a preemption), else
                     # under placeholders: only its own lookup could find them.
@@ -257,17 +270,22 @@ class PagedBook:
     def _take_blocks(self, n: int) -> list[int]:
         """``n`` blocks from the pool, the cached blocks it evicts going down to the
         tiers."""
-        if self.offload is None or n <= self.pool.num_plain_free:
+        plain = self.pool.num_plain_free
+        if self.offload is None or n <= plain:
             return self.pool.take(n)
         evicted = array("Q")
         blocks = self.pool.take(n, evicted)
-        self._store(evicted)
+        self._store(evicted, blocks[plain:])
         return blocks
 
-    def _store(self, evicted: array) -> None:
-        """Evicted blocks' keys into the first tier."""
-        if evicted:
-            self.offload.store([], evicted, None)  # type: ignore[union-attr]
+    def _store(self, evicted: array, blocks: Any) -> None:
+        """Evicted ``blocks``' keys into the first tier."""
+        if not evicted:
+            return
+        hits = depths = None
+        if self.ranks is not None:
+            hits, depths = self.ranks.evicted(blocks)
+        self.offload.store([], evicted, hits, depths)  # type: ignore[union-attr]
 
     def _discard(self, keys: np.ndarray | list[int]) -> None:
         """Keys cached on the device afresh: copies held below are superseded."""
@@ -487,7 +505,7 @@ class PagedBook:
                 e = i + 1
                 while e < len(seqs) and at[e] == j:
                     e += 1
-                self._store(evicted[i - plain : e - plain])
+                self._store(evicted[i - plain : e - plain], blocks[i:e])
                 held.mark(j, self.held())
                 i = e
         for seq, block, j in zip(seqs, blocks, at, strict=True):
@@ -541,3 +559,28 @@ class _HeldSeries:
         rows = np.asarray([self.before, *self.values], dtype=np.int64)
         where = np.searchsorted(np.asarray(self.at), np.arange(self.steps), side="right")
         return rows[where].T
+
+
+class _BlockRanks:
+    """What tiers that rank blocks read of a device block once it is evicted: the prefix
+    hits its content served (``BlockPool.hits``) and its depth in its sequence (by which
+    the ``cost`` rule prices recomputing it)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.hits = np.zeros(num_blocks, dtype=np.int64)
+        self.depth = np.zeros(num_blocks, dtype=np.int64)
+
+    def cached(self, blocks: Any, first_depth: int, loaded: list[int] | None = None) -> None:
+        """``blocks`` cached at depths ``first_depth``, ...; ``loaded``: they came from the
+        tiers with these hits, this one counted too."""
+        b = np.asarray(blocks, dtype=np.int64)
+        self.depth[b] = np.arange(first_depth, first_depth + len(b))
+        if loaded is not None:
+            self.hits[b] = np.asarray(loaded, dtype=np.int64) + 1
+
+    def evicted(self, blocks: Any) -> tuple[list[int], list[int]]:
+        """The hits and depths of evicted ``blocks``, whose hits start again from 0."""
+        b = np.asarray(blocks, dtype=np.int64)
+        hits = self.hits[b]
+        self.hits[b] = 0
+        return hits.tolist(), self.depth[b].tolist()
