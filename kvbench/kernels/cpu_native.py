@@ -136,16 +136,25 @@ def build(source: Path, cc: str, timeout_s: float = BUILD_TIMEOUT_S) -> ctypes.C
     raise BuildError("; ".join(errors))
 
 
-def optional_library(source: Path) -> ctypes.CDLL | None:
-    """``source`` built and loaded as :func:`build` does, or None where there is no compiler
-    or the build fails (for C that only speeds up what Python also does)."""
+# A C function's result type and argument types, for ctypes.
+Signature = tuple[Any, list[Any]]
+
+
+def optional_library(source: Path, signatures: dict[str, Signature]) -> ctypes.CDLL | None:
+    """``source`` built and loaded as :func:`build` does, its functions typed by
+    ``signatures``, or None where there is no compiler or the build fails (for C that only
+    speeds up what Python also does)."""
     cc = compiler()
     if cc is None:
         return None
     try:
-        return build(source, cc)
+        lib = build(source, cc)
     except BuildError:
         return None
+    for name, (restype, argtypes) in signatures.items():
+        f = getattr(lib, name)
+        f.restype, f.argtypes = restype, argtypes
+    return lib
 
 
 def _build(cc: str, flags: tuple[str, ...], name: str, source: Path,

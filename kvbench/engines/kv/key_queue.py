@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 from kvbench.engines.kv.eviction import LFUQueue, LRUQueue
-from kvbench.kernels import cpu_native
 
 Keys = Sequence[int] | array | np.ndarray
 
@@ -174,11 +173,10 @@ _LIB: ctypes.CDLL
 def _library() -> ctypes.CDLL | None:
     """``key_queue.c`` built and loaded, or None where it cannot be built here."""
     global _LIB
-    lib = cpu_native.optional_library(Path(__file__).with_name("key_queue.c"))
-    if lib is None:
-        return None
+    from kvbench.kernels import cpu_native  # imports torch: only when a tier is made
+
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    signatures = {
+    lib = cpu_native.optional_library(Path(__file__).with_name("key_queue.c"), {
         "kvq_new": (ptr, []),
         "kvq_free": (None, [ptr]),
         "kvq_add": (i64, [ptr, ptr, i64]),
@@ -186,9 +184,7 @@ def _library() -> ctypes.CDLL | None:
         "kvq_evict": (i64, [ptr, i64, ptr]),
         "kvq_run": (i64, [ptr, ptr, i64]),
         "kvq_keys": (i64, [ptr, ptr]),
-    }
-    for name, (restype, argtypes) in signatures.items():
-        f = getattr(lib, name)
-        f.restype, f.argtypes = restype, argtypes
-    _LIB = lib
+    })
+    if lib is not None:
+        _LIB = lib
     return lib

@@ -183,9 +183,6 @@ def _make_room(at: dict[int, int], heap: list[tuple[int, int]], capacity: int,
 def _library() -> ctypes.CDLL | None:
     from kvbench.kernels import cpu_native  # imports torch: only when an oracle is asked for
 
-    lib = cpu_native.optional_library(Path(__file__).with_name("oracle.c"))
-    if lib is not None:
-        lib.kvo_belady.restype = ctypes.c_int64
-        lib.kvo_belady.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                   ctypes.c_int64, ctypes.c_void_p]
-    return lib
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return cpu_native.optional_library(Path(__file__).with_name("oracle.c"), {
+        "kvo_belady": (i64, [ptr, ptr, i64, i64, ptr])})

@@ -423,13 +423,9 @@ def _library() -> ctypes.CDLL | None:
     global _LIB
     from kvbench.kernels import cpu_native
 
-    lib = cpu_native.optional_library(Path(__file__).with_name("native.c"))
-    if lib is None:
-        return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.kvp_new.restype = ptr
-    lib.kvp_new.argtypes = [i64, i64]
-    signatures = {
+    lib = cpu_native.optional_library(Path(__file__).with_name("native.c"), {
+        "kvp_new": (ptr, [i64, i64]),
         "kvp_free": (None, [ptr]),
         "kvp_counters": (ptr, [ptr]),
         "kvp_take": (i64, [ptr, i64, ptr, ptr]),
@@ -440,11 +436,9 @@ def _library() -> ctypes.CDLL | None:
         "kvp_cache": (i64, [ptr, ptr, ptr, i64, i64]),
         "kvp_release": (i64, [ptr, ptr, i64, i64]),
         "kvh_digests": (None, [ptr, ptr, i64, ctypes.c_uint64, i64, ptr, ptr]),
-    }
-    for name, (restype, argtypes) in signatures.items():
-        f = getattr(lib, name)
-        f.restype, f.argtypes = restype, argtypes
-    _LIB = lib
+    })
+    if lib is not None:
+        _LIB = lib
     return lib
 
 
