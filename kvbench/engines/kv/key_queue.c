@@ -191,3 +191,198 @@ int64_t kvq_keys(const Queue *q, uint64_t *out) {
         if (q->live[i]) out[n++] = q->ring[i];
     return n;
 }
+
+/* A ranked queue, for tiers that evict by lfu or cost: keys by (rank, order added), the
+ * lowest first. A binary heap with lazy deletion: an entry whose key has left (or joined
+ * again since) stays until it surfaces, and the heap is rebuilt without such entries once
+ * they outnumber the live ones. The table maps each held key to the stamp of its entry. */
+
+typedef struct {
+    double rank;
+    int64_t stamp;
+    uint64_t key;
+} Entry;
+
+typedef struct {
+    Entry *heap;
+    int64_t size, cap, stamp, count;
+    int64_t hbits, hmask, hcount;
+    Slot *h; /* pos: the key's stamp */
+} Ranked;
+
+static inline int64_t rhome(const Ranked *q, uint64_t k) {
+    return (int64_t)((k * 0x9E3779B97F4A7C15ULL) >> (64 - q->hbits));
+}
+
+static inline int64_t rslot_of(const Ranked *q, uint64_t k) {
+    int64_t i = rhome(q, k);
+    while (q->h[i].pos >= 0 && q->h[i].key != k) i = (i + 1) & q->hmask;
+    return i;
+}
+
+static void runslot(Ranked *q, int64_t i) {
+    int64_t j = i, mask = q->hmask;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (q->h[j].pos < 0) break;
+        int64_t h = rhome(q, q->h[j].key);
+        int stays = i <= j ? (i < h && h <= j) : (i < h || h <= j);
+        if (!stays) {
+            q->h[i] = q->h[j];
+            i = j;
+        }
+    }
+    q->h[i].pos = -1;
+    q->hcount--;
+}
+
+static int rrehash(Ranked *q, int64_t bits) {
+    int64_t size = 1LL << bits, old_size = q->hmask + 1;
+    Slot *h = malloc(size * sizeof(Slot)), *old = q->h;
+    if (!h) return 0;
+    for (int64_t i = 0; i < size; i++) h[i].pos = -1;
+    q->h = h;
+    q->hbits = bits;
+    q->hmask = size - 1;
+    for (int64_t i = 0; i < old_size; i++)
+        if (old[i].pos >= 0) h[rslot_of(q, old[i].key)] = old[i];
+    free(old);
+    return 1;
+}
+
+static inline int below(const Entry *a, const Entry *b) {
+    return a->rank < b->rank || (a->rank == b->rank && a->stamp < b->stamp);
+}
+
+static void sift_up(Entry *heap, int64_t i) {
+    Entry e = heap[i];
+    while (i > 0) {
+        int64_t parent = (i - 1) / 2;
+        if (!below(&e, &heap[parent])) break;
+        heap[i] = heap[parent];
+        i = parent;
+    }
+    heap[i] = e;
+}
+
+static void sift_down(Entry *heap, int64_t n, int64_t i) {
+    Entry e = heap[i];
+    for (;;) {
+        int64_t c = 2 * i + 1;
+        if (c >= n) break;
+        if (c + 1 < n && below(&heap[c + 1], &heap[c])) c++;
+        if (!below(&heap[c], &e)) break;
+        heap[i] = heap[c];
+        i = c;
+    }
+    heap[i] = e;
+}
+
+static inline int live(const Ranked *q, const Entry *e) {
+    int64_t s = rslot_of(q, e->key);
+    return q->h[s].pos == e->stamp;
+}
+
+Ranked *kvr_new(void) {
+    Ranked *q = calloc(1, sizeof(Ranked));
+    if (!q) return NULL;
+    q->cap = 1024;
+    q->heap = malloc(q->cap * sizeof(Entry));
+    q->hbits = 11;
+    q->hmask = (1LL << q->hbits) - 1;
+    q->h = malloc((q->hmask + 1) * sizeof(Slot));
+    if (!q->heap || !q->h) {
+        free(q->heap); free(q->h); free(q);
+        return NULL;
+    }
+    for (int64_t i = 0; i <= q->hmask; i++) q->h[i].pos = -1;
+    return q;
+}
+
+void kvr_free(Ranked *q) {
+    if (!q) return;
+    free(q->heap); free(q->h); free(q);
+}
+
+/* Add keys with their ranks (a key held already joins again, as new); returns the count. */
+int64_t kvr_add(Ranked *q, const uint64_t *keys, const double *ranks, int64_t m) {
+    int64_t bits = q->hbits;
+    while (2 * (q->hcount + m) > (1LL << bits)) bits++;
+    if (bits != q->hbits && !rrehash(q, bits)) return -1;
+    if (q->size + m > q->cap) {
+        int64_t cap = q->cap;
+        while (cap < q->size + m) cap *= 2;
+        Entry *heap = realloc(q->heap, cap * sizeof(Entry));
+        if (!heap) return -1;
+        q->heap = heap;
+        q->cap = cap;
+    }
+    for (int64_t i = 0; i < m; i++) {
+        int64_t s = rslot_of(q, keys[i]);
+        if (q->h[s].pos < 0) {
+            q->h[s].key = keys[i];
+            q->hcount++;
+            q->count++;
+        }
+        q->h[s].pos = ++q->stamp;
+        Entry *e = &q->heap[q->size];
+        e->rank = ranks[i];
+        e->stamp = q->stamp;
+        e->key = keys[i];
+        sift_up(q->heap, q->size++);
+    }
+    return q->count;
+}
+
+/* Take out those of keys held (their entries go stale); gone as kvq_remove. */
+int64_t kvr_remove(Ranked *q, const uint64_t *keys, int64_t m, uint8_t *gone) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < m; i++) {
+        int64_t s = rslot_of(q, keys[i]);
+        int held = q->h[s].pos >= 0;
+        if (held) {
+            runslot(q, s);
+            q->count--;
+            n++;
+        }
+        if (gone) gone[i] = (uint8_t)held;
+    }
+    if (q->size > 2 * q->count + 64) {
+        int64_t k = 0;
+        for (int64_t i = 0; i < q->size; i++)
+            if (live(q, &q->heap[i])) q->heap[k++] = q->heap[i];
+        q->size = k;
+        for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(q->heap, k, i);
+    }
+    return n;
+}
+
+/* The m keys of lowest rank, the least recently added first among equals, out into out. */
+int64_t kvr_evict(Ranked *q, int64_t m, uint64_t *out) {
+    if (m < 0 || m > q->count) return -1;
+    for (int64_t i = 0; i < m;) {
+        Entry e = q->heap[0];
+        q->heap[0] = q->heap[--q->size];
+        if (q->size) sift_down(q->heap, q->size, 0);
+        int64_t s = rslot_of(q, e.key);
+        if (q->h[s].pos != e.stamp) continue;
+        runslot(q, s);
+        q->count--;
+        out[i++] = e.key;
+    }
+    return m;
+}
+
+int64_t kvr_run(const Ranked *q, const uint64_t *keys, int64_t m) {
+    int64_t i = 0;
+    while (i < m && q->h[rslot_of(q, keys[i])].pos >= 0) i++;
+    return i;
+}
+
+/* The keys held, in no particular order, into out (room for the count). */
+int64_t kvr_keys(const Ranked *q, uint64_t *out) {
+    int64_t n = 0;
+    for (int64_t i = 0; i <= q->hmask; i++)
+        if (q->h[i].pos >= 0) out[n++] = q->h[i].key;
+    return n;
+}

@@ -39,9 +39,10 @@ from itertools import accumulate, repeat
 from operator import itemgetter, sub
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from kvbench.engines.kv.key_queue import Keys, PyKeyQueue, as_ints, key_array, key_queue
+from kvbench.engines.kv.key_queue import Keys, as_ints, key_array, key_queue
 from kvbench.errors import KvbenchError
 from kvbench.units import parse_bytes
 
@@ -197,10 +198,8 @@ class Tier:
         # Each tensor-parallel rank moves its share of a block over a link of its own.
         self.load_block_s = block_bytes / (ranks * self.link.load_bytes_per_s)
         self.store_block_s = block_bytes / (ranks * self.link.store_bytes_per_s)
-        # The heap queue reads a key's rank once, as it joins: lfu ranks by hits, cost by
-        # (hits + 1) x (recompute - load) seconds.
-        self._rank: dict[int, float] = {}
-        self.queue = key_queue(spec.eviction == "lru", self._rank)
+        self.queue = key_queue(spec.eviction == "lru")
+        self._recompute = np.zeros(0)
         self.loaded_blocks = self.stored_blocks = self.dropped_blocks = 0
         # Blocks of swapped-out sequences held here (never evicted), and blocks swapped.
         self.pinned = self.swapped_out_blocks = self.swapped_in_blocks = 0
@@ -222,14 +221,22 @@ class Tier:
         if rule == "lru":
             self.queue.add_many(keys)
         else:
-            rank, queue = self._rank, self.queue
-            assert isinstance(queue, PyKeyQueue)
-            for key, h in zip(keys, hits or repeat(0), strict=hits is not None):
-                rank[key] = h if rule == "lfu" else (h + 1) * (
-                    self._recompute_s(depth.get(key, 0)) - self.load_block_s)
-                queue.add(key)
-                del rank[key]
+            # lfu ranks a key by its hits, cost by (hits + 1) x (recompute - load) seconds.
+            ranks: list[int] | np.ndarray = hits if hits is not None else [0] * len(keys)
+            if rule == "cost":
+                d = np.fromiter(map(depth.get, as_ints(keys), repeat(0)), np.int64, len(keys))
+                ranks = (np.asarray(ranks, dtype=np.int64) + 1) * (
+                    self._recompute_table(int(d.max()) + 1)[d] - self.load_block_s)
+            self.queue.add_ranked(keys, ranks)  # type: ignore[union-attr]
         self.stored_blocks += len(keys)
+
+    def _recompute_table(self, n: int) -> np.ndarray:
+        """Seconds to recompute a block at each depth, for at least ``n`` depths."""
+        table = self._recompute
+        if len(table) < n:
+            table = self._recompute = np.array(
+                [self._recompute_s(d) for d in range(max(n, 2 * len(table)))])
+        return table
 
     def priced_loads(self, first_depth: int, n: int, pending_s: float) -> float:
         """Blocks at depths ``first_depth ..`` of their sequence, ``n`` of them, loaded over
