@@ -19,6 +19,7 @@ from kvbench.engines.registry import KINDS, NAMED_ENGINES
 from kvbench.engines.sim.costmodel import CostModel
 from kvbench.engines.sim.hardware import CostCoefficients, get_gpu
 from kvbench.engines.sim.replay import EventReplay
+from kvbench.engines.sim.replay import engine as replay_engine
 from kvbench.engines.sim.replay import pool as replay_pool
 from kvbench.results import stepstats
 from kvbench.run.execute import record_of, start_and_run
@@ -221,14 +222,16 @@ def test_offload_tiers_fill_during_decode_jumps(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("offload", "native"), [
     ("cpu:1GiB", True), ("cpu:512MiB@pcie5,disk:1GiB", True), ("cpu:512MiB,disk:1GiB", False),
     ("cpu:1GiB/layerwise", True), ("cpu:512MiB:lfu,disk:1GiB:cost", True),
-    ("cpu:512MiB:cost,disk:1GiB:lfu", False),
+    ("cpu:512MiB:cost,disk:1GiB:lfu", False), ("cpu:2GiB/swap", True),
+    ("cpu:1GiB:cost,disk:1GiB/swap", False),
 ])
 def test_offload_tiers_in_the_event_replay(tmp_path: Path, monkeypatch: Any, offload: str,
                                            native: bool) -> None:
     """The event replay keeps offload tiers of every eviction rule: blocks evicted (at
     admissions and along quiet stretches) go down, ranked by their hits and depth where a
-    tier asks, lookups find them there, admissions load them and stall on the loads; the
-    records are those of steps taken one at a time."""
+    tier asks, lookups find them there, admissions load them and stall on the loads, and
+    with swap preemption a preempted request's blocks go out and come back; the records are
+    those of steps taken one at a time."""
     if not native:  # the numpy pool and the Python key queue
         monkeypatch.setattr(replay_pool, "_library", lambda: None)
         monkeypatch.setattr(key_queue, "_library", lambda: None)
@@ -236,14 +239,32 @@ def test_offload_tiers_in_the_event_replay(tmp_path: Path, monkeypatch: Any, off
     advance = EventReplay.advance
     monkeypatch.setattr(EventReplay, "advance",
                         lambda self, *a: advanced.append(1) or advance(self, *a))
-    tiers, _, overlap = offload.partition("/")
-    sections = {"tiered": {"kind": "paged", "offload": {
-        "tiers": tiers, "overlap": overlap or "none"}}}
+    tiers, _, option = offload.partition("/")
+    swap = option == "swap"
+    sections = {"tiered": {"kind": "paged", "preemption": "swap" if swap else "recompute",
+                           "offload": {"tiers": tiers, "overlap": option if option == "layerwise"
+                                       else "none"}}}
     workload = WorkloadSection(trace="mooncake", path=str(MOONCAKE), num_requests=60)
-    fast = _check(tmp_path, workload, "qwen2.5-7b", ["tiered"], kv_memory="6GiB",
-                  max_model_len=32768, sections=sections)
+    fast = _check(tmp_path, workload, "qwen2.5-7b", ["tiered"],
+                  kv_memory="2GiB" if swap else "6GiB", max_model_len=32768,
+                  sections=sections)
     assert advanced
     summary = fast["tiered"]["summary"]
-    assert summary["offload_cpu_hit_rate"] > 0
     assert summary["offload_stall_s"] > 0
+    if swap:
+        assert summary["preemptions"] > 0
+        assert 0 < summary["offload_swapped_in_bytes"] <= summary["offload_swapped_out_bytes"]
+        return
+    assert summary["offload_cpu_hit_rate"] > 0
     assert len(set(fast["tiered"]["curves"]["offload_cpu_used_bytes"])) > 2
+
+
+@pytest.mark.parametrize("engine", ["paged", "swap"])
+def test_replay_blocks_of_one_event_each(tmp_path: Path, monkeypatch: Any, engine: str) -> None:
+    """The replay hands its steps over in blocks whose ends fall where its wall time runs
+    out; a record cannot depend on where. With one event to a block, preemptions land on
+    blocks' first steps, and the records are still the step-by-step ones."""
+    monkeypatch.setattr(replay_engine, "BLOCK_WALL_S", 0.0)
+    sections = {"swap": {"kind": "paged", "preemption": "swap", "offload": "cpu:4GiB"}}
+    fast = _check(tmp_path, MIXED, "llama-2-7b", [engine], kv_memory="3GiB", sections=sections)
+    assert fast[engine]["summary"]["preemptions"] > 0

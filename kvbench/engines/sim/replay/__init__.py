@@ -59,8 +59,6 @@ def _book_blocker(kv: KVManager) -> str | None:
             return "finished sequences' blocks leak"
         if kv.eviction != "lru":
             return f"{kv.eviction} eviction of cached blocks"
-        if kv.swaps:
-            return "swap preemption"
     return None
 
 

@@ -139,6 +139,9 @@ class ContiguousBook:
     def take_load_s(self) -> float:
         return 0.0
 
+    def swap_out(self, seq: Seq, committed: int) -> bool:
+        return False
+
     def held(self) -> tuple[int, ...]:
         return ()
 

@@ -90,6 +90,7 @@ class Book(Protocol):
     def allocate(self, seq: Seq, cached: int, hits: list[int], num_new: int,
                  step: int) -> bool: ...
     def commit(self, seq: Seq, before: int, after: int) -> None: ...
+    def swap_out(self, seq: Seq, committed: int) -> bool: ...
     def free(self, seq: Seq, finished: bool, committed: int, step: int) -> None: ...
     def take_copies(self) -> list[SlotCopy]: ...
     def copies_pending(self) -> bool: ...
@@ -399,7 +400,8 @@ class EventReplay:
         """The block's runs of token-emitting steps: those that ended in it and those going
         on, each from where the block starts (earlier steps were reported with theirs)."""
         first, end = block.first_step, block.first_step + block.steps
-        runs = [(rid, max(a, first), b) for rid, a, b in block.runs]
+        # A run a preemption ends at the block's first step had all its steps before it.
+        runs = [(rid, max(a, first), b) for rid, a, b in block.runs if b > first]
         runs += [(q.rid, max(q.run_start, first), end) for q in self.running
                  if q.run_start is not None and q.run_start < end]
         block.runs = runs
@@ -453,11 +455,13 @@ class EventReplay:
 
     def _preempt(self, seq: Seq, s: int, runs: list[tuple[str, int, int]]) -> None:
         committed = self._leave(seq, s)
+        seq.swapped = self.book.swap_out(seq, committed)
         self.book.free(seq, False, committed, s)
         if seq.run_start is not None:
             runs.append((seq.rid, seq.run_start, s))
             seq.run_start = None
-        seq.computed = seq.cached = 0
+        if not seq.swapped:
+            seq.computed = seq.cached = 0
         seq.running = False
         seq.preemptions += 1
         self.waiting.appendleft(seq)
@@ -486,7 +490,11 @@ class EventReplay:
             seq.order = self._order
             self._order += 1
             self.running.append(seq)
-            seq.computed = seq.cached = cached
+            seq.computed = cached
+            if seq.swapped:  # back where it stopped: its cached tokens are its first run's
+                seq.swapped = False
+            else:
+                seq.cached = cached
             self.sum_partial += cached
             if not seq.scheduled:
                 seq.scheduled = True

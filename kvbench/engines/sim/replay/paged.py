@@ -24,7 +24,8 @@ blocks (``lfu`` by prefix hits, ``cost`` by depth too), :class:`_BlockRanks` kee
 
 Only what the replay supports is kept: one sample per request (no forks, so no
 copy-on-write and a block is shared only through a prefix hit), no sliding-window release,
-no leaking fault, no swap preemption."""
+no leaking fault. A sequence preempted with swap preemption has its blocks copied to the
+first tier and resumes where it stopped, as :meth:`PagedKVManager.swap_out` has it."""
 
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ class PagedBook:
         self.hasher = BlockHasher(bs)
         self.trace = manager.trace
         self.offload = manager.offload
+        self.swaps = manager.swaps
         self.tier_kinds = tuple(t.kind for t in self.offload.tiers) if self.offload else ()
         ranked = self.offload is not None and any(
             t.spec.eviction != "lru" for t in self.offload.tiers)
@@ -162,6 +164,9 @@ class PagedBook:
     def lookup(self, seq: Seq) -> tuple[int, list[int]]:
         """Cached leading tokens of ``seq`` and the blocks holding them (none for a private
         prompt that never ran: no block can hold it)."""
+        if seq.swapped:  # back where it stopped: the leading blocks still cached serve
+            full = seq.computed // self.bs
+            return seq.computed, self.pool.lookup(self._hashes_upto(seq, full)[:full])
         if not self._findable(seq):
             return 0, []
         n = seq.num_tokens
@@ -178,6 +183,8 @@ class PagedBook:
         return num_fresh + self.pool.count_free(hits) <= self.pool.num_free
 
     def allocate(self, seq: Seq, cached: int, hits: list[int], num_new: int, step: int) -> bool:
+        if seq.swapped:
+            return self._swap_in(seq, cached, hits, num_new)
         bs, pool = self.bs, self.pool
         num_fresh = _cdiv(cached + num_new, bs) - len(hits)
         if num_fresh + pool.count_free(hits) > pool.num_free:
@@ -264,6 +271,44 @@ class PagedBook:
 
     def take_load_s(self) -> float:
         return self.offload.take_load_s() if self.offload is not None else 0.0
+
+    # --- swap preemption -----------------------------------------------------------------
+
+    def swap_out(self, seq: Seq, committed: int) -> bool:
+        """Copy preempted ``seq``'s blocks holding its ``committed`` tokens to the first
+        tier (before :meth:`free`); False where it is recomputed instead."""
+        n = _cdiv(committed, self.bs)
+        if not (self.swaps and n):
+            return False
+        return self.offload.swap_out(seq.rid, seq.table[:n])  # type: ignore[union-attr,index]
+
+    def _swap_in(self, seq: Seq, cached: int, hits: list[int], num_new: int) -> bool:
+        """Resume swapped ``seq``: ``hits`` (its leading blocks still cached) attached, its
+        other ``cached`` tokens copied back into fresh blocks and findable again."""
+        bs, pool = self.bs, self.pool
+        num_fresh = _cdiv(cached + num_new, bs) - len(hits)
+        if num_fresh + pool.count_free(hits) > pool.num_free:
+            return False
+        self.used += pool.touch(hits) * bs + cached - len(hits) * bs
+        if self.ranks is not None and hits:
+            self.ranks.hits[np.asarray(hits)] += 1
+        fresh = self._take_blocks(num_fresh)
+        table = hits + fresh if hits else fresh
+        self.offload.swap_in(seq.rid, table[len(hits) : _cdiv(cached, bs)])  # type: ignore[union-attr]
+        seq.table = table
+        self.entries += len(table)
+        self.sum_limit += min(len(table) * bs, seq.final_len)
+        self.sum_committed += cached
+        seq.indexed, full = len(hits), cached // bs
+        if full > len(hits):
+            hashes = self._hashes_upto(seq, full)
+            if self.ranks is not None:
+                self.ranks.cached(table[len(hits) : full], len(hits))
+            self._discard(hashes[len(hits) : full])
+            pool.cache(table, hashes, len(hits), full)  # type: ignore[arg-type]
+            self.trace.write(hashes[len(hits) : full])
+            seq.indexed = full
+        return True
 
     # --- offload tiers -------------------------------------------------------------------
 

@@ -23,8 +23,8 @@ class Seq:
     __slots__ = (
         "c", "cached", "computed", "decoding", "fin", "final_len", "hashes", "indexed",
         "key", "length", "num_prompt", "order", "out", "phase", "preemptions", "private",
-        "prompt_ids", "request", "rid", "run_start", "running", "scheduled", "start", "table",
-        "target",
+        "prompt_ids", "request", "rid", "run_start", "running", "scheduled", "start",
+        "swapped", "table", "target",
     )
 
     def __init__(self, request: Request, private: bool = False) -> None:
@@ -40,7 +40,8 @@ class Seq:
         self.prompt_ids: np.ndarray | None = None
         self.out = self.computed = self.c = self.cached = self.preemptions = 0
         self.order = self.fin = self.phase = -1
-        self.decoding = self.running = self.scheduled = False
+        # Preempted with its KV swapped out to an offload tier: it resumes where it stopped.
+        self.decoding = self.running = self.scheduled = self.swapped = False
         self.run_start: int | None = None
         self.table: list[int] | array | None = None  # as its pool hands blocks out
         self.indexed = 0
