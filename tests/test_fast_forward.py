@@ -102,11 +102,11 @@ def test_every_builtin_engine_mooncake_slice(tmp_path: Path, engine: str) -> Non
 @pytest.mark.parametrize("kv_memory", ["3GiB", "6GiB"])
 def test_the_replay_without_a_c_compiler(tmp_path: Path, monkeypatch: Any,
                                          kv_memory: str) -> None:
-    """Where the replay's C helpers cannot be built, it runs its numpy pool and numpy prompt
+    """Where the replay's C helpers cannot be built, it runs BlockPool and numpy prompt
     digests, with the same records as step by step (a Mooncake slice: evictions, shared
     prefixes; preempting where KV is tightest)."""
     monkeypatch.setattr(replay_pool, "_library", lambda: None)
-    assert isinstance(replay_pool.new_pool(4, 16), replay_pool.ArrayPool)
+    assert isinstance(replay_pool.new_pool(4, 16), replay_pool.ListPool)
     workload = WorkloadSection(trace="mooncake", path=str(MOONCAKE), num_requests=24)
     _check(tmp_path, workload, "qwen2.5-7b", ["paged"], kv_memory=kv_memory,
            max_model_len=32768)
@@ -232,7 +232,7 @@ def test_offload_tiers_in_the_event_replay(tmp_path: Path, monkeypatch: Any, off
     tier asks, lookups find them there, admissions load them and stall on the loads, and
     with swap preemption a preempted request's blocks go out and come back; the records are
     those of steps taken one at a time."""
-    if not native:  # the numpy pool and the Python key queue
+    if not native:  # BlockPool and the Python key queue
         monkeypatch.setattr(replay_pool, "_library", lambda: None)
         monkeypatch.setattr(key_queue, "_library", lambda: None)
     advanced = []

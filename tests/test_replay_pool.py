@@ -1,8 +1,10 @@
-"""The event replay's numpy block pool behaves as the paged manager's block pool (LRU): the
-same block ids handed out, the same lookups, release results, counters and eviction order,
-after every operation of random sequences of the calls the replay makes."""
+"""The event replay's C block pool behaves as the paged manager's block pool (LRU): the same
+block ids handed out, the same lookups, release results, counters, eviction order and
+evicted keys, after every operation of random sequences of the calls the replay makes."""
 
 from __future__ import annotations
+
+from array import array
 
 import numpy as np
 import pytest
@@ -12,34 +14,22 @@ from hypothesis import strategies as st
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.hashing import BlockHasher
 from kvbench.engines.sim.replay import pool as replay_pool
-from kvbench.engines.sim.replay.pool import ArrayPool, NativePool
+from kvbench.engines.sim.replay.pool import ListPool, NativePool
 from kvbench.workloads.model import contents_token_ids, key_hash
 
-# The numpy pool, and the C one where a compiler builds it.
-POOLS = [ArrayPool, pytest.param(NativePool, marks=pytest.mark.skipif(
+# The C pool where a compiler builds it, and the pool the replay takes where none does
+# (BlockPool fed numpy keys).
+POOLS = [ListPool, pytest.param(NativePool, marks=pytest.mark.skipif(
     replay_pool._library() is None, reason="no C compiler"))]
 
 BS = 4
-
-
-def _placeholders(pool: BlockPool, blocks: list[int]) -> None:
-    """What the replay's placeholders are, in BlockPool's terms: cached under keys nothing
-    looks up (each block's id, negated)."""
-    pool.cache(blocks, [~b for b in blocks], 0, len(blocks))
-
-
-def _rekey(pool: BlockPool, blocks: list[int], keys: list[int]) -> None:
-    """The placeholders of ``blocks`` replaced by ``keys``, as if cached under them."""
-    for b, k in zip(blocks, keys, strict=True):
-        del pool._by_hash[~b]
-        pool._hash[b] = k if pool._by_hash.setdefault(k, b) == b else None
 
 
 def _keys(keys: list[int]) -> np.ndarray:
     return np.asarray(keys, dtype=np.uint64)
 
 
-def _counters(pool: BlockPool | ArrayPool | NativePool) -> tuple[int, ...]:
+def _counters(pool: BlockPool | NativePool) -> tuple[int, ...]:
     return (pool.num_free, pool.num_plain_free, pool.num_shared, pool.num_allocs,
             pool.num_frees, pool.num_evictions)
 
@@ -68,16 +58,14 @@ def test_replay_pool_matches_block_pool(pool: type, num_blocks: int,
                 continue
             assert arr.count_free(hits) == ref.count_free(hits)
             assert arr.touch(hits) == ref.touch(hits)
-            got = ref.take(fresh)
-            assert list(arr.take(fresh)) == got
+            got = _take(ref, arr, fresh)
             blocks = hits + got
             cached: list[int | None] = [keys[i] for i in range(len(hits))]
             tables.append((blocks, cached + [None] * fresh, len(hits) * BS))
         elif op == "grow" and tables and ref.num_free:
             i = data.draw(st.integers(0, len(tables) - 1))
             blocks, cached, filled = tables[i]
-            got = ref.take(1)
-            assert list(arr.take(1)) == got
+            got = _take(ref, arr, 1)
             tables[i] = (blocks + got, [*cached, None], filled)
         elif op == "cache" and tables:
             # Fill the next uncached blocks of a table with KV and cache them: content keys
@@ -99,7 +87,7 @@ def test_replay_pool_matches_block_pool(pool: type, num_blocks: int,
             ref.cache([b for b, _ in known], [k for _, k in known], 0, len(known))
             arr.cache([b for b, _ in known], [k for _, k in known], 0, len(known))
             held = [b for b, k in zip(sel, keys, strict=True) if k < 0]
-            _placeholders(ref, held)
+            ref.cache_placeholders(held)
             arr.cache_placeholders(held)
             for j, k in zip(take, keys, strict=True):
                 cached[j] = k
@@ -117,7 +105,7 @@ def test_replay_pool_matches_block_pool(pool: type, num_blocks: int,
             new = data.draw(st.lists(st.sampled_from(unused), min_size=len(held),
                                      max_size=len(held), unique=True))
             sel = [blocks[j] for j in held]
-            _rekey(ref, sel, new)
+            ref.rekey(sel, new)
             arr.rekey(sel, _keys(new))
             for j, k in zip(held, new, strict=True):
                 cached[j] = k
@@ -125,7 +113,7 @@ def test_replay_pool_matches_block_pool(pool: type, num_blocks: int,
             i = data.draw(st.integers(0, len(tables) - 1))
             blocks, _, filled = tables.pop(i)
             filled = min(filled + data.draw(st.integers(0, BS - 1)), len(blocks) * BS)
-            assert arr.count_alone(blocks) == sum(ref.ref[b] == 1 for b in blocks)
+            assert arr.count_alone(blocks) == ref.count_alone(blocks)
             assert arr.release(blocks, filled) == ref.release(blocks, filled)
         assert _counters(arr) == _counters(ref)
         probe = data.draw(st.lists(key, max_size=4))
@@ -133,8 +121,17 @@ def test_replay_pool_matches_block_pool(pool: type, num_blocks: int,
     # Everything handed back: the same blocks come out in the same order.
     for blocks, _, filled in tables:
         assert arr.release(blocks, filled) == ref.release(blocks, filled)
-    assert list(arr.take(num_blocks)) == ref.take(num_blocks)
+    assert _take(ref, arr, num_blocks)
     assert _counters(arr) == _counters(ref)
+
+
+def _take(ref: BlockPool, arr: ListPool | NativePool, n: int) -> list[int]:
+    """``n`` blocks from both pools: the same blocks, the same keys evicted."""
+    ref_keys, arr_keys = array("Q"), array("Q")
+    got = ref.take(n, ref_keys)
+    assert list(arr.take(n, arr_keys)) == got
+    assert arr_keys == ref_keys
+    return got
 
 
 @pytest.mark.parametrize("pool", POOLS)

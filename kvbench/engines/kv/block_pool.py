@@ -7,19 +7,28 @@ and are evicted only when no plain block is left; a cache hit on one of them tak
 out of the queue. Every operation is O(blocks touched)
 with a few list/dict steps per block, no per-token work; the bulk steps (a long prompt's
 blocks) run as C-level ``map`` loops rather than Python ones.
+
+The event replay uses the same pool (or its C twin, :mod:`~kvbench.engines.sim.replay.pool`)
+with two more notions: a block cached under a *placeholder* counts as cached but nothing can
+find it until :meth:`BlockPool.rekey` gives it its content's key; and ``take`` can report the
+keys of the blocks it evicts.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
-from itertools import compress, repeat, takewhile
+from itertools import compress, count, repeat, takewhile
 from operator import is_, is_not
 
 from kvbench.engines.kv.eviction import Eviction, eviction_queue
 
 _IS_BLOCK = partial(is_not, None)
+# Evicted placeholders' keys count down from here: a content's key equals one as rarely as
+# two contents' keys collide.
+TOP_KEY = (1 << 64) - 1
 
 
 def _consume(it: Iterator[object]) -> None:
@@ -62,6 +71,7 @@ class BlockPool:
         "num_frees",
         "num_shared",
         "on_evict",
+        "placeholder_keys",
         "ref",
     )
 
@@ -84,6 +94,7 @@ class BlockPool:
         self.num_allocs = 0
         self.num_evictions = 0
         self.num_frees = 0
+        self.placeholder_keys = count(TOP_KEY, -1)
 
     @property
     def num_free(self) -> int:
@@ -94,14 +105,16 @@ class BlockPool:
         """Free blocks holding no cached content (taking them evicts nothing)."""
         return len(self._free_plain)
 
-    def take(self, n: int) -> list[int]:
-        """Hand out ``n`` blocks (caller checked ``num_free``), each with one reference."""
+    def take(self, n: int, evicted: array | None = None) -> list[int]:
+        """Hand out ``n`` blocks (caller checked ``num_free``), each with one reference.
+        With ``evicted``, the key each evicted block cached is appended to it, in eviction
+        order; a placeholder's is a key of its own, counting down from :data:`TOP_KEY`."""
         plain = self._free_plain
         k = min(n, len(plain))
         out = plain[len(plain) - k :][::-1]
         del plain[len(plain) - k :]
         if k < n:
-            out += self.evict(n - k)
+            out += self.evict(n - k, evicted)
         _fill(self.ref, out, 1)
         self.num_allocs += n
         return out
@@ -123,11 +136,14 @@ class BlockPool:
         _fill(self.ref, blocks, 1)
         self.num_allocs += len(blocks)
 
-    def evict(self, n: int) -> list[int]:
+    def evict(self, n: int, keys: array | None = None) -> list[int]:
         """``n`` free cached blocks out of the eviction queue (caller checked there are as
         many), no longer findable and in no free queue: ``take`` hands them out, another
         caller ``claim``s them."""
         evicted = self._free_cached.evict(n)
+        if keys is not None:
+            ph = self.placeholder_keys
+            keys.extend([k if k >= 0 else next(ph) for k in map(self._hash.__getitem__, evicted)])
         self._forget(evicted)
         return evicted
 
@@ -157,6 +173,10 @@ class BlockPool:
     def count_free(self, blocks: list[int]) -> int:
         """How many of ``blocks`` sit in the free queue (a hit on them consumes free space)."""
         return list(map(self.ref.__getitem__, blocks)).count(0)
+
+    def count_alone(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` no other table holds (they go free with this one)."""
+        return list(map(self.ref.__getitem__, blocks)).count(1)
 
     def touch(self, blocks: list[int]) -> int:
         """Reference cached ``blocks`` for a prefix hit; returns how many were free before."""
@@ -209,6 +229,19 @@ class BlockPool:
         for h, b, owner in zip(new_hashes, new_blocks, held, strict=True):
             if owner == b:
                 block_hash[b] = h
+
+    def cache_placeholders(self, blocks: list[int]) -> None:
+        """Cache ``blocks`` under placeholders: each under its id's complement, a key below
+        zero that no replay lookup asks for (its content keys are uint64 digests)."""
+        self.cache(blocks, [~b for b in blocks], 0, len(blocks))
+
+    def rekey(self, blocks: list[int], keys: list[int]) -> None:
+        """Give ``blocks`` (held, cached under placeholders) their content's ``keys``, as
+        :meth:`cache` would have cached them in the first place."""
+        by_hash, block_hash = self._by_hash, self._hash
+        for b, k in zip(blocks, keys, strict=True):
+            del by_hash[~b]
+            block_hash[b] = k if by_hash.setdefault(k, b) == b else None
 
     def release(self, blocks: list[int], num_filled: int) -> int:
         """Drop one reference to each block of a table whose first ``num_filled`` token slots

@@ -1,6 +1,6 @@
 /* The event replay's C helpers, built on first use like the native attention kernel:
  *
- * - The block pool (pool.py's ArrayPool): the same blocks handed out, the same keys,
+ * - The block pool (BlockPool with LRU eviction): the same blocks handed out, the same keys,
  *   counters and LRU eviction order, with the prefix cache's key -> block index in an
  *   open-addressing table instead of a Python dict. A Mooncake replay makes millions of
  *   lookups, insertions and deletions of block keys; in a dict each one is a Python call and
