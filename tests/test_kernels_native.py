@@ -9,7 +9,7 @@ import torch
 from test_kernels_reference import Case
 
 from kvbench.errors import KvbenchError
-from kvbench.kernels import cpu_native, reference
+from kvbench.kernels import cpu_native, native_build, reference
 from kvbench.kernels.backend import get_backend
 
 # Decodes of one key, of chunk-edge lengths (the kernel takes 64 keys at a time) and long,
@@ -21,7 +21,7 @@ CTX_LENS = [1, 63, 7, 64, 65, 200, 50, 129, 1000]
 def test_the_kernel_builds_where_there_is_a_compiler() -> None:
     """A machine with a C compiler (every CI machine) must build it: a broken kernel fails
     here rather than falling back unseen."""
-    if cpu_native.compiler() is None:
+    if native_build.compiler() is None:
         pytest.skip("no C compiler")
     cpu_native.library()
     assert get_backend("auto", "cpu").name == "native"
@@ -173,7 +173,7 @@ def test_a_kernel_that_does_not_compile_is_refused_with_the_compiler_s_message(
     broken.write_text("int kvb_decode_attention( {\n")
     monkeypatch.setattr(cpu_native, "SOURCE", broken)
     monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path / "cache"))
-    if cpu_native.compiler() is None:
+    if native_build.compiler() is None:
         pytest.skip("no C compiler")
     cpu_native._load.cache_clear()
     try:
@@ -186,14 +186,14 @@ def test_a_kernel_that_does_not_compile_is_refused_with_the_compiler_s_message(
 
 
 def test_the_built_kernel_is_cached_once(monkeypatch, tmp_path):
-    if cpu_native.compiler() is None:
+    if native_build.compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
-    cc = cpu_native.compiler()
+    cc = native_build.compiler()
     name = "k.so"
-    first = cpu_native._build(cc, cpu_native.FLAG_SETS[-1], name, cpu_native.SOURCE)
+    first = native_build._build(cc, native_build.FLAG_SETS[-1], name, cpu_native.SOURCE)
     mtime = first.stat().st_mtime_ns
-    assert cpu_native._build(cc, cpu_native.FLAG_SETS[-1], name, cpu_native.SOURCE) == first
+    assert native_build._build(cc, native_build.FLAG_SETS[-1], name, cpu_native.SOURCE) == first
     assert first.stat().st_mtime_ns == mtime
     # The build and the digest it is checked against before every load, in a private folder.
     assert sorted(p.name for p in (tmp_path / "native").iterdir()) == [name, f"{name}.sha256"]

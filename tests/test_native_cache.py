@@ -20,12 +20,12 @@ from cli_main import cli
 from test_kernels_reference import Case
 
 from kvbench.errors import KvbenchError
-from kvbench.kernels import cpu_native, notices
+from kvbench.kernels import cpu_native, native_build, notices
 from kvbench.kernels.backend import collected_warnings, get_backend
 
-CC = cpu_native.compiler()
+CC = native_build.compiler()
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler")
-POOL_SOURCE = Path(cpu_native.__file__).parents[1] / "engines" / "sim" / "replay" / "native.c"
+POOL_SOURCE = Path(native_build.__file__).parents[1] / "engines" / "sim" / "replay" / "native.c"
 # A library whose constructor runs as soon as it is loaded: it leaves a marker file.
 PLANTED_C = r"""
 #include <stdio.h>
@@ -72,7 +72,7 @@ def planted(tmp_path: Path) -> tuple[bytes, Path]:
 def _plant(data: bytes, *, sidecar: str | None = None) -> list[Path]:
     """``data`` written where the kernel's builds are cached, for every flag set, with a
     digest file holding ``sidecar`` when given."""
-    paths = [cpu_native.cache_file(cpu_native.SOURCE, CC, f) for f in cpu_native.FLAG_SETS]
+    paths = [native_build.cache_file(cpu_native.SOURCE, CC, f) for f in native_build.FLAG_SETS]
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         path.write_bytes(data)
@@ -122,7 +122,7 @@ def test_a_cache_others_can_write_is_refused_for_a_private_temporary_build(
     os.chmod(cache / "native" if where == "native" else cache, mode)
     with collected_warnings() as said:
         lib = cpu_native.library()
-        pool_lib = cpu_native.build(POOL_SOURCE, CC)
+        pool_lib = native_build.build(POOL_SOURCE, CC)
     assert not marker.exists() and _attends_correctly()
     built = Path(lib._name).parent
     assert built == Path(pool_lib._name).parent != paths[0].parent
@@ -196,38 +196,38 @@ def _stat(mode: int, uid: int) -> os.stat_result:
     (0o100700, 1000, "folder", 1000, "not a folder"),
 ])
 def test_refusal_by_owner_mode_and_kind(mode, owner, kind, uid, refused):
-    why = cpu_native.refusal(_stat(mode, owner), kind, uid)
+    why = native_build.refusal(_stat(mode, owner), kind, uid)
     assert why is None if refused is None else refused in why
 
 
 @needs_cc
 def test_a_tampered_build_is_rebuilt_and_a_good_one_reused(cache):
-    cpu_native.build(cpu_native.SOURCE, CC)
-    path = cpu_native.cache_file(cpu_native.SOURCE, CC, cpu_native.FLAG_SETS[0])
+    native_build.build(cpu_native.SOURCE, CC)
+    path = native_build.cache_file(cpu_native.SOURCE, CC, native_build.FLAG_SETS[0])
     good = path.read_bytes()
     again = path.stat().st_mtime_ns
-    cpu_native.build(cpu_native.SOURCE, CC)
+    native_build.build(cpu_native.SOURCE, CC)
     assert path.stat().st_mtime_ns == again  # verified and loaded, not rebuilt
     # Tampered by replacing the file: writing into it would change the library this process
     # has loaded, under its feet.
     tampered = path.with_name(path.name + ".tampered")
     tampered.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
     os.replace(tampered, path)
-    cpu_native.build(cpu_native.SOURCE, CC)
+    native_build.build(cpu_native.SOURCE, CC)
     assert _sha(path.read_bytes()) == path.with_name(path.name + ".sha256").read_text().strip()
     assert stat.S_IMODE(path.stat().st_mode) == 0o700
 
 
 @needs_cc
 def test_a_read_only_cache_keeps_its_verified_builds_and_builds_the_rest_elsewhere(cache):
-    lib = cpu_native.build(cpu_native.SOURCE, CC)
+    lib = native_build.build(cpu_native.SOURCE, CC)
     folder = cache / "native"
     os.chmod(folder, 0o500)
     before = sorted(os.listdir(folder))
     with collected_warnings() as said:
-        assert cpu_native.build(cpu_native.SOURCE, CC)._name == lib._name
+        assert native_build.build(cpu_native.SOURCE, CC)._name == lib._name
         assert said == []
-        pool_lib = cpu_native.build(POOL_SOURCE, CC)
+        pool_lib = native_build.build(POOL_SOURCE, CC)
     assert Path(pool_lib._name).parent != folder and sorted(os.listdir(folder)) == before
     assert len(said) == 1 and "is read-only" in said[0]
 
@@ -256,8 +256,8 @@ def test_a_compiler_that_never_returns_is_stopped(tmp_path, cache):
     """The compiler and what it started are killed at the timeout; nothing is left."""
     pid_file = tmp_path / "pid"
     hang = _script(tmp_path / "hang-cc", f"sleep 300 &\necho $! > {pid_file}\nwait\n")
-    with pytest.raises(cpu_native.BuildError, match=r"did not finish within 0\.5 s"):
-        cpu_native.build(cpu_native.SOURCE, hang, timeout_s=0.5)
+    with pytest.raises(native_build.BuildError, match=r"did not finish within 0\.5 s"):
+        native_build.build(cpu_native.SOURCE, hang, timeout_s=0.5)
     pid = int(pid_file.read_text())
     for _ in range(100):  # SIGKILL is delivered at once; reaping by init may lag
         try:
@@ -308,3 +308,19 @@ def test_auto_outside_a_run_says_so_once_on_stderr(cache, failing_cc, capsys):
     err = capsys.readouterr().err
     assert err.count("warning: --attention auto falls back") == 1, err
     assert "broken-cc" in cpu_native.unavailable_reason()
+
+
+@needs_cc
+def test_the_simulators_c_helpers_build_without_torch(cache):
+    """The replay's pool, the tiers' key queues and the oracle build and load through
+    ``native_build`` in a process that never imports torch (nor the attention kernel)."""
+    probe = (
+        "import sys\n"
+        "from kvbench.engines.kv import key_queue, oracle\n"
+        "from kvbench.engines.sim.replay import pool\n"
+        "assert pool._library() and key_queue._library() and oracle._library()\n"
+        "print(sorted(m for m in ('torch', 'kvbench.kernels.cpu_native') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=300, env=os.environ)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -124,17 +124,24 @@ def run_engine(
         run.status = "failed"
         run.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
     finally:
-        if path.counted is not None:
-            run.fast_forward_steps = path.counted()
-        run.duration_s = clock.now()
-        run.wall_time_s = time.perf_counter() - wall0
-        run.offload_stall_s = clock.load_stall_s if isinstance(clock, VirtualClock) else None
-        if run.status == "ok":
-            run.prefix_oracle = _prefix_oracle(engine)
-        _close(run, tel, engine)
+        _finish(run, engine, clock, path, tel, time.perf_counter() - wall0)
     if run.status == "ok" and (nothing := _nothing_completed(run.timings)) is not None:
         run.status, run.error = "failed", nothing
     return run
+
+
+def _finish(run: EngineRun, engine: Engine, clock: Clock, path: FastPath, tel: Telemetry,
+            wall_s: float) -> None:
+    """Close a run however it ended: what its clock and fast path counted, the oracle's
+    hit rate, and the engine shut down."""
+    if path.counted is not None:
+        run.fast_forward_steps = path.counted()
+    run.duration_s = clock.now()
+    run.wall_time_s = wall_s
+    run.offload_stall_s = clock.load_stall_s if isinstance(clock, VirtualClock) else None
+    if run.status == "ok":
+        run.prefix_oracle = _prefix_oracle(engine)
+    _close(run, tel, engine)
 
 
 def _fast_path(engine: Engine, workload: Workload, clock: Clock, enabled: bool, waves: int,

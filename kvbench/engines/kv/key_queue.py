@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbench.engines.kv.eviction import LFUQueue, LRUQueue
+from kvbench.kernels import native_build
 
 Keys = Sequence[int] | array | np.ndarray
 # What a key joins a ranked queue with (lower is evicted first).
@@ -207,10 +208,9 @@ _LIB: ctypes.CDLL
 def _library() -> ctypes.CDLL | None:
     """``key_queue.c`` built and loaded, or None where it cannot be built here."""
     global _LIB
-    from kvbench.kernels import cpu_native  # imports torch: only when a tier is made
 
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib = cpu_native.optional_library(Path(__file__).with_name("key_queue.c"), {
+    lib = native_build.optional_library(Path(__file__).with_name("key_queue.c"), {
         "kvq_new": (ptr, []),
         "kvq_free": (None, [ptr]),
         "kvq_add": (i64, [ptr, ptr, i64]),

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvbench.kernels import native_build
+
 # Kinds of a reference: a write, the first block of a lookup, a later block of it.
 WRITE, LOOKUP, MORE = 0, 1, 2
 MAX_REFERENCES = 1 << 25
@@ -181,8 +183,7 @@ def _make_room(at: dict[int, int], heap: list[tuple[int, int]], capacity: int,
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    from kvbench.kernels import cpu_native  # imports torch: only when an oracle is asked for
 
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return cpu_native.optional_library(Path(__file__).with_name("oracle.c"), {
+    return native_build.optional_library(Path(__file__).with_name("oracle.c"), {
         "kvo_belady": (i64, [ptr, ptr, i64, i64, ptr])})

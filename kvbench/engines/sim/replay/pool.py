@@ -19,6 +19,7 @@ import numpy as np
 
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.hashing import BlockHasher
+from kvbench.kernels import native_build
 from kvbench.workloads.model import contents_token_ids
 
 
@@ -48,7 +49,7 @@ class NativePool:
     """``BlockPool`` in C (``native.c``), LRU only: the same blocks, keys, counters and
     eviction order, with the prefix cache's key index in an open-addressing table rather than
     a dict (a Mooncake replay makes millions of key lookups, insertions and deletions). Built
-    with the attention kernel's machinery (:mod:`kvbench.kernels.cpu_native`); :func:`new_pool`
+    with the attention kernel's machinery (:mod:`kvbench.kernels.native_build`); :func:`new_pool`
     falls back to :class:`ListPool` where there is no C compiler."""
 
     __slots__ = ("_c", "_p", "block_size", "num_blocks")
@@ -178,10 +179,9 @@ _LIB: ctypes.CDLL
 def _library() -> ctypes.CDLL | None:
     """The replay's C helpers (``native.c``), or None where they cannot be built here."""
     global _LIB
-    from kvbench.kernels import cpu_native
 
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib = cpu_native.optional_library(Path(__file__).with_name("native.c"), {
+    lib = native_build.optional_library(Path(__file__).with_name("native.c"), {
         "kvp_new": (ptr, [i64, i64]),
         "kvp_free": (None, [ptr]),
         "kvp_counters": (ptr, [ptr]),
