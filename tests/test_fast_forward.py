@@ -259,6 +259,22 @@ def test_offload_tiers_in_the_event_replay(tmp_path: Path, monkeypatch: Any, off
     assert len(set(fast["tiered"]["curves"]["offload_cpu_used_bytes"])) > 2
 
 
+@pytest.mark.parametrize("kv_memory", ["3GiB", "6GiB"])
+def test_lfu_eviction_in_the_event_replay(tmp_path: Path, monkeypatch: Any,
+                                          kv_memory: str) -> None:
+    """``paged-lfu`` is replayed by events on BlockPool's LFU queue: cached blocks evicted
+    by the prefix hits they served, with the records of steps taken one at a time."""
+    advanced = []
+    advance = EventReplay.advance
+    monkeypatch.setattr(EventReplay, "advance",
+                        lambda self, *a: advanced.append(1) or advance(self, *a))
+    workload = WorkloadSection(trace="mooncake", path=str(MOONCAKE), num_requests=60)
+    fast = _check(tmp_path, workload, "qwen2.5-7b", ["paged-lfu"], kv_memory=kv_memory,
+                  max_model_len=32768)
+    assert advanced
+    assert fast["paged-lfu"]["summary"]["kv_evictions"] > 0
+
+
 @pytest.mark.parametrize("engine", ["paged", "swap"])
 def test_replay_blocks_of_one_event_each(tmp_path: Path, monkeypatch: Any, engine: str) -> None:
     """The replay hands its steps over in blocks whose ends fall where its wall time runs

@@ -17,10 +17,19 @@ from kvbench.engines.sim.replay import pool as replay_pool
 from kvbench.engines.sim.replay.pool import ListPool, NativePool
 from kvbench.workloads.model import contents_token_ids, key_hash
 
-# The C pool where a compiler builds it, and the pool the replay takes where none does
-# (BlockPool fed numpy keys).
-POOLS = [ListPool, pytest.param(NativePool, marks=pytest.mark.skipif(
-    replay_pool._library() is None, reason="no C compiler"))]
+# The C pool where a compiler builds it, LRU and LFU, and the pool the replay takes where
+# none does (BlockPool fed numpy keys).
+_NEEDS_CC = pytest.mark.skipif(replay_pool._library() is None, reason="no C compiler")
+POOLS = [(ListPool, "lru"), (ListPool, "lfu"), pytest.param(NativePool, "lru", marks=_NEEDS_CC),
+         pytest.param(NativePool, "lfu", marks=_NEEDS_CC)]
+
+
+def _pools(pool: type, eviction: str, num_blocks: int) -> tuple[BlockPool, object]:
+    """``BlockPool`` and the replay's ``pool`` of ``num_blocks``, both evicting by
+    ``eviction``."""
+    if pool is NativePool:
+        return BlockPool(num_blocks, BS, eviction), NativePool(num_blocks, BS, eviction == "lfu")
+    return BlockPool(num_blocks, BS, eviction), pool(num_blocks, BS, eviction)
 
 BS = 4
 
@@ -34,12 +43,12 @@ def _counters(pool: BlockPool | NativePool) -> tuple[int, ...]:
             pool.num_frees, pool.num_evictions)
 
 
-@pytest.mark.parametrize("pool", POOLS)
+@pytest.mark.parametrize(("pool", "eviction"), POOLS)
 @settings(max_examples=150, deadline=None)
 @given(num_blocks=st.integers(4, 24), data=st.data())
-def test_replay_pool_matches_block_pool(pool: type, num_blocks: int,
+def test_replay_pool_matches_block_pool(pool: type, eviction: str, num_blocks: int,
                                         data: st.DataObject) -> None:
-    ref, arr = BlockPool(num_blocks, BS, "lru"), pool(num_blocks, BS)
+    ref, arr = _pools(pool, eviction, num_blocks)
     # Live tables: blocks, keys cached per block (None: not yet), slots filled.
     tables: list[tuple[list[int], list[int | None], int]] = []
     # Keys from a small range, so that duplicates across tables and hits happen; within a
@@ -134,13 +143,13 @@ def _take(ref: BlockPool, arr: ListPool | NativePool, n: int) -> list[int]:
     return got
 
 
-@pytest.mark.parametrize("pool", POOLS)
-def test_the_free_queue_wraps_around(pool: type) -> None:
+@pytest.mark.parametrize(("pool", "eviction"), POOLS)
+def test_the_free_queue_wraps_around(pool: type, eviction: str) -> None:
     """Blocks cached and freed one at a time, hundreds of times over, some taken back by a
     hit (holes) and some evicted: the free queue outgrows its array and is compacted, with
     the same eviction order as BlockPool's."""
     num_blocks = 5
-    ref, arr = BlockPool(num_blocks, BS, "lru"), pool(num_blocks, BS)
+    ref, arr = _pools(pool, eviction, num_blocks)
     rng = np.random.default_rng(0)
     for i in range(600):
         key = int(rng.integers(0, 40))

@@ -57,8 +57,8 @@ def _book_blocker(kv: KVManager) -> str | None:
             return "blocks outside the sliding window are released as sequences advance"
         if kv.leak_finished:
             return "finished sequences' blocks leak"
-        if kv.eviction != "lru":
-            return f"{kv.eviction} eviction of cached blocks"
+        if kv.eviction != "lru" and kv.offload is not None:
+            return f"{kv.eviction} eviction of cached blocks above offload tiers"
     return None
 
 

@@ -1,7 +1,7 @@
 /* The event replay's C helpers, built on first use like the native attention kernel:
  *
- * - The block pool (BlockPool with LRU eviction): the same blocks handed out, the same keys,
- *   counters and LRU eviction order, with the prefix cache's key -> block index in an
+ * - The block pool (BlockPool, LRU or LFU): the same blocks handed out, the same keys,
+ *   counters and eviction order, with the prefix cache's key -> block index in an
  *   open-addressing table instead of a Python dict. A Mooncake replay makes millions of
  *   lookups, insertions and deletions of block keys; in a dict each one is a Python call and
  *   a cache miss on a large table.
@@ -13,7 +13,9 @@
  *
  * Plain free blocks form a stack whose top is block 0 in a fresh pool. Freed blocks holding
  * cached content (a key or a placeholder) queue least recently freed first; a prefix hit
- * that takes one back leaves a hole (-1) that eviction skips. The key table uses linear
+ * that takes one back leaves a hole (-1) that eviction skips. With LFU eviction they wait
+ * instead in a binary heap by (prefix hits, order freed) in the same array (q, qpos), the
+ * heap's size in c[QTAIL] and no head or holes. The key table uses linear
  * probing with deletion by backward shift, sized for four times the blocks (a block holds one
  * key at a time): short probe runs. Block ids from Python are checked: a call with one
  * outside the pool (or taking more blocks than are free) returns -1 having done nothing. */
@@ -30,8 +32,8 @@ typedef struct {
 } Entry;
 
 typedef struct {
-    int64_t n, bs, qcap;
-    int64_t *ref, *plain, *q, *qpos;
+    int64_t n, bs, qcap, lfu, next_stamp;
+    int64_t *ref, *plain, *q, *qpos, *hits, *stamp;
     uint8_t *hit;
     int8_t *state;
     uint64_t *key;
@@ -112,11 +114,65 @@ static void del(Pool *p, uint64_t k) {
     p->hcount--;
 }
 
-Pool *kvp_new(int64_t n, int64_t bs) {
+void kvp_free(Pool *p) {
+    if (!p) return;
+    free(p->ref); free(p->plain); free(p->q); free(p->qpos); free(p->hit);
+    free(p->state); free(p->key); free(p->hits); free(p->stamp); free(p->h); free(p);
+}
+
+/* --- the LFU heap: blocks by (hits, stamp), the least first ------------------------------ */
+
+static inline int before(const Pool *p, int64_t a, int64_t b) {
+    return p->hits[a] < p->hits[b] || (p->hits[a] == p->hits[b] && p->stamp[a] < p->stamp[b]);
+}
+
+static inline void put(Pool *p, int64_t i, int64_t b) {
+    p->q[i] = b;
+    p->qpos[b] = i;
+}
+
+static void sift_up(Pool *p, int64_t i) {
+    int64_t b = p->q[i];
+    while (i > 0) {
+        int64_t parent = (i - 1) / 2;
+        if (!before(p, b, p->q[parent])) break;
+        put(p, i, p->q[parent]);
+        i = parent;
+    }
+    put(p, i, b);
+}
+
+static void sift_down(Pool *p, int64_t i) {
+    int64_t n = p->c[QTAIL], b = p->q[i];
+    for (;;) {
+        int64_t child = 2 * i + 1;
+        if (child >= n) break;
+        if (child + 1 < n && before(p, p->q[child + 1], p->q[child])) child++;
+        if (!before(p, p->q[child], b)) break;
+        put(p, i, p->q[child]);
+        i = child;
+    }
+    put(p, i, b);
+}
+
+static void heap_remove(Pool *p, int64_t b) {
+    int64_t i = p->qpos[b], last = --p->c[QTAIL];
+    p->qpos[b] = -1;
+    if (i == last) return;
+    int64_t moved = p->q[last];
+    put(p, i, moved);
+    sift_up(p, i);
+    sift_down(p, p->qpos[moved]);
+}
+
+/* --- the pool ------------------------------------------------------------------------- */
+
+Pool *kvp_new(int64_t n, int64_t bs, int64_t lfu) {
     Pool *p = calloc(1, sizeof(Pool));
     if (!p) return NULL;
     p->n = n;
     p->bs = bs;
+    p->lfu = lfu;
     p->qcap = 2 * n + 64;
     p->hbits = 4;
     while ((1LL << p->hbits) < 4 * n) p->hbits++;
@@ -129,11 +185,12 @@ Pool *kvp_new(int64_t n, int64_t bs) {
     p->hit = calloc(n ? n : 1, 1);
     p->state = calloc(n ? n : 1, 1);
     p->key = calloc(n ? n : 1, sizeof(uint64_t));
+    p->hits = calloc(n ? n : 1, sizeof(int64_t));
+    p->stamp = calloc(n ? n : 1, sizeof(int64_t));
     p->h = malloc(hsize * sizeof(Entry));
     if (!p->ref || !p->plain || !p->q || !p->qpos || !p->hit || !p->state || !p->key
-        || !p->h) {
-        free(p->ref); free(p->plain); free(p->q); free(p->qpos); free(p->hit);
-        free(p->state); free(p->key); free(p->h); free(p);
+        || !p->hits || !p->stamp || !p->h) {
+        kvp_free(p);
         return NULL;
     }
     for (int64_t i = 0; i < n; i++) {
@@ -147,11 +204,6 @@ Pool *kvp_new(int64_t n, int64_t bs) {
     return p;
 }
 
-void kvp_free(Pool *p) {
-    if (!p) return;
-    free(p->ref); free(p->plain); free(p->q); free(p->qpos); free(p->hit);
-    free(p->state); free(p->key); free(p->h); free(p);
-}
 
 /* Where Python reads the pool's counters. */
 int64_t *kvp_counters(Pool *p) {
@@ -177,18 +229,25 @@ int64_t kvp_take(Pool *p, int64_t m, int64_t *out, uint64_t *ev_keys) {
     c[TOP] = top - k;
     int64_t head = c[QHEAD];
     for (int64_t i = k; i < m; i++) {
-        int64_t b = p->q[head++];
-        while (b < 0) {
-            c[QHOLES]--;
+        int64_t b;
+        if (p->lfu) {
+            b = p->q[0];
+            heap_remove(p, b);
+        } else {
             b = p->q[head++];
+            while (b < 0) {
+                c[QHOLES]--;
+                b = p->q[head++];
+            }
+            p->qpos[b] = -1;
         }
-        p->qpos[b] = -1;
+        p->hits[b] = 0;
         if (ev_keys) ev_keys[i - k] = p->state[b] == KEYED ? p->key[b] : p->placeholder--;
         if (p->state[b] == KEYED) del(p, p->key[b]);
         p->state[b] = NONE;
         out[i] = b;
     }
-    c[QHEAD] = head;
+    if (!p->lfu) c[QHEAD] = head;
     c[EVICTIONS] += m - k;
     for (int64_t i = 0; i < m; i++) p->ref[out[i]] = 1;
     c[ALLOCS] += m;
@@ -221,14 +280,19 @@ int64_t kvp_touch(Pool *p, const int64_t *blocks, int64_t m) {
     for (int64_t i = 0; i < m; i++) {
         int64_t b = blocks[i], r = p->ref[b];
         if (r == 0) {
-            p->q[p->qpos[b]] = -1;
-            p->qpos[b] = -1;
-            c[QHOLES]++;
+            if (p->lfu) {
+                heap_remove(p, b);
+            } else {
+                p->q[p->qpos[b]] = -1;
+                p->qpos[b] = -1;
+                c[QHOLES]++;
+            }
             free_++;
         }
         c[SHARED] += !p->hit[b] && r <= 1;
         p->ref[b] = r + 1;
         p->hit[b] = 1;
+        p->hits[b]++;
     }
     c[ALLOCS] += free_;
     return free_;
@@ -261,6 +325,12 @@ int64_t kvp_cache(Pool *p, const int64_t *blocks, const uint64_t *keys, int64_t 
 
 static void enqueue(Pool *p, int64_t b) {
     int64_t *c = p->c;
+    if (p->lfu) {
+        p->stamp[b] = p->next_stamp++;
+        put(p, c[QTAIL], b);
+        sift_up(p, c[QTAIL]++);
+        return;
+    }
     if (c[QTAIL] == p->qcap) {
         /* Out of room at the tail: the live entries move to the front, in order. */
         int64_t w = 0;

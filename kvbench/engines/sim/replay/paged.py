@@ -62,7 +62,7 @@ class PagedBook:
         self.capacity = self.num_blocks * self.block_bytes
         self.vocab = vocab_size
         self.footprint = manager.footprint
-        self.pool = new_pool(manager.num_blocks, bs)
+        self.pool = new_pool(manager.num_blocks, bs, manager.eviction)
         self.hasher = BlockHasher(bs)
         self.trace = manager.trace
         self.offload = manager.offload

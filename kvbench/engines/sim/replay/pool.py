@@ -3,7 +3,7 @@
 call; ``BlockPool`` itself where there is no C compiler.
 
 The C pool hands out the same block ids, keeps the same keys and counters and evicts in the
-same order as ``BlockPool`` with LRU eviction (``tests/test_replay_pool.py`` runs both
+same order as ``BlockPool``, LRU or LFU (``tests/test_replay_pool.py`` runs both
 through random operation sequences and compares them after every call).
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbench.engines.kv.block_pool import BlockPool
+from kvbench.engines.kv.eviction import Eviction
 from kvbench.engines.kv.hashing import BlockHasher
 from kvbench.kernels import native_build
 from kvbench.workloads.model import contents_token_ids
@@ -46,20 +47,20 @@ def _ints(keys: Sequence[int] | np.ndarray) -> list[int]:
 
 
 class NativePool:
-    """``BlockPool`` in C (``native.c``), LRU only: the same blocks, keys, counters and
-    eviction order, with the prefix cache's key index in an open-addressing table rather than
-    a dict (a Mooncake replay makes millions of key lookups, insertions and deletions). Built
-    with the attention kernel's machinery (:mod:`kvbench.kernels.native_build`); :func:`new_pool`
-    falls back to :class:`ListPool` where there is no C compiler."""
+    """``BlockPool`` in C (``native.c``), LRU or (``lfu``) LFU: the same blocks, keys,
+    counters and eviction order, with the prefix cache's key index in an open-addressing
+    table rather than a dict (a Mooncake replay makes millions of key lookups, insertions
+    and deletions). Built by :mod:`kvbench.kernels.native_build`; :func:`new_pool` falls back
+    to :class:`ListPool` where there is no C compiler."""
 
     __slots__ = ("_c", "_p", "block_size", "num_blocks")
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, lfu: bool = False) -> None:
         lib = _library()
         if lib is None:
             raise RuntimeError("the C block pool did not build")
         self.num_blocks, self.block_size = num_blocks, block_size
-        p = lib.kvp_new(num_blocks, block_size)
+        p = lib.kvp_new(num_blocks, block_size, lfu)
         if not p:
             raise MemoryError(f"no memory for a pool of {num_blocks} blocks")
         self._p = p
@@ -182,7 +183,7 @@ def _library() -> ctypes.CDLL | None:
 
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib = native_build.optional_library(Path(__file__).with_name("native.c"), {
-        "kvp_new": (ptr, [i64, i64]),
+        "kvp_new": (ptr, [i64, i64, i64]),
         "kvp_free": (None, [ptr]),
         "kvp_counters": (ptr, [ptr]),
         "kvp_take": (i64, [ptr, i64, ptr, ptr]),
@@ -218,8 +219,9 @@ def contents_digests(contents: np.ndarray, counts: list[int], vocab_size: int,
     return out
 
 
-def new_pool(num_blocks: int, block_size: int) -> NativePool | ListPool:
+def new_pool(num_blocks: int, block_size: int, eviction: Eviction = "lru"
+             ) -> NativePool | ListPool:
     """The C pool where it builds, else ``BlockPool`` (the same behaviour, slower)."""
     if _library() is not None:
-        return NativePool(num_blocks, block_size)
-    return ListPool(num_blocks, block_size)
+        return NativePool(num_blocks, block_size, eviction == "lfu")
+    return ListPool(num_blocks, block_size, eviction)
