@@ -57,6 +57,8 @@ def _strip(record: dict) -> dict:
     record["curves"] = {k: v for k, v in record["curves"].items() if k != "rss_bytes"}
     record["engine_config"] = {k: v for k, v in record["engine_config"].items()
                                if k != "fast_forward"}
+    if record.get("error"):  # its traceback names the path's own code
+        record["error"] = record["error"].splitlines()[0]
     return record
 
 
@@ -259,20 +261,40 @@ def test_offload_tiers_in_the_event_replay(tmp_path: Path, monkeypatch: Any, off
     assert len(set(fast["tiered"]["curves"]["offload_cpu_used_bytes"])) > 2
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("engine", ["paged-lfu", "paged-leaky"])
 @pytest.mark.parametrize("kv_memory", ["3GiB", "6GiB"])
-def test_lfu_eviction_in_the_event_replay(tmp_path: Path, monkeypatch: Any,
-                                          kv_memory: str) -> None:
-    """``paged-lfu`` is replayed by events on BlockPool's LFU queue: cached blocks evicted
-    by the prefix hits they served, with the records of steps taken one at a time."""
+def test_lfu_and_leaks_in_the_event_replay(tmp_path: Path, monkeypatch: Any, kv_memory: str,
+                                           engine: str, native: bool) -> None:
+    """``paged-lfu`` and ``paged-leaky`` are replayed by events, in the C pool and in
+    BlockPool: cached blocks evicted by the prefix hits they served; finished sequences'
+    blocks never free again. The records are those of steps taken one at a time."""
+    if not native:
+        monkeypatch.setattr(replay_pool, "_library", lambda: None)
     advanced = []
     advance = EventReplay.advance
     monkeypatch.setattr(EventReplay, "advance",
                         lambda self, *a: advanced.append(1) or advance(self, *a))
     workload = WorkloadSection(trace="mooncake", path=str(MOONCAKE), num_requests=60)
-    fast = _check(tmp_path, workload, "qwen2.5-7b", ["paged-lfu"], kv_memory=kv_memory,
+    fast = _check(tmp_path, workload, "qwen2.5-7b", [engine], kv_memory=kv_memory,
                   max_model_len=32768)
     assert advanced
-    assert fast["paged-lfu"]["summary"]["kv_evictions"] > 0
+    summary = fast[engine]["summary"]
+    assert summary["kv_evictions"] > 0 if engine == "paged-lfu" else summary["completed"] > 0
+
+
+def test_a_stuck_engine_waits_for_arrivals_then_fails(tmp_path: Path) -> None:
+    """Leaked KV leaves requests waiting that no step can admit while more are still to
+    arrive: after 1,000 steps without progress the engine waits for the next arrival, and
+    with none left the run fails, by steps and by the replay alike (the clock used to stand
+    still and the run never ended)."""
+    workload = WorkloadSection(trace="mooncake", path=str(MOONCAKE), num_requests=60)
+    fast = _check(tmp_path, workload, "qwen2.5-7b", ["paged-leaky"], kv_memory="6GiB",
+                  max_model_len=32768)
+    record = fast["paged-leaky"]
+    assert record["status"] == "failed"
+    assert "made no progress for 1000 steps (49 waiting, 0 running)" in record["error"]
+    assert record["curves"]["t_s"][-1] >= max(r["arrival_s"] for r in record["requests"])
 
 
 @pytest.mark.parametrize("engine", ["paged", "swap"])

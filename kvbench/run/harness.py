@@ -38,8 +38,9 @@ from kvbench.run.signals import allow_interrupts, interrupt_reason
 from kvbench.run.telemetry import OK, RssProbe, Telemetry
 from kvbench.workloads.model import Request, Workload
 
-# An engine that neither computes nor finishes anything for this many consecutive steps,
-# with nothing left to arrive, is stuck (a scheduler bug); fail rather than spin forever.
+# An engine that neither computes nor finishes anything for this many consecutive steps is
+# stuck (a scheduler bug, or leaked KV): it waits for the next request that can be sent, and
+# with none left the run fails rather than spin forever.
 _MAX_IDLE_STEPS = 1000
 # Warm-up ends when this fraction of the run's requests (at least one) has finished: caches,
 # allocator pools and lazily touched pages have settled by then, so memory growth after it
@@ -240,7 +241,7 @@ class _Driver:
             # The next arrival the driver would add (none while the concurrency limit holds).
             due = requests[idx].arrival_s if idx < n and self.in_flight < self.limit else math.inf
             if self.path.jump is None or not self._jump(due):
-                self._step(arriving=idx < n)
+                self._step(due)
 
     def _admit(self, requests: list[Request], idx: int) -> int:
         """Add the requests from ``idx`` that have arrived, as far as the concurrency limit
@@ -272,8 +273,9 @@ class _Driver:
         _taken_in_bulk(self.run, self.tel, w0)
         return True
 
-    def _step(self, arriving: bool) -> None:
-        """Take and log one step; ``arriving``: requests of the wave are still to come."""
+    def _step(self, due_s: float) -> None:
+        """Take and log one step; ``due_s``: when the next request can be sent (inf: none
+        before one ends)."""
         run, clock, tel = self.run, self.clock, self.tel
         w0 = time.perf_counter()
         t0 = clock.now()
@@ -296,18 +298,21 @@ class _Driver:
         run.telemetry_wall_s += w2 - w1
         if self.progress is not None:
             self.progress(self.done)
-        self._watch(report, arriving)
+        self._watch(report, due_s)
 
-    def _watch(self, report: StepReport, arriving: bool) -> None:
-        """Fail a run whose engine is stuck (see ``_MAX_IDLE_STEPS``)."""
+    def _watch(self, report: StepReport, due_s: float) -> None:
+        """Wait out, or fail, an engine that is stuck (see ``_MAX_IDLE_STEPS``)."""
         # A live server's stalls are bounded by the engine's request timeouts; its steps only
         # observe, so an empty one is no sign of a stuck scheduler.
         stalled = report.batch.num_tokens == 0 and report.stamps is None
-        if not stalled or report.finished or arriving:
+        if not stalled or report.finished:
             self.idle = 0
             return
         self.idle += 1
-        if self.idle >= _MAX_IDLE_STEPS:
+        if self.idle >= _MAX_IDLE_STEPS and due_s < math.inf:
+            self.clock.wait_until(due_s)
+            self.idle = 0
+        elif self.idle >= _MAX_IDLE_STEPS:
             raise RuntimeError(
                 f"engine {self.engine.name!r} made no progress for {self.idle} steps "
                 f"({report.num_waiting} waiting, {report.num_running} running)"

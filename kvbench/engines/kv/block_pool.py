@@ -70,6 +70,7 @@ class BlockPool:
         "num_blocks",
         "num_evictions",
         "num_frees",
+        "num_lost",
         "num_shared",
         "on_evict",
         "placeholder_keys",
@@ -95,6 +96,7 @@ class BlockPool:
         self.num_allocs = 0
         self.num_evictions = 0
         self.num_frees = 0
+        self.num_lost = 0  # leaked blocks no table holds: never free again
         self.placeholder_keys = count(TOP_KEY, -1)
 
     @property
@@ -276,6 +278,7 @@ class BlockPool:
             elif i == num_full:
                 dead_tail = num_filled - i * bs
             if leaked and b in leaked:
+                self.num_lost += 1
                 continue
             freed += 1
             if block_hash[b] is None:

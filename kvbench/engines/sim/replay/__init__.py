@@ -55,8 +55,6 @@ def _book_blocker(kv: KVManager) -> str | None:
     if isinstance(kv, PagedKVManager):
         if kv.sliding_window is not None:
             return "blocks outside the sliding window are released as sequences advance"
-        if kv.leak_finished:
-            return "finished sequences' blocks leak"
         if kv.eviction != "lru" and kv.offload is not None:
             return f"{kv.eviction} eviction of cached blocks above offload tiers"
     return None

@@ -16,8 +16,8 @@ records). What differs is how the work is held:
   finishes, no allocation can fail, nobody can be admitted) is taken in one go, its
   per-step values computed with numpy, as decode fast-forward did.
 
-Scope: one sample per request, text prompts, the ``paged`` (without sliding-window release
-or the leaking fault; with or without offload tiers) and ``contiguous`` policies, KV
+Scope: one sample per request, text prompts, the ``paged`` (without sliding-window release;
+LFU eviction only without offload tiers) and ``contiguous`` policies, KV
 preallocated on the simulated device,
 and a token budget above ``max_num_seqs`` (so decodes always fit a step). Anything else
 runs step by step (:func:`~kvbench.engines.sim.replay.replay_blocker` says why).
@@ -236,6 +236,9 @@ class EventReplay:
                     before = self.book.mark()
                     t, ended = self._event_step(block, t)
                     arrivals.in_flight -= ended
+                    if self.idle >= MAX_IDLE_STEPS:
+                        before = None  # a failure here comes after a whole step
+                        t = self._stuck(t, arrivals.due())
                 else:
                     t = t_quiet
                 if time.perf_counter() > deadline:
@@ -284,15 +287,18 @@ class EventReplay:
         self._last = (refusal, encoder, text)
         block.device_ranks = device.tp
         self.step = s + 1
-        if num_tokens == 0 and not finished:
-            self.idle += 1
-            if self.idle >= MAX_IDLE_STEPS:
-                raise RuntimeError(
-                    f"engine {self.name!r} made no progress for {self.idle} steps "
-                    f"({len(self.waiting)} waiting, {n_run} running)")
-        else:
-            self.idle = 0
+        self.idle = self.idle + 1 if num_tokens == 0 and not finished else 0
         return t1, len(finished)
+
+    def _stuck(self, t: float, due: float) -> float:
+        """After ``MAX_IDLE_STEPS`` steps without progress: wait for the next request that
+        can be sent (``due``), as the harness does; with none, fail."""
+        if due == np.inf:
+            raise RuntimeError(
+                f"engine {self.name!r} made no progress for {self.idle} steps "
+                f"({len(self.waiting)} waiting, {len(self.running)} running)")
+        self.idle = 0
+        return max(t, due)
 
     def _schedule(self, s: int, items: list[tuple[Seq, int, int, bool]], preempted: list[Seq],
                   runs: list[tuple[str, int, int]], scheduled: list[str]) -> tuple[Any, ...]:

@@ -9,7 +9,8 @@
  *
  * Counters are in `c`, which Python reads in place:
  *   c[0] plain free blocks (the stack's top), c[1] queue head, c[2] queue tail,
- *   c[3] holes in the queue, c[4] shared, c[5] allocations, c[6] evictions, c[7] frees.
+ *   c[3] holes in the queue, c[4] shared, c[5] allocations, c[6] evictions, c[7] frees,
+ *   c[8] leaked blocks no table holds.
  *
  * Plain free blocks form a stack whose top is block 0 in a fresh pool. Freed blocks holding
  * cached content (a key or a placeholder) queue least recently freed first; a prefix hit
@@ -24,7 +25,7 @@
 #include <stdlib.h>
 
 enum { NONE = 0, PLACEHOLDER = 1, KEYED = 2 };
-enum { TOP, QHEAD, QTAIL, QHOLES, SHARED, ALLOCS, EVICTIONS, FREES, NCOUNTERS };
+enum { TOP, QHEAD, QTAIL, QHOLES, SHARED, ALLOCS, EVICTIONS, FREES, LOST, NCOUNTERS };
 
 typedef struct {
     uint64_t key;
@@ -34,7 +35,7 @@ typedef struct {
 typedef struct {
     int64_t n, bs, qcap, lfu, next_stamp;
     int64_t *ref, *plain, *q, *qpos, *hits, *stamp;
-    uint8_t *hit;
+    uint8_t *hit, *leaked;
     int8_t *state;
     uint64_t *key;
     int64_t c[NCOUNTERS];
@@ -116,7 +117,7 @@ static void del(Pool *p, uint64_t k) {
 
 void kvp_free(Pool *p) {
     if (!p) return;
-    free(p->ref); free(p->plain); free(p->q); free(p->qpos); free(p->hit);
+    free(p->ref); free(p->plain); free(p->q); free(p->qpos); free(p->hit); free(p->leaked);
     free(p->state); free(p->key); free(p->hits); free(p->stamp); free(p->h); free(p);
 }
 
@@ -183,12 +184,13 @@ Pool *kvp_new(int64_t n, int64_t bs, int64_t lfu) {
     p->q = malloc(p->qcap * sizeof(int64_t));
     p->qpos = malloc((n ? n : 1) * sizeof(int64_t));
     p->hit = calloc(n ? n : 1, 1);
+    p->leaked = calloc(n ? n : 1, 1);
     p->state = calloc(n ? n : 1, 1);
     p->key = calloc(n ? n : 1, sizeof(uint64_t));
     p->hits = calloc(n ? n : 1, sizeof(int64_t));
     p->stamp = calloc(n ? n : 1, sizeof(int64_t));
     p->h = malloc(hsize * sizeof(Entry));
-    if (!p->ref || !p->plain || !p->q || !p->qpos || !p->hit || !p->state || !p->key
+    if (!p->ref || !p->plain || !p->q || !p->qpos || !p->hit || !p->leaked || !p->state || !p->key
         || !p->hits || !p->stamp || !p->h) {
         kvp_free(p);
         return NULL;
@@ -370,11 +372,27 @@ int64_t kvp_release(Pool *p, const int64_t *blocks, int64_t m, int64_t num_fille
         p->hit[b] = 0;
         if (i < num_full) filled += bs;
         else if (i == num_full) filled += num_filled - num_full * bs;
+        if (p->leaked[b]) {
+            c[LOST]++;
+            continue;
+        }
         c[FREES]++;
         if (p->state[b] != NONE) enqueue(p, b);
         else p->plain[c[TOP]++] = b;
     }
     return any_alive ? filled : num_filled;
+}
+
+/* kvp_release, but the blocks lose their keys and never go free again: the leak fault. */
+int64_t kvp_leak(Pool *p, const int64_t *blocks, int64_t m, int64_t num_filled) {
+    if (outside(p, blocks, m)) return -1;
+    for (int64_t i = 0; i < m; i++) {
+        int64_t b = blocks[i];
+        if (p->state[b] == KEYED) del(p, p->key[b]);
+        p->state[b] = NONE;
+        p->leaked[b] = 1;
+    }
+    return kvp_release(p, blocks, m, num_filled);
 }
 
 /* Prompt block digests (kvbench.engines.kv.hashing.BlockHasher.digests) of the token ids of

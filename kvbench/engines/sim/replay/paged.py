@@ -23,8 +23,8 @@ blocks (``lfu`` by prefix hits, ``cost`` by depth too), :class:`_BlockRanks` kee
 ``BlockPool`` and the tiers keep on the step path: each block's hits and depth.
 
 Only what the replay supports is kept: one sample per request (no forks, so no
-copy-on-write and a block is shared only through a prefix hit), no sliding-window release,
-no leaking fault. A sequence preempted with swap preemption has its blocks copied to the
+copy-on-write and a block is shared only through a prefix hit), no sliding-window release.
+A sequence preempted with swap preemption has its blocks copied to the
 first tier and resumes where it stopped, as :meth:`PagedKVManager.swap_out` has it."""
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class PagedBook:
         self.trace = manager.trace
         self.offload = manager.offload
         self.swaps = manager.swaps
+        self.leaks = manager.leak_finished
         self.tier_kinds = tuple(t.kind for t in self.offload.tiers) if self.offload else ()
         ranked = self.offload is not None and any(
             t.spec.eviction != "lru" for t in self.offload.tiers)
@@ -263,7 +264,8 @@ class PagedBook:
         self.sum_limit -= min(len(table) * self.bs, seq.final_len)
         self.sum_committed -= committed
         self.entries -= len(table)
-        self.used -= self.pool.release(table, committed)
+        release = self.pool.leak if finished and self.leaks else self.pool.release
+        self.used -= release(table, committed)
         seq.table = None
 
     def take_copies(self) -> list[SlotCopy]:
@@ -383,8 +385,9 @@ class PagedBook:
     def shared_tokens(self) -> int:
         """Token slots live sequences hold more than once: a block held by ``r`` tables
         counts ``r - 1`` extra times, and with one sample per request only full blocks (a
-        prefix hit's) are shared."""
-        return self.bs * (self.entries - (self.num_blocks - self.pool.num_free))
+        prefix hit's) are shared. Leaked blocks no table holds are neither free nor held."""
+        held = self.num_blocks - self.pool.num_free - self.pool.num_lost
+        return self.bs * (self.entries - held)
 
     def prepare(self, seqs: list[Seq]) -> None:
         """Key the prompt blocks of sequences about to arrive, all in one pass: their

@@ -64,7 +64,7 @@ class NativePool:
         if not p:
             raise MemoryError(f"no memory for a pool of {num_blocks} blocks")
         self._p = p
-        self._c = (ctypes.c_int64 * 8).from_address(lib.kvp_counters(p))
+        self._c = (ctypes.c_int64 * 9).from_address(lib.kvp_counters(p))
 
     def __del__(self) -> None:
         lib = _library()
@@ -83,6 +83,7 @@ class NativePool:
     num_allocs = property(lambda self: self._c[5])
     num_evictions = property(lambda self: self._c[6])
     num_frees = property(lambda self: self._c[7])
+    num_lost = property(lambda self: self._c[8])
 
     def take(self, n: int, evicted: array | None = None) -> array:
         out = array("q", bytes(8 * n))
@@ -144,10 +145,16 @@ class NativePool:
             _checked(got)
 
     def release(self, blocks: Blocks, num_filled: int) -> int:
+        return self._release(_LIB.kvp_release, blocks, num_filled)
+
+    def leak(self, blocks: Blocks, num_filled: int) -> int:
+        return self._release(_LIB.kvp_leak, blocks, num_filled)
+
+    def _release(self, fn: ctypes._CFuncPtr, blocks: Blocks, num_filled: int) -> int:
         if not blocks:
             return 0
         b = _blocks(blocks)
-        return _checked(_LIB.kvp_release(self._p, b.buffer_info()[0], len(b), num_filled))
+        return _checked(fn(self._p, b.buffer_info()[0], len(b), num_filled))
 
 
 # Block ids: the C pool hands them out as int64 arrays (its tables stay arrays, passed to
@@ -193,6 +200,7 @@ def _library() -> ctypes.CDLL | None:
         "kvp_cache_placeholders": (i64, [ptr, ptr, i64]),
         "kvp_cache": (i64, [ptr, ptr, ptr, i64, i64]),
         "kvp_release": (i64, [ptr, ptr, i64, i64]),
+        "kvp_leak": (i64, [ptr, ptr, i64, i64]),
         "kvh_digests": (None, [ptr, ptr, i64, ctypes.c_uint64, i64, ptr, ptr]),
     })
     if lib is not None:
