@@ -15,7 +15,7 @@
  * Plain free blocks form a stack whose top is block 0 in a fresh pool. Freed blocks holding
  * cached content (a key or a placeholder) queue least recently freed first; a prefix hit
  * that takes one back leaves a hole (-1) that eviction skips. With LFU eviction they wait
- * instead in a binary heap by (prefix hits, order freed) in the same array (q, qpos), the
+ * instead in a binary heap by (prefix hits, order freed), each block's place in qpos, the
  * heap's size in c[QTAIL] and no head or holes. The key table uses linear
  * probing with deletion by backward shift, sized for four times the blocks (a block holds one
  * key at a time): short probe runs. Block ids from Python are checked: a call with one
@@ -32,9 +32,15 @@ typedef struct {
     int64_t block;
 } Entry;
 
+/* An LFU heap entry: the block's hits when it was freed, and the order it was freed in. */
+typedef struct {
+    int64_t hits, stamp, block;
+} Node;
+
 typedef struct {
     int64_t n, bs, qcap, lfu, next_stamp;
-    int64_t *ref, *plain, *q, *qpos, *hits, *stamp;
+    int64_t *ref, *plain, *q, *qpos, *hits;
+    Node *heap;
     uint8_t *hit, *leaked;
     int8_t *state;
     uint64_t *key;
@@ -118,50 +124,51 @@ static void del(Pool *p, uint64_t k) {
 void kvp_free(Pool *p) {
     if (!p) return;
     free(p->ref); free(p->plain); free(p->q); free(p->qpos); free(p->hit); free(p->leaked);
-    free(p->state); free(p->key); free(p->hits); free(p->stamp); free(p->h); free(p);
+    free(p->state); free(p->key); free(p->hits); free(p->heap); free(p->h); free(p);
 }
 
 /* --- the LFU heap: blocks by (hits, stamp), the least first ------------------------------ */
 
-static inline int before(const Pool *p, int64_t a, int64_t b) {
-    return p->hits[a] < p->hits[b] || (p->hits[a] == p->hits[b] && p->stamp[a] < p->stamp[b]);
+static inline int before(const Node *a, const Node *b) {
+    return a->hits < b->hits || (a->hits == b->hits && a->stamp < b->stamp);
 }
 
-static inline void put(Pool *p, int64_t i, int64_t b) {
-    p->q[i] = b;
-    p->qpos[b] = i;
+static inline void put(Pool *p, int64_t i, Node x) {
+    p->heap[i] = x;
+    p->qpos[x.block] = i;
 }
 
 static void sift_up(Pool *p, int64_t i) {
-    int64_t b = p->q[i];
+    Node x = p->heap[i];
     while (i > 0) {
         int64_t parent = (i - 1) / 2;
-        if (!before(p, b, p->q[parent])) break;
-        put(p, i, p->q[parent]);
+        if (!before(&x, &p->heap[parent])) break;
+        put(p, i, p->heap[parent]);
         i = parent;
     }
-    put(p, i, b);
+    put(p, i, x);
 }
 
 static void sift_down(Pool *p, int64_t i) {
-    int64_t n = p->c[QTAIL], b = p->q[i];
+    int64_t n = p->c[QTAIL];
+    Node x = p->heap[i];
     for (;;) {
         int64_t child = 2 * i + 1;
         if (child >= n) break;
-        if (child + 1 < n && before(p, p->q[child + 1], p->q[child])) child++;
-        if (!before(p, p->q[child], b)) break;
-        put(p, i, p->q[child]);
+        if (child + 1 < n && before(&p->heap[child + 1], &p->heap[child])) child++;
+        if (!before(&p->heap[child], &x)) break;
+        put(p, i, p->heap[child]);
         i = child;
     }
-    put(p, i, b);
+    put(p, i, x);
 }
 
 static void heap_remove(Pool *p, int64_t b) {
     int64_t i = p->qpos[b], last = --p->c[QTAIL];
     p->qpos[b] = -1;
     if (i == last) return;
-    int64_t moved = p->q[last];
-    put(p, i, moved);
+    int64_t moved = p->heap[last].block;
+    put(p, i, p->heap[last]);
     sift_up(p, i);
     sift_down(p, p->qpos[moved]);
 }
@@ -188,10 +195,10 @@ Pool *kvp_new(int64_t n, int64_t bs, int64_t lfu) {
     p->state = calloc(n ? n : 1, 1);
     p->key = calloc(n ? n : 1, sizeof(uint64_t));
     p->hits = calloc(n ? n : 1, sizeof(int64_t));
-    p->stamp = calloc(n ? n : 1, sizeof(int64_t));
+    p->heap = malloc((n ? n : 1) * sizeof(Node));
     p->h = malloc(hsize * sizeof(Entry));
     if (!p->ref || !p->plain || !p->q || !p->qpos || !p->hit || !p->leaked || !p->state || !p->key
-        || !p->hits || !p->stamp || !p->h) {
+        || !p->hits || !p->heap || !p->h) {
         kvp_free(p);
         return NULL;
     }
@@ -233,7 +240,7 @@ int64_t kvp_take(Pool *p, int64_t m, int64_t *out, uint64_t *ev_keys) {
     for (int64_t i = k; i < m; i++) {
         int64_t b;
         if (p->lfu) {
-            b = p->q[0];
+            b = p->heap[0].block;
             heap_remove(p, b);
         } else {
             b = p->q[head++];
@@ -328,8 +335,8 @@ int64_t kvp_cache(Pool *p, const int64_t *blocks, const uint64_t *keys, int64_t 
 static void enqueue(Pool *p, int64_t b) {
     int64_t *c = p->c;
     if (p->lfu) {
-        p->stamp[b] = p->next_stamp++;
-        put(p, c[QTAIL], b);
+        Node x = {p->hits[b], p->next_stamp++, b};
+        put(p, c[QTAIL], x);
         sift_up(p, c[QTAIL]++);
         return;
     }
