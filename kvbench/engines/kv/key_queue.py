@@ -241,7 +241,6 @@ _LIB: ctypes.CDLL
 def _library() -> ctypes.CDLL | None:
     """``key_queue.c`` built and loaded, or None where it cannot be built here."""
     global _LIB
-
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib = native_build.optional_library(Path(__file__).with_name("key_queue.c"), {
         "kvq_new": (ptr, []),

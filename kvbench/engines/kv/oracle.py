@@ -183,7 +183,7 @@ def _make_room(at: dict[int, int], heap: list[tuple[int, int]], capacity: int,
 
 @cache
 def _library() -> ctypes.CDLL | None:
-
+    """``oracle.c`` built and loaded, or None where it cannot be built here."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     return native_build.optional_library(Path(__file__).with_name("oracle.c"), {
         "kvo_belady": (i64, [ptr, ptr, i64, i64, ptr])})

@@ -187,7 +187,6 @@ _LIB: ctypes.CDLL
 def _library() -> ctypes.CDLL | None:
     """The replay's C helpers (``native.c``), or None where they cannot be built here."""
     global _LIB
-
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib = native_build.optional_library(Path(__file__).with_name("native.c"), {
         "kvp_new": (ptr, [i64, i64, i64]),
