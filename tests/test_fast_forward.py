@@ -225,7 +225,8 @@ def test_offload_tiers_fill_during_decode_jumps(tmp_path: Path) -> None:
     ("cpu:1GiB", True), ("cpu:512MiB@pcie5,disk:1GiB", True), ("cpu:512MiB,disk:1GiB", False),
     ("cpu:1GiB/layerwise", True), ("cpu:512MiB:lfu,disk:1GiB:cost", True),
     ("cpu:512MiB:cost,disk:1GiB:lfu", False), ("cpu:2GiB/swap", True),
-    ("cpu:1GiB:cost,disk:1GiB/swap", False),
+    ("cpu:1GiB:cost,disk:1GiB/swap", False), ("cpu:1GiB/lfu", True),
+    ("cpu:512MiB:lfu,disk:1GiB/lfu", False),
 ])
 def test_offload_tiers_in_the_event_replay(tmp_path: Path, monkeypatch: Any, offload: str,
                                            native: bool) -> None:
@@ -244,6 +245,7 @@ def test_offload_tiers_in_the_event_replay(tmp_path: Path, monkeypatch: Any, off
     tiers, _, option = offload.partition("/")
     swap = option == "swap"
     sections = {"tiered": {"kind": "paged", "preemption": "swap" if swap else "recompute",
+                           "eviction": "lfu" if option == "lfu" else "lru",
                            "offload": {"tiers": tiers, "overlap": option if option == "layerwise"
                                        else "none"}}}
     workload = WorkloadSection(trace="mooncake", path=str(MOONCAKE), num_requests=60)
@@ -281,6 +283,23 @@ def test_lfu_and_leaks_in_the_event_replay(tmp_path: Path, monkeypatch: Any, kv_
     assert advanced
     summary = fast[engine]["summary"]
     assert summary["kv_evictions"] > 0 if engine == "paged-lfu" else summary["completed"] > 0
+
+
+@pytest.mark.parametrize("preset", ["multi-turn", "shared-prefix"])
+def test_lfu_eviction_above_offload_tiers_in_the_replay(tmp_path: Path, monkeypatch: Any,
+                                                        preset: str) -> None:
+    """Device blocks evicted by LFU go down with their hits, and come back up with them
+    (plus the hit that loads them): the replay ranks them as steps taken one at a time do."""
+    advanced = []
+    advance = EventReplay.advance
+    monkeypatch.setattr(EventReplay, "advance",
+                        lambda self, *a: advanced.append(1) or advance(self, *a))
+    sections = {"tiered": {"kind": "paged", "eviction": "lfu", "offload": "cpu:1GiB"}}
+    workload = WorkloadSection(preset=preset, num_requests=200, seed=2)
+    fast = _check(tmp_path, workload, "llama-2-7b", ["tiered"], kv_memory="2GiB",
+                  sections=sections)
+    assert advanced
+    assert fast["tiered"]["summary"]["offload_cpu_hit_rate"] > 0
 
 
 def test_a_stuck_engine_waits_for_arrivals_then_fails(tmp_path: Path) -> None:

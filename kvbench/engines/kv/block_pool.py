@@ -234,6 +234,10 @@ class BlockPool:
             if owner == b:
                 block_hash[b] = h
 
+    def set_hits(self, blocks: list[int], hits: Iterable[int]) -> None:
+        """Set held ``blocks``' prefix hits (blocks loaded from offload tiers bring theirs)."""
+        _consume(map(self.hits.__setitem__, blocks, hits))
+
     def cache_placeholders(self, blocks: list[int]) -> None:
         """Cache ``blocks`` under placeholders: each under its id's complement, a key below
         zero that no replay lookup asks for (its content keys are uint64 digests)."""

@@ -414,9 +414,7 @@ class PagedKVManager(KVManager):
         hashes = self._hashes[seq.seq_id]
         self.pool.cache(table, hashes, start, end)
         self.offload.note_depths(hashes, start, end)
-        pool_hits = self.pool.hits
-        for b, h in zip(table[start:end], hits, strict=True):
-            pool_hits[b] = h + 1
+        self.pool.set_hits(table[start:end], [h + 1 for h in hits])
         self._used_tokens += (end - start) * self.block_size
 
     def grow(self, seq: Sequence, num_new: int) -> bool:

@@ -52,11 +52,8 @@ def _book_blocker(kv: KVManager) -> str | None:
                                     and callable(getattr(base, n)) and n not in _OWN))
     if changed:
         return f"the {cls.__name__} policy overrides {', '.join(changed)} of {base.__name__}"
-    if isinstance(kv, PagedKVManager):
-        if kv.sliding_window is not None:
-            return "blocks outside the sliding window are released as sequences advance"
-        if kv.eviction != "lru" and kv.offload is not None:
-            return f"{kv.eviction} eviction of cached blocks above offload tiers"
+    if isinstance(kv, PagedKVManager) and kv.sliding_window is not None:
+        return "blocks outside the sliding window are released as sequences advance"
     return None
 
 

@@ -16,8 +16,8 @@ records). What differs is how the work is held:
   finishes, no allocation can fail, nobody can be admitted) is taken in one go, its
   per-step values computed with numpy, as decode fast-forward did.
 
-Scope: one sample per request, text prompts, the ``paged`` (without sliding-window release;
-LFU eviction only without offload tiers) and ``contiguous`` policies, KV
+Scope: one sample per request, text prompts, the ``paged`` (without sliding-window release)
+and ``contiguous`` policies, KV
 preallocated on the simulated device,
 and a token budget above ``max_num_seqs`` (so decodes always fit a step). Anything else
 runs step by step (:func:`~kvbench.engines.sim.replay.replay_blocker` says why).

@@ -390,6 +390,13 @@ int64_t kvp_release(Pool *p, const int64_t *blocks, int64_t m, int64_t num_fille
     return any_alive ? filled : num_filled;
 }
 
+/* Set held blocks' prefix hits (blocks loaded from offload tiers bring theirs). */
+int64_t kvp_set_hits(Pool *p, const int64_t *blocks, const int64_t *hits, int64_t m) {
+    if (outside(p, blocks, m)) return -1;
+    for (int64_t i = 0; i < m; i++) p->hits[blocks[i]] = hits[i];
+    return 0;
+}
+
 /* kvp_release, but the blocks lose their keys and never go free again: the leak fault. */
 int64_t kvp_leak(Pool *p, const int64_t *blocks, int64_t m, int64_t num_filled) {
     if (outside(p, blocks, m)) return -1;

@@ -69,8 +69,10 @@ class PagedBook:
         self.swaps = manager.swaps
         self.leaks = manager.leak_finished
         self.tier_kinds = tuple(t.kind for t in self.offload.tiers) if self.offload else ()
-        ranked = self.offload is not None and any(
-            t.spec.eviction != "lru" for t in self.offload.tiers)
+        # Blocks loaded back bring their hits, which LFU eviction here ranks them by.
+        self.lfu = manager.eviction == "lfu"
+        ranked = self.offload is not None and (self.lfu or any(
+            t.spec.eviction != "lru" for t in self.offload.tiers))
         self.ranks = _BlockRanks(self.num_blocks) if ranked else None
         self.used = self.sum_limit = self.sum_committed = self.entries = 0
         self.hit_tokens = self.query_tokens = 0
@@ -206,6 +208,8 @@ class PagedBook:
             self.used += len(below) * bs
             if ranks is not None:
                 ranks.cached(table[len(hits) : want], len(hits), loaded)
+            if self.lfu:
+                pool.set_hits(table[len(hits) : want], [h + 1 for h in loaded])
         seq.table = table
         seq.indexed = want
         self.entries += len(table)

@@ -144,6 +144,13 @@ class NativePool:
                 raise MemoryError("the block pool's key table could not grow")
             _checked(got)
 
+    def set_hits(self, blocks: Blocks, hits: Sequence[int] | np.ndarray) -> None:
+        b, h = _blocks(blocks), np.ascontiguousarray(hits, dtype=np.int64)
+        if len(b) != len(h):
+            raise ValueError("one hit count per block")
+        if b:
+            _checked(_LIB.kvp_set_hits(self._p, b.buffer_info()[0], _addr(h), len(b)))
+
     def release(self, blocks: Blocks, num_filled: int) -> int:
         return self._release(_LIB.kvp_release, blocks, num_filled)
 
@@ -200,6 +207,7 @@ def _library() -> ctypes.CDLL | None:
         "kvp_cache": (i64, [ptr, ptr, ptr, i64, i64]),
         "kvp_release": (i64, [ptr, ptr, i64, i64]),
         "kvp_leak": (i64, [ptr, ptr, i64, i64]),
+        "kvp_set_hits": (i64, [ptr, ptr, ptr, i64]),
         "kvh_digests": (None, [ptr, ptr, i64, ctypes.c_uint64, i64, ptr, ptr]),
     })
     if lib is not None:
