@@ -203,6 +203,8 @@ class SimSpeed:
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 # Public traces replayed as the speed goals name them: (importer, file, simulated device).
+# The policies the event replay takes (paged-lfu: the C pool's LFU heap).
+TRACE_ENGINES = ["paged", "paged-lfu", "contiguous"]
 TRACE_CASES = {
     "azure-conv": ("azure", "azure_llm_2023_conv.csv", "sim:a100-80gb"),
     "mooncake": ("mooncake", "mooncake_synthetic_trace.jsonl", "sim:h200"),
@@ -214,7 +216,7 @@ class SimTraces:
     suite's model and limits), with decode fast-forward: simulated seconds per wall second of
     the replay, median of three."""
 
-    params = (list(TRACE_CASES), ENGINES)
+    params = (list(TRACE_CASES), TRACE_ENGINES)
     param_names = ("trace", "engine")
     timeout = 900
     REPEATS = 3
@@ -226,9 +228,9 @@ class SimTraces:
                 continue
             suite, base = load_suite("mooncake-sim")
             suite.workload.trace, suite.workload.path = kind, str(TRACES / file)  # type: ignore[assignment]
-            suite.run.device = device
+            suite.run.device, suite.run.engines = device, TRACE_ENGINES
             plan = plan_run(suite, base, None, f"asv {name} on {device}")
-            for engine in ENGINES:
+            for engine in TRACE_ENGINES:
                 speed = []
                 for _ in range(self.REPEATS):
                     clock = VirtualClock(CostModel(plan.preset, plan.device.hardware,
