@@ -138,11 +138,11 @@ def test_replay_pool_matches_block_pool(pool: type, eviction: str, num_blocks: i
 
 
 def _take(ref: BlockPool, arr: ListPool | NativePool, n: int) -> list[int]:
-    """``n`` blocks from both pools: the same blocks, the same keys evicted."""
-    ref_keys, arr_keys = array("Q"), array("Q")
-    got = ref.take(n, ref_keys)
-    assert list(arr.take(n, arr_keys)) == got
-    assert arr_keys == ref_keys
+    """``n`` blocks from both pools: the same blocks, the same keys and hits evicted."""
+    ref_keys, arr_keys, ref_hits, arr_hits = array("Q"), array("Q"), array("q"), array("q")
+    got = ref.take(n, ref_keys, ref_hits)
+    assert list(arr.take(n, arr_keys, arr_hits)) == got
+    assert arr_keys == ref_keys and arr_hits == ref_hits
     return got
 
 

@@ -108,16 +108,18 @@ class BlockPool:
         """Free blocks holding no cached content (taking them evicts nothing)."""
         return len(self._free_plain)
 
-    def take(self, n: int, evicted: array | None = None) -> list[int]:
+    def take(self, n: int, evicted: array | None = None, hits: array | None = None
+             ) -> list[int]:
         """Hand out ``n`` blocks (caller checked ``num_free``), each with one reference.
         With ``evicted``, the key each evicted block cached is appended to it, in eviction
-        order; a placeholder's is a key of its own, counting down from :data:`TOP_KEY`."""
+        order (a placeholder's is a key of its own, counting down from :data:`TOP_KEY`), and
+        with ``hits`` its prefix hits."""
         plain = self._free_plain
         k = min(n, len(plain))
         out = plain[len(plain) - k :][::-1]
         del plain[len(plain) - k :]
         if k < n:
-            out += self.evict(n - k, evicted)
+            out += self.evict(n - k, evicted, hits)
         _fill(self.ref, out, 1)
         self.num_allocs += n
         return out
@@ -139,7 +141,8 @@ class BlockPool:
         _fill(self.ref, blocks, 1)
         self.num_allocs += len(blocks)
 
-    def evict(self, n: int, keys: array | None = None) -> list[int]:
+    def evict(self, n: int, keys: array | None = None, hits: array | None = None
+              ) -> list[int]:
         """``n`` free cached blocks out of the eviction queue (caller checked there are as
         many), no longer findable and in no free queue: ``take`` hands them out, another
         caller ``claim``s them."""
@@ -147,6 +150,8 @@ class BlockPool:
         if keys is not None:
             ph = self.placeholder_keys
             keys.extend([k if k >= 0 else next(ph) for k in map(self._hash.__getitem__, evicted)])
+        if hits is not None:
+            hits.extend(map(self.hits.__getitem__, evicted))
         self._forget(evicted)
         return evicted
 

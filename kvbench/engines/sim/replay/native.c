@@ -226,11 +226,12 @@ static int outside(const Pool *p, const int64_t *blocks, int64_t m) {
     return 0;
 }
 
-/* Hand out m blocks into out, each with one reference: plain ones first, then the least
- * recently freed cached ones, evicted (-1, nothing done, where fewer are free). Unless
- * ev_keys is NULL, the key each evicted block cached goes there, in eviction order, for
- * offload tiers (a placeholder's: one of its own); returns how many were evicted. */
-int64_t kvp_take(Pool *p, int64_t m, int64_t *out, uint64_t *ev_keys) {
+/* Hand out m blocks into out, each with one reference: plain ones first, then the cached
+ * ones eviction gives up first (-1, nothing done, where fewer are free). Unless ev_keys is
+ * NULL, the key each evicted block cached goes there, in eviction order, for offload tiers
+ * (a placeholder's: one of its own), and its prefix hits to ev_hits unless that is NULL;
+ * returns how many were evicted. */
+int64_t kvp_take(Pool *p, int64_t m, int64_t *out, uint64_t *ev_keys, int64_t *ev_hits) {
     int64_t *c = p->c, top = c[TOP];
     if (m < 0 || m > top + c[QTAIL] - c[QHEAD] - c[QHOLES]) return -1;
     int64_t k = m < top ? m : top;
@@ -250,6 +251,7 @@ int64_t kvp_take(Pool *p, int64_t m, int64_t *out, uint64_t *ev_keys) {
             }
             p->qpos[b] = -1;
         }
+        if (ev_hits) ev_hits[i - k] = p->hits[b];
         p->hits[b] = 0;
         if (ev_keys) ev_keys[i - k] = p->state[b] == KEYED ? p->key[b] : p->placeholder--;
         if (p->state[b] == KEYED) del(p, p->key[b]);

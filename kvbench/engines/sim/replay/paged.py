@@ -19,8 +19,9 @@ Offload tiers (:mod:`kvbench.engines.kv.offload`) are the manager's own: evicted
 down to them, a lookup goes on through them, and an admission loads what it found there.
 A placeholder-keyed block goes down under a key of its own (the pool's, which no lookup
 asks for), where it takes its room as the block it stands for would. For tiers that rank
-blocks (``lfu`` by prefix hits, ``cost`` by depth too), :class:`_BlockRanks` keeps what
-``BlockPool`` and the tiers keep on the step path: each block's hits and depth.
+blocks (``lfu`` by prefix hits, ``cost`` by depth too), an evicted block goes down with the
+hits the pool counted for it, and its depth, which the book keeps (as the tiers keep it on
+the step path).
 
 Only what the replay supports is kept: one sample per request (no forks, so no
 copy-on-write and a block is shared only through a prefix hit), no sliding-window release.
@@ -69,11 +70,12 @@ class PagedBook:
         self.swaps = manager.swaps
         self.leaks = manager.leak_finished
         self.tier_kinds = tuple(t.kind for t in self.offload.tiers) if self.offload else ()
-        # Blocks loaded back bring their hits, which LFU eviction here ranks them by.
-        self.lfu = manager.eviction == "lfu"
-        ranked = self.offload is not None and (self.lfu or any(
+        # Tiers that rank blocks (or blocks that come back to LFU eviction here) are told an
+        # evicted block's prefix hits, as the pool counts them; the cost rule, its depth.
+        self.ranked = self.offload is not None and (manager.eviction == "lfu" or any(
             t.spec.eviction != "lru" for t in self.offload.tiers))
-        self.ranks = _BlockRanks(self.num_blocks) if ranked else None
+        self.depth = np.zeros(self.num_blocks, dtype=np.int64) if (
+            self.offload is not None and self.offload.tracks_depth) else None
         self.used = self.sum_limit = self.sum_committed = self.entries = 0
         self.hit_tokens = self.query_tokens = 0
         self.groups: list[dict[Seq, None]] = [{} for _ in range(bs)]
@@ -120,7 +122,7 @@ class PagedBook:
         """Cache the next block of each of ``seqs`` (full now), under a placeholder key
         unless its content's key is already known."""
         blocks, known = [], []
-        ranks = self.ranks
+        depth = self.depth
         for seq in seqs:
             b, hashes = seq.indexed, seq.hashes
             block = seq.table[b]  # type: ignore[index]
@@ -128,8 +130,8 @@ class PagedBook:
                 known.append((block, hashes[b]))
             else:
                 blocks.append(block)
-            if ranks is not None:
-                ranks.depth[block] = b
+            if depth is not None:
+                depth[block] = b
             seq.indexed = b + 1
         if known:
             # A block its own earlier run filled before a preemption: its key is known.
@@ -193,9 +195,6 @@ class PagedBook:
         if num_fresh + pool.count_free(hits) > pool.num_free:
             return False
         self.used += pool.touch(hits) * bs
-        ranks = self.ranks
-        if ranks is not None and hits:
-            ranks.hits[np.asarray(hits)] += 1
         # Blocks found below device memory move up into fresh blocks, findable again.
         want = cached // bs
         below = seq.hashes[len(hits) : want] if want > len(hits) else None  # type: ignore[index]
@@ -206,10 +205,8 @@ class PagedBook:
         if below is not None:
             pool.cache(table, seq.hashes, len(hits), want)  # type: ignore[arg-type]
             self.used += len(below) * bs
-            if ranks is not None:
-                ranks.cached(table[len(hits) : want], len(hits), loaded)
-            if self.lfu:
-                pool.set_hits(table[len(hits) : want], [h + 1 for h in loaded])
+            self._note_depths(table[len(hits) : want], len(hits))
+            pool.set_hits(table[len(hits) : want], [h + 1 for h in loaded])
         seq.table = table
         seq.indexed = want
         self.entries += len(table)
@@ -233,8 +230,7 @@ class PagedBook:
             full = after // self.bs
             indexed = seq.indexed
             if full > indexed:
-                if self.ranks is not None:
-                    self.ranks.cached(seq.table[indexed:full], indexed)  # type: ignore[index]
+                self._note_depths(seq.table[indexed:full], indexed)  # type: ignore[index]
                 if seq.private:
                     # Keyed where its keys are known (from a run before a preemption), else
                     # under placeholders: only its own lookup could find them.
@@ -296,8 +292,6 @@ class PagedBook:
         if num_fresh + pool.count_free(hits) > pool.num_free:
             return False
         self.used += pool.touch(hits) * bs + cached - len(hits) * bs
-        if self.ranks is not None and hits:
-            self.ranks.hits[np.asarray(hits)] += 1
         fresh = self._take_blocks(num_fresh)
         table = hits + fresh if hits else fresh
         self.offload.swap_in(seq.rid, table[len(hits) : _cdiv(cached, bs)])  # type: ignore[union-attr]
@@ -308,8 +302,7 @@ class PagedBook:
         seq.indexed, full = len(hits), cached // bs
         if full > len(hits):
             hashes = self._hashes_upto(seq, full)
-            if self.ranks is not None:
-                self.ranks.cached(table[len(hits) : full], len(hits))
+            self._note_depths(table[len(hits) : full], len(hits))
             self._discard(hashes[len(hits) : full])
             pool.cache(table, hashes, len(hits), full)  # type: ignore[arg-type]
             self.trace.write(hashes[len(hits) : full])
@@ -324,19 +317,25 @@ class PagedBook:
         plain = self.pool.num_plain_free
         if self.offload is None or n <= plain:
             return self.pool.take(n)
-        evicted = array("Q")
-        blocks = self.pool.take(n, evicted)
-        self._store(evicted, blocks[plain:])
+        evicted, hits = array("Q"), array("q") if self.ranked else None
+        blocks = self.pool.take(n, evicted, hits)
+        self._store(evicted, blocks[plain:], hits)
         return blocks
 
-    def _store(self, evicted: array, blocks: Any) -> None:
-        """Evicted ``blocks``' keys into the first tier."""
+    def _store(self, evicted: array, blocks: Any, hits: array | None) -> None:
+        """Evicted ``blocks``' keys (and ``hits``) into the first tier."""
         if not evicted:
             return
-        hits = depths = None
-        if self.ranks is not None:
-            hits, depths = self.ranks.evicted(blocks)
-        self.offload.store([], evicted, hits, depths)  # type: ignore[union-attr]
+        depths = self.depth[np.asarray(blocks, dtype=np.int64)].tolist() if (
+            self.depth is not None) else None
+        self.offload.store([], evicted, hits.tolist() if hits is not None else None,  # type: ignore[union-attr]
+                           depths)
+
+    def _note_depths(self, blocks: Any, first: int) -> None:
+        """``blocks`` cached at depths ``first``, ``first`` + 1, ... (the cost rule prices
+        recomputing an evicted block by its depth)."""
+        if self.depth is not None and len(blocks):
+            self.depth[np.asarray(blocks, dtype=np.int64)] = np.arange(first, first + len(blocks))
 
     def _discard(self, keys: np.ndarray | list[int]) -> None:
         """Keys cached on the device afresh: copies held below are superseded."""
@@ -548,8 +547,8 @@ class PagedBook:
         if self.offload is None or len(seqs) <= plain:
             blocks = self.pool.take(len(seqs))
         else:
-            evicted = array("Q")
-            blocks = self.pool.take(len(seqs), evicted)
+            evicted, hits = array("Q"), array("q") if self.ranked else None
+            blocks = self.pool.take(len(seqs), evicted, hits)
             # Plain blocks go first: the evicted ones are the last takers', in step order.
             i = plain
             while i < len(seqs):
@@ -557,7 +556,8 @@ class PagedBook:
                 e = i + 1
                 while e < len(seqs) and at[e] == j:
                     e += 1
-                self._store(evicted[i - plain : e - plain], blocks[i:e])
+                self._store(evicted[i - plain : e - plain], blocks[i:e],
+                            hits[i - plain : e - plain] if hits is not None else None)
                 held.mark(j, self.held())
                 i = e
         for seq, block, j in zip(seqs, blocks, at, strict=True):
@@ -611,28 +611,3 @@ class _HeldSeries:
         rows = np.asarray([self.before, *self.values], dtype=np.int64)
         where = np.searchsorted(np.asarray(self.at), np.arange(self.steps), side="right")
         return rows[where].T
-
-
-class _BlockRanks:
-    """What tiers that rank blocks read of a device block once it is evicted: the prefix
-    hits its content served (``BlockPool.hits``) and its depth in its sequence (by which
-    the ``cost`` rule prices recomputing it)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.hits = np.zeros(num_blocks, dtype=np.int64)
-        self.depth = np.zeros(num_blocks, dtype=np.int64)
-
-    def cached(self, blocks: Any, first_depth: int, loaded: list[int] | None = None) -> None:
-        """``blocks`` cached at depths ``first_depth``, ...; ``loaded``: they came from the
-        tiers with these hits, this one counted too."""
-        b = np.asarray(blocks, dtype=np.int64)
-        self.depth[b] = np.arange(first_depth, first_depth + len(b))
-        if loaded is not None:
-            self.hits[b] = np.asarray(loaded, dtype=np.int64) + 1
-
-    def evicted(self, blocks: Any) -> tuple[list[int], list[int]]:
-        """The hits and depths of evicted ``blocks``, whose hits start again from 0."""
-        b = np.asarray(blocks, dtype=np.int64)
-        hits = self.hits[b]
-        self.hits[b] = 0
-        return hits.tolist(), self.depth[b].tolist()

@@ -85,15 +85,19 @@ class NativePool:
     num_frees = property(lambda self: self._c[7])
     num_lost = property(lambda self: self._c[8])
 
-    def take(self, n: int, evicted: array | None = None) -> array:
+    def take(self, n: int, evicted: array | None = None, hits: array | None = None) -> array:
         out = array("q", bytes(8 * n))
         if evicted is None or n <= self._c[0]:
-            got = _LIB.kvp_take(self._p, n, out.buffer_info()[0], None)
+            got = _LIB.kvp_take(self._p, n, out.buffer_info()[0], None, None)
         else:
             keys = array("Q", bytes(8 * n))
-            got = _LIB.kvp_take(self._p, n, out.buffer_info()[0], keys.buffer_info()[0])
+            counts = array("q", bytes(8 * n)) if hits is not None else None
+            got = _LIB.kvp_take(self._p, n, out.buffer_info()[0], keys.buffer_info()[0],
+                                counts.buffer_info()[0] if counts is not None else None)
             if got > 0:
                 evicted += keys[:got]
+                if hits is not None and counts is not None:
+                    hits += counts[:got]
         if got < 0:
             raise RuntimeError(f"take({n}) with {self.num_free} blocks free")
         return out
@@ -199,7 +203,7 @@ def _library() -> ctypes.CDLL | None:
         "kvp_new": (ptr, [i64, i64, i64]),
         "kvp_free": (None, [ptr]),
         "kvp_counters": (ptr, [ptr]),
-        "kvp_take": (i64, [ptr, i64, ptr, ptr]),
+        "kvp_take": (i64, [ptr, i64, ptr, ptr, ptr]),
         "kvp_lookup": (i64, [ptr, ptr, i64, ptr]),
         "kvp_count_refs": (i64, [ptr, ptr, i64, i64]),
         "kvp_touch": (i64, [ptr, ptr, i64]),
