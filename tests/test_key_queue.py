@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from kvbench.engines.kv import key_queue
-from kvbench.engines.kv.eviction import LFUQueue
 
 pytestmark = pytest.mark.skipif(key_queue._library() is None, reason="no C compiler here")
 
@@ -64,39 +63,3 @@ def test_evicting_more_than_it_holds_is_refused() -> None:
         q.evict(4)
     assert list(q.evict(3)) == [1, 2, 3] and len(q) == 0
 
-
-@pytest.mark.parametrize("seed", range(3))
-def test_a_pools_lfu_queue_in_c_evicts_as_lfu_queue(seed: int) -> None:
-    """A pool's free cached blocks, ranked by their hits as they join: the C queue gives up
-    the same blocks in the same order as the Python one, ties to the least recently freed."""
-    rng = random.Random(seed)
-    hits = [0] * 400
-    c, py = key_queue.BlockLFUQueue(hits), LFUQueue(hits)
-    free: set[int] = set()
-    for _ in range(2000):
-        op = rng.random()
-        if op < 0.45:
-            blocks = rng.sample([b for b in range(400) if b not in free], rng.randrange(1, 30))
-            for b in blocks:
-                hits[b] = rng.choice([0, 0, 1, 2, 5])
-            if len(blocks) == 1:
-                c.add(blocks[0])
-                py.add(blocks[0])
-            else:
-                c.add_many(iter(blocks))
-                py.add_many(blocks)
-            free.update(blocks)
-        elif op < 0.7 and free:
-            gone = rng.sample(sorted(free), rng.randrange(1, min(len(free), 8) + 1))
-            if len(gone) > 1:
-                c.remove_many(gone)
-            else:
-                c.remove(gone[0])
-            py.remove_many(gone)
-            free.difference_update(gone)
-        elif free:
-            n = rng.randrange(1, len(free) + 1)
-            out = c.evict(n)
-            assert out == py.evict(n)
-            free.difference_update(out)
-        assert len(c) == len(py) == len(free)

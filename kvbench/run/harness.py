@@ -309,14 +309,15 @@ class _Driver:
             self.idle = 0
             return
         self.idle += 1
-        if self.idle >= _MAX_IDLE_STEPS and due_s < math.inf:
+        if self.idle < _MAX_IDLE_STEPS:
+            return
+        if due_s < math.inf:
             self.clock.wait_until(due_s)
             self.idle = 0
-        elif self.idle >= _MAX_IDLE_STEPS:
-            raise RuntimeError(
-                f"engine {self.engine.name!r} made no progress for {self.idle} steps "
-                f"({report.num_waiting} waiting, {report.num_running} running)"
-            )
+            return
+        raise RuntimeError(
+            f"engine {self.engine.name!r} made no progress for {self.idle} steps "
+            f"({report.num_waiting} waiting, {report.num_running} running)")
 
 
 def _nothing_completed(timings: dict[str, RequestTiming]) -> str | None:

@@ -23,8 +23,7 @@ from functools import partial
 from itertools import compress, count, repeat, takewhile
 from operator import is_, is_not
 
-from kvbench.engines.kv.eviction import Eviction
-from kvbench.engines.kv.key_queue import eviction_queue
+from kvbench.engines.kv.eviction import Eviction, eviction_queue
 
 _IS_BLOCK = partial(is_not, None)
 # Evicted placeholders' keys count down from here: a content's key equals one as rarely as
@@ -188,21 +187,20 @@ class BlockPool:
 
     def touch(self, blocks: list[int]) -> int:
         """Reference cached ``blocks`` for a prefix hit; returns how many were free before."""
-        ref, hit, hits = self.ref, self._hit, self.hits
-        revived = []
+        ref, hit, hits, cached = self.ref, self._hit, self.hits, self._free_cached
+        revived = 0
         for b in blocks:
             r = ref[b]
             if r == 0:
-                revived.append(b)
+                cached.remove(b)
+                revived += 1
             if not hit[b] and r <= 1:
                 self.num_shared += 1
             ref[b] = r + 1
             hit[b] = True
             hits[b] += 1
-        if revived:
-            self._free_cached.remove_many(revived)
-        self.num_allocs += len(revived)
-        return len(revived)
+        self.num_allocs += revived
+        return revived
 
     def share(self, blocks: list[int]) -> None:
         """Add a reference to each of ``blocks`` (all in use): a forked table."""

@@ -31,9 +31,6 @@ class LRUQueue(OrderedDict[int, None]):
     def remove(self, block: int) -> None:
         del self[block]
 
-    def remove_many(self, blocks: list[int]) -> None:
-        deque(map(self.__delitem__, blocks), maxlen=0)
-
     def evict(self, n: int) -> list[int]:
         """Take out the ``n`` least recently freed blocks (caller checked there are ``n``)."""
         out = list(islice(self, n))
@@ -83,10 +80,6 @@ class LFUQueue:
             self._heap = [e for e in self._heap if live.get(e[2]) == e[1]]
             heapq.heapify(self._heap)
 
-    def remove_many(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self.remove(b)
-
     def evict(self, n: int) -> list[int]:
         """Take out the ``n`` blocks with the fewest hits, least recently freed first."""
         heap, live = self._heap, self._live
@@ -97,3 +90,8 @@ class LFUQueue:
                 del live[b]
                 out.append(b)
         return out
+
+
+def eviction_queue(policy: Eviction, hits: list[int]) -> LRUQueue | LFUQueue:
+    """An empty queue of ``policy`` reading per-block hit counts from ``hits``."""
+    return LRUQueue() if policy == "lru" else LFUQueue(hits)

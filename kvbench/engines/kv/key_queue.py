@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import ctypes
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from functools import cache
 from itertools import islice, takewhile
 from pathlib import Path
 
 import numpy as np
 
-from kvbench.engines.kv.eviction import Eviction, LFUQueue, LRUQueue
+from kvbench.engines.kv.eviction import LFUQueue, LRUQueue
 from kvbench.kernels import native_build
 
 Keys = Sequence[int] | array | np.ndarray
@@ -131,39 +131,6 @@ class RankedQueue(_NativeQueue):
             r = np.ascontiguousarray(ranks, dtype=np.float64)
             self._added(_LIB.kvr_add(self._q, k.buffer_info()[0],
                                      r.__array_interface__["data"][0], len(k)))
-
-
-class BlockLFUQueue(RankedQueue):
-    """:class:`~kvbench.engines.kv.eviction.LFUQueue` in C: a pool's free cached blocks,
-    ranked by the prefix hits in ``hits`` when they join (a block's count cannot change
-    while it waits)."""
-
-    __slots__ = ("hits",)
-
-    def __init__(self, hits: list[int]) -> None:
-        super().__init__()
-        self.hits = hits
-
-    def add(self, block: int) -> None:
-        self.add_ranked([block], [self.hits[block]])
-
-    def add_many(self, blocks: Iterable[int]) -> None:  # type: ignore[override]
-        blocks = list(blocks)
-        self.add_ranked(blocks, list(map(self.hits.__getitem__, blocks)))
-
-    def remove(self, block: int) -> None:
-        self.remove_many([block])
-
-    def evict(self, n: int) -> list[int]:  # type: ignore[override]
-        return super().evict(n).tolist()
-
-
-def eviction_queue(policy: Eviction, hits: list[int]) -> LRUQueue | LFUQueue | BlockLFUQueue:
-    """A pool's empty queue of free cached blocks: ``lru``, or ``lfu`` reading per-block hit
-    counts from ``hits`` (in C where it builds)."""
-    if policy == "lru":
-        return LRUQueue()
-    return BlockLFUQueue(hits) if _library() is not None else LFUQueue(hits)
 
 
 class PyKeyQueue:
